@@ -1,0 +1,45 @@
+"""The engine contract every backend implements, and the backend registry."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol
+
+import torch
+
+from edgeinfer.errors import BackendUnavailableError
+
+
+class DecoderEngine(Protocol):
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[N] token ids -> [N, hidden] embeddings."""
+
+    def step(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, k_pool: torch.Tensor,
+             v_pool: torch.Tensor, block_tables: torch.Tensor,
+             context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step: logits [B, vocab] of the last position, new_k/new_v [layers, B, T, kvh, hd]."""
+
+
+class VisionEngine(Protocol):
+    def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's processed tensors -> [num_image_tokens, text_hidden] embeddings."""
+
+
+# name -> (module that must import, why it would be missing)
+BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("torch", "pip install torch"),
+    "onnxruntime": ("onnxruntime", "pip install onnxruntime (or onnxruntime-gpu on CUDA)"),
+    "tensorrt": ("tensorrt", "install TensorRT (JetPack ships it on Jetson; pip install 'edgeinfer[tensorrt]' elsewhere)"),
+}
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` picks the best installed backend; a named one must be installed (no silent fallback)."""
+    if name == "auto":
+        return "torch"
+    if name not in BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
+    module, how = BACKENDS[name]
+    if importlib.util.find_spec(module) is None:
+        raise BackendUnavailableError(f"backend {name!r} needs the {module!r} package, which is not installed: {how}")
+    return name

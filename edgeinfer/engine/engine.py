@@ -1,0 +1,351 @@
+"""The engine: requests in, tokens out. Owns the model, the KV pool and the scheduler.
+
+``Engine.load`` builds everything once; ``submit`` turns a chat and images into a
+sequence; ``step`` runs one prefill chunk or one batched decode step; ``generate`` and
+``stream`` are loops over ``step`` for one request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edgeinfer.backends.base import resolve_backend
+from edgeinfer.engine.prompt import (
+    Message, expand_images, merge_embeddings, normalize_messages, render_chat, tokenize, user_message,
+)
+from edgeinfer.engine.sampling import SamplingParams, make_generator, sample_one
+from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
+from edgeinfer.engine.sequence import FinishReason, Sequence, Status
+from edgeinfer.errors import BackendUnavailableError, RequestError
+from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
+from edgeinfer.models.loader import LoadedModel, load_model
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs to size itself; built once from a profile (+ overrides)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from kv_budget_mb and the model's bytes per block
+    kv_budget_mb: int = 512
+    max_batch_size: int = 8
+    prefill_chunk: int = 512
+    max_context: int = 8192
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    vision_cache_entries: int = 16
+    profile_name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        for name in ("block_size", "max_batch_size", "prefill_chunk", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_profile(cls, profile) -> "EngineConfig":
+        return cls(
+            block_size=profile.kv.block_size,
+            num_blocks=profile.kv.device_blocks,
+            kv_budget_mb=profile.memory.kv_device_budget_mb,
+            max_batch_size=profile.runtime.max_batch_size,
+            prefill_chunk=profile.runtime.prefill_chunk_tokens,
+            max_context=profile.runtime.max_context_tokens,
+            dtype=profile.runtime.dtype,
+            device=profile.runtime.device,
+            threads=profile.runtime.threads,
+            profile_name=profile.name,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict[str, int]
+    timings: dict[str, float | None]
+    cache: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "answer": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+            "usage": self.usage, "timings": self.timings, "cache": self.cache,
+        }
+
+
+@dataclass
+class _TextState:
+    text: str = ""
+    emitted: int = 0
+    stopped: bool = False
+
+
+def image_key(image) -> tuple[Any, str]:
+    """(PIL image, content hash); accepts a preflight PreparedImage or a PIL image."""
+    if hasattr(image, "sha256") and hasattr(image, "image"):
+        return image.image, image.sha256
+    if not hasattr(image, "tobytes"):
+        raise RequestError(f"images must be PIL images or prepared images, got {type(image).__name__}")
+    rgb = image.convert("RGB")
+    digest = hashlib.sha256(f"{rgb.size}".encode() + rgb.tobytes()).hexdigest()
+    return rgb, digest
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig, backend: str = "torch") -> None:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.model = model
+        self.adapter = model.adapter
+        self.config = config
+        self.backend = backend
+        self.decoder_engine, self.vision_engine = self._engines(backend)
+        cfg = model.decoder.cfg
+        bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.kv_size * config.torch_dtype.itemsize
+        num_blocks = config.num_blocks or max(4, config.kv_budget_mb * 2**20 // bytes_per_block)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                          config.torch_dtype, config.device)
+        self.scheduler = Scheduler(self.pool, config.max_batch_size, config.prefill_chunk, config.max_context)
+        self.stop_ids = frozenset(self.adapter.stop_token_ids())
+        self._vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._text: dict[int, _TextState] = {}
+        self.counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0}
+
+    # --- construction ------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, profile: Any = None, backend: str = "torch", overrides: Seq[str] = (),
+             config: EngineConfig | None = None, trust_remote_code: bool = False) -> "Engine":
+        """Load a checkpoint folder. ``profile`` is a name, a YAML path, a DeviceProfile or None (auto)."""
+        backend = resolve_backend(backend)
+        if config is None:
+            config = EngineConfig.from_profile(_profile(profile, overrides))
+        model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
+        return cls(model, config, backend)
+
+    def _engines(self, backend: str):
+        if backend == "torch":
+            from edgeinfer.backends.torch_backend import TorchDecoderEngine, TorchVisionEngine
+
+            return TorchDecoderEngine(self.model.decoder), TorchVisionEngine(self.model.vision)
+        raise BackendUnavailableError(f"backend {backend!r} has no engine for this model yet; build it first")
+
+    # --- requests ------------------------------------------------------------------------
+    def submit(self, prompt: str | list[Message], images: Seq[Any] = (),
+               sampling: SamplingParams = SamplingParams()) -> Sequence:
+        messages, markers = (user_message(prompt, len(images)), len(images)) if isinstance(prompt, str) \
+            else normalize_messages(prompt)
+        if markers != len(images):
+            raise RequestError(f"messages reference {markers} images but {len(images)} were given")
+        started = time.perf_counter()
+        processed, embeds, reused = [], [], 0
+        for image in images:
+            pil, key = image_key(image)
+            inputs = self.adapter.process_image(pil)
+            cached = self._vision_cache.get(key)
+            if cached is None:
+                cached = self.vision_engine.encode(inputs.tensors)
+                self._vision_cache[key] = cached
+                self.counters["vision_runs"] += 1
+                while len(self._vision_cache) > self.config.vision_cache_entries:
+                    self._vision_cache.popitem(last=False)
+            else:
+                self._vision_cache.move_to_end(key)
+                self.counters["vision_reused"] += 1
+                reused += 1
+            if cached.shape[0] != inputs.num_tokens:
+                raise RequestError(f"vision engine gave {cached.shape[0]} embeddings for {inputs.num_tokens} tokens")
+            processed.append(inputs)
+            embeds.append(cached)
+        vision_s = time.perf_counter() - started
+        text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
+        layout = tokenize(self.adapter, text, processed)
+        if len(layout.token_ids) + sampling.max_new_tokens > self.config.max_context:
+            from edgeinfer.errors import LimitExceeded
+
+            raise LimitExceeded("prompt + max_new_tokens", len(layout.token_ids) + sampling.max_new_tokens,
+                                self.config.max_context, "--set runtime.max_context_tokens=N", "context_length")
+        ids = torch.tensor(layout.token_ids)
+        prompt_embeds = merge_embeddings(self.decoder_engine.embed(ids), layout.token_ids,
+                                         layout.image_token_id, embeds)
+        stop = self.stop_ids if sampling.stop_token_ids is None else frozenset(sampling.stop_token_ids)
+        seq = Sequence(
+            prompt_ids=layout.token_ids, prompt_embeds=prompt_embeds, prompt_positions=layout.position_ids,
+            next_position=layout.next_position, sampling=sampling,
+            stop_token_ids=frozenset() if sampling.ignore_eos else stop,
+            block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
+            image_tokens=sum(p.num_tokens for p in processed), vision_reused=reused,
+        )
+        seq.timings.created = started
+        seq.timings.vision_s = vision_s
+        self.scheduler.add(seq)
+        self._text[seq.seq_id] = _TextState()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, FinishReason.CANCELLED)
+        seq.timings.finished = time.perf_counter()
+
+    # --- the loop ----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Run one unit of work; returns the sequences that got a new token."""
+        work = self.scheduler.schedule()
+        if isinstance(work, PrefillWork):
+            return self._run_prefill(work)
+        if isinstance(work, DecodeWork):
+            return self._run_decode(work)
+        return []
+
+    def _run_prefill(self, work: PrefillWork) -> list[Sequence]:
+        seq, start, end = work.seq, work.start, work.end
+        t0 = time.perf_counter()
+        embeds = self._embeds(seq, start, end)[None]
+        positions = seq.positions(start, end)[..., None, :]
+        logits = self._forward(embeds, positions, [seq], [start])
+        self.counters["prefill_tokens"] += end - start
+        seq.timings.prefill_s += time.perf_counter() - t0
+        if not work.samples:
+            return []
+        self._accept(seq, logits[0])
+        return [seq]
+
+    def _run_decode(self, work: DecodeWork) -> list[Sequence]:
+        seqs = work.seqs
+        last = torch.tensor([s.generated[-1] for s in seqs])
+        embeds = self.decoder_engine.embed(last)[:, None]
+        positions = torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
+        logits = self._forward(embeds, positions, list(seqs), [s.num_cached for s in seqs])
+        self.counters["decode_steps"] += 1
+        for i, seq in enumerate(seqs):
+            self._accept(seq, logits[i])
+        return list(seqs)
+
+    def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        if end <= seq.prompt_len:
+            return seq.prompt_embeds[start:end]
+        tail = torch.tensor(seq.generated[max(0, start - seq.prompt_len):end - seq.prompt_len])
+        parts = [seq.prompt_embeds[start:seq.prompt_len]] if start < seq.prompt_len else []
+        return torch.cat(parts + [self.decoder_engine.embed(tail)])
+
+    def _forward(self, embeds, positions, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
+        """Run the decoder engine and write the new K/V at each sequence's slots."""
+        t = embeds.shape[1]
+        width = max(len(s.block_table.blocks) for s in seqs)
+        tables = torch.tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs])
+        context_lens = torch.tensor(context)
+        logits, new_k, new_v = self.decoder_engine.step(
+            embeds, positions, self.kv.k, self.kv.v, tables, context_lens)
+        slots = torch.tensor([slot for s, c in zip(seqs, context) for slot in s.block_table.slots(c, t)])
+        self.kv.write(slots, new_k, new_v)
+        for s in seqs:
+            s.block_table.num_tokens += t
+        return logits.float()
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        params = seq.sampling
+        if len(seq.generated) < params.min_new_tokens and seq.stop_token_ids:
+            logits = logits.clone()
+            logits[list(seq.stop_token_ids)] = float("-inf")
+        token = sample_one(logits, params, seq.generator)
+        seq.generated.append(token)
+        if seq.timings.first_token is None:
+            seq.timings.first_token = time.perf_counter()
+        state = self._text[seq.seq_id]
+        state.text = self.adapter.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        reason = None
+        if token in seq.stop_token_ids:
+            reason = FinishReason.STOP
+        elif any(s in state.text for s in params.stop) and len(seq.generated) >= params.min_new_tokens:
+            cut = min(state.text.find(s) for s in params.stop if s in state.text)
+            state.text, state.stopped, reason = state.text[:cut], True, FinishReason.STOP
+        elif len(seq.generated) >= params.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seq.timings.finished = time.perf_counter()
+
+    # --- one request at a time -------------------------------------------------------------
+    def text_delta(self, seq: Sequence) -> str:
+        """New text of ``seq`` since the last call, holding back what a stop string could still cut."""
+        state = self._text[seq.seq_id]
+        safe = len(state.text)
+        if seq.status is not Status.FINISHED:
+            safe -= max((len(s) - 1 for s in seq.sampling.stop), default=0)
+            while safe > state.emitted and state.text[safe - 1] == "\ufffd":
+                safe -= 1  # an incomplete UTF-8 character
+        delta = state.text[state.emitted:max(safe, state.emitted)]
+        state.emitted += len(delta)
+        return delta
+
+    def stream(self, prompt: str | list[Message], images: Seq[Any] = (),
+               sampling: SamplingParams = SamplingParams()) -> Iterator[str]:
+        seq = self.submit(prompt, images, sampling)
+        try:
+            while seq.status is not Status.FINISHED:
+                if seq in self.step():
+                    delta = self.text_delta(seq)
+                    if delta:
+                        yield delta
+            tail = self.text_delta(seq)
+            if tail:
+                yield tail
+        finally:
+            if seq.status is not Status.FINISHED:
+                self.cancel(seq)
+        self.last_result = self.result(seq)
+
+    def generate(self, prompt: str | list[Message], images: Seq[Any] = (),
+                 sampling: SamplingParams = SamplingParams()) -> GenerationResult:
+        seq = self.submit(prompt, images, sampling)
+        while seq.status is not Status.FINISHED:
+            self.step()
+        return self.result(seq)
+
+    def run_until_done(self, seqs: Seq[Sequence]) -> list[GenerationResult]:
+        while any(s.status is not Status.FINISHED for s in seqs):
+            self.step()
+        return [self.result(s) for s in seqs]
+
+    def result(self, seq: Sequence) -> GenerationResult:
+        state = self._text.pop(seq.seq_id, _TextState())
+        t = seq.timings
+        timings = {
+            "vision_s": t.vision_s, "prefill_s": t.prefill_s, "ttft_s": t.ttft_s,
+            "total_s": (t.finished or time.perf_counter()) - t.created,
+            "decode_tokens_per_s": t.decode_tokens_per_s(len(seq.generated)),
+        }
+        usage = {"prompt_tokens": seq.prompt_len, "image_tokens": seq.image_tokens,
+                 "completion_tokens": len(seq.generated), "total_tokens": seq.num_tokens}
+        cache = {"prefix_tokens_reused": seq.prefix_tokens_reused, "vision_reused": seq.vision_reused}
+        reason = seq.finish_reason.value if seq.finish_reason else "running"
+        return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache)
+
+
+def _profile(profile, overrides: Seq[str]):
+    from edgeinfer import profiles
+
+    if profile is None or isinstance(profile, (str, Path)):
+        return profiles.load_profile(None if profile in (None, "auto") else str(profile), overrides)
+    if overrides:
+        raise RequestError("overrides apply to a profile name or file, not to a built profile")
+    return profile

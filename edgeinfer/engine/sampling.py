@@ -1,0 +1,65 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgeinfer.errors import RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's own EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}"),
+            (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return gen
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [vocab] (float32) -> token id."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,105 @@
+"""A request's sequence: its prompt, its generated tokens, its blocks and its state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.kv.pool import BlockTable
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_new_tokens
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Timings:
+    created: float = field(default_factory=time.perf_counter)
+    vision_s: float = 0.0
+    prefill_s: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.created
+
+    def decode_tokens_per_s(self, generated: int) -> float | None:
+        if self.first_token is None or self.finished is None or generated < 2:
+            return None
+        return (generated - 1) / max(self.finished - self.first_token, 1e-9)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens 0..prompt_len-1 are the prompt (embeddings given); later ones were generated.
+
+    ``num_cached`` tokens have K/V in the pool. While running, the last generated token
+    is not yet cached: it is the next decode step's input.
+    """
+
+    prompt_ids: list[int]
+    prompt_embeds: torch.Tensor  # [prompt_len, hidden], image embeddings merged
+    prompt_positions: torch.Tensor  # [prompt_len] or [3, prompt_len]
+    next_position: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    block_table: BlockTable
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    generated: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    timings: Timings = field(default_factory=Timings)
+    image_tokens: int = 0
+    prefix_tokens_reused: int = 0
+    vision_reused: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.generated)
+
+    @property
+    def num_cached(self) -> int:
+        return self.block_table.num_tokens
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens that must be cached before decoding can go on."""
+        return self.prompt_len if not self.generated else self.num_tokens - 1
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.prefill_target
+
+    def position(self, index: int) -> torch.Tensor:
+        """Position id(s) of token ``index`` as a [1] or [3, 1] tensor."""
+        if index < self.prompt_len:
+            return self.prompt_positions[..., index:index + 1]
+        value = self.next_position + index - self.prompt_len
+        shape = (3, 1) if self.prompt_positions.dim() == 2 else (1,)
+        return torch.full(shape, value, dtype=torch.long)
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        if end <= self.prompt_len:
+            return self.prompt_positions[..., start:end]
+        return torch.cat([self.position(i) for i in range(start, end)], dim=-1)

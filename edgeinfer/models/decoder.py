@@ -1,0 +1,295 @@
+"""Our compact decoder for the Llama / SmolLM2 / Qwen2 family, reading a paged KV pool.
+
+One implementation covers RMSNorm, RoPE and M-RoPE (Qwen2-VL's three position axes),
+grouped-query attention, SwiGLU, optional q/k/v bias and tied embeddings.
+
+Weights are stored transposed (``[in, out]``) and fused (q|k|v, gate|up): at batch 1 a
+decode step is a chain of matrix-vector products, and on CPUs ``x @ W_t`` with a
+row-major ``W_t`` streams memory about twice as fast as ``F.linear`` with ``W``.
+
+The forward pass is the decoder engine contract of ``docs/architecture.md``: it reads
+the past through the block table (a gather), returns logits of the last position and
+the new K/V only; the runtime writes those into the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    mrope_section: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(f"mrope_section {self.mrope_section} does not cover head_dim={self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers, at 4 bytes per value (scale by dtype)."""
+        return 2 * self.num_layers * self.kv_size
+
+    @classmethod
+    def from_hf(cls, text_config, *, qkv_bias: bool, mrope: bool = False) -> "DecoderConfig":
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        rope = getattr(text_config, "rope_parameters", None) or {}
+        section = tuple(rope.get("mrope_section", ())) if mrope else ()
+        act = getattr(text_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported by the decoder (only 'silu')")
+        return cls(
+            vocab_size=text_config.vocab_size,
+            hidden_size=text_config.hidden_size,
+            intermediate_size=text_config.intermediate_size,
+            num_layers=text_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=text_config.rms_norm_eps,
+            qkv_bias=qkv_bias or bool(getattr(text_config, "attention_bias", False)),
+            o_bias=bool(getattr(text_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(text_config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+            mrope_section=section or None,
+        )
+
+
+def rope_inv_freq(text_config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for any RoPE type transformers knows."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        heads = text_config.num_attention_heads
+        dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        base = rope["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic RoPE scaling is not supported: its frequencies change with length")
+    return ROPE_INIT_FUNCTIONS[rope_type](text_config, "cpu")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x @ weight_t
+    return y if bias is None else y + bias
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv_t = nn.Parameter(torch.empty(h, qkv))
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv)) if cfg.qkv_bias else None
+        self.o_t = nn.Parameter(torch.empty(cfg.q_size, h))
+        self.o_bias = nn.Parameter(torch.zeros(h)) if cfg.o_bias else None
+        self.gate_up_t = nn.Parameter(torch.empty(h, 2 * cfg.intermediate_size))
+        self.gate_up_bias = nn.Parameter(torch.zeros(2 * cfg.intermediate_size)) if cfg.mlp_bias else None
+        self.down_t = nn.Parameter(torch.empty(cfg.intermediate_size, h))
+        self.down_bias = nn.Parameter(torch.zeros(h)) if cfg.mlp_bias else None
+
+    def forward(self, x, cos, sin, past_k, past_v, mask):
+        """x [B,T,H]; past_k/v [B,S,kvh,hd] gathered from the pool; returns (x, k, v) with k/v [B,T,kvh,hd]."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        qkv = _linear(self.input_norm(x), self.qkv_t, self.qkv_bias)
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q = q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        new_k = k.transpose(1, 2)
+        keys = torch.cat((past_k, new_k), dim=1).transpose(1, 2)
+        values = torch.cat((past_v, v), dim=1).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        attn = attn.transpose(1, 2).reshape(b, t, cfg.q_size)
+        x = x + _linear(attn, self.o_t, self.o_bias)
+        gate, up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias).chunk(2, dim=-1)
+        x = x + _linear(F.silu(gate) * up, self.down_t, self.down_bias)
+        return x, new_k, v
+
+
+class Decoder(nn.Module):
+    """The text decoder. ``forward`` implements the decoder engine contract."""
+
+    def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head_t = nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size))
+        # Tied checkpoints keep one matrix: the lookup reads columns of the transposed head.
+        self.embed = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.lm_head_t.t() if self.embed is None else self.embed
+        return F.embedding(ids, table)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [B, 1, T, head_dim] for [B,T] positions, or [3,B,T] with M-RoPE."""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        if self.cfg.mrope_section is not None:
+            if position_ids.dim() == 2:
+                freqs = freqs.expand(3, *freqs.shape)
+            parts = freqs.split(list(self.cfg.mrope_section), dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        return cos, sin
+
+    def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
+        """Decoder engine step.
+
+        inputs_embeds [B,T,H]; position_ids [B,T] or [3,B,T]; k_pool/v_pool
+        [layers, blocks, block_size, kv_heads, head_dim]; block_tables [B, max_blocks] (int64);
+        context_lens [B] tokens already in the pool. Returns logits [B, vocab] of the last
+        position and new_k/new_v [layers, B, T, kv_heads, head_dim].
+        """
+        b, t, _ = inputs_embeds.shape
+        cos, sin = self.rope(position_ids, inputs_embeds.dtype)
+        slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], t)
+        x = inputs_embeds
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            past_k = gather_past(k_pool[i], slots)
+            past_v = gather_past(v_pool[i], slots)
+            x, k, v = layer(x, cos, sin, past_k, past_v, mask)
+            new_k.append(k)
+            new_v.append(v)
+        last = self.norm(x[:, -1])
+        logits = last @ self.lm_head_t
+        return logits, torch.stack(new_k), torch.stack(new_v)
+
+
+def past_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                        new_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Flat pool slots of every past token, [B, S] with S = max(context_lens), and the mask.
+
+    The mask is None when every row's past is full length and only one token is new,
+    the common batch-1 decode step, so attention takes its unmasked path.
+    """
+    b = block_tables.shape[0]
+    past = int(context_lens.max()) if b else 0
+    offsets = torch.arange(past, device=block_tables.device)
+    slots = block_tables.gather(1, (offsets // block_size).expand(b, past)) * block_size + offsets % block_size
+    uniform = bool((context_lens == past).all())
+    if uniform and new_tokens == 1:
+        return slots, None
+    past_ok = offsets[None, :] < context_lens[:, None]  # [B, S]
+    causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=block_tables.device).tril()
+    mask = torch.cat((past_ok[:, None, :].expand(b, new_tokens, past), causal.expand(b, -1, -1)), dim=-1)
+    return slots, mask[:, None]
+
+
+def gather_past(pool_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[blocks, block_size, kvh, hd] pool of one layer, [B,S] slots -> [B,S,kvh,hd]."""
+    flat = pool_layer.view(-1, *pool_layer.shape[2:])
+    return flat[slots]
+
+
+def load_decoder_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill ``decoder`` from Hugging Face text-model tensors (``layers.0.self_attn.q_proj.weight``...).
+
+    ``tensors`` holds names relative to the text model, plus ``lm_head.weight`` when the
+    head is not tied. Missing or unexpected names are errors: a half-loaded decoder
+    generates plausible garbage.
+    """
+    cfg = decoder.cfg
+    remaining = dict(tensors)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return remaining.pop(name)
+        except KeyError:
+            raise KeyError(f"checkpoint lacks decoder weight {name!r}") from None
+
+    def assign(param: nn.Parameter | None, value: torch.Tensor) -> None:
+        if param.shape != value.shape:
+            raise ValueError(f"shape {tuple(value.shape)} does not fit {tuple(param.shape)}")
+        param.data = value.to(param.dtype).contiguous()
+
+    with torch.no_grad():
+        for i, layer in enumerate(decoder.layers):
+            p = f"layers.{i}."
+            attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            assign(layer.qkv_t, torch.cat(attn).t())
+            if cfg.qkv_bias:
+                assign(layer.qkv_bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            assign(layer.o_t, take(p + "self_attn.o_proj.weight").t())
+            if cfg.o_bias:
+                assign(layer.o_bias, take(p + "self_attn.o_proj.bias"))
+            gate_up = torch.cat((take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")))
+            assign(layer.gate_up_t, gate_up.t())
+            assign(layer.down_t, take(p + "mlp.down_proj.weight").t())
+            if cfg.mlp_bias:
+                assign(layer.gate_up_bias, torch.cat((take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias"))))
+                assign(layer.down_bias, take(p + "mlp.down_proj.bias"))
+            assign(layer.input_norm.weight, take(p + "input_layernorm.weight"))
+            assign(layer.post_attention_norm.weight, take(p + "post_attention_layernorm.weight"))
+        assign(decoder.norm.weight, take("norm.weight"))
+        embed = take("embed_tokens.weight")
+        head = remaining.pop("lm_head.weight", None)
+        if cfg.tie_word_embeddings:
+            assign(decoder.lm_head_t, embed.t())
+        else:
+            if head is None:
+                raise KeyError("checkpoint lacks 'lm_head.weight' and does not tie embeddings")
+            assign(decoder.embed, embed)
+            assign(decoder.lm_head_t, head.t())
+    remaining.pop("rotary_emb.inv_freq", None)
+    if remaining:
+        raise KeyError(f"unexpected decoder weights: {sorted(remaining)[:8]}")

@@ -1,0 +1,138 @@
+"""The engine loop: batching, block sizes, chunked prefill, cancellation, sampling, streaming."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from edgeinfer.engine import Engine, EngineConfig, SamplingParams
+from edgeinfer.engine.sequence import Status
+from edgeinfer.errors import RequestError
+from tests.conftest import noise_image
+
+FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
+QUESTIONS = [
+    ("what is in the image ?", [noise_image(128, 96, seed=1)]),
+    ("describe this picture", []),
+    ("how many red circle are there in the top left of the image ?", [noise_image(64, 64, seed=5)]),
+    ("color", [noise_image(80, 128, seed=7), noise_image(64, 96, seed=8)]),
+]
+
+
+def engine_for(path, **config):
+    config.setdefault("num_blocks", 512)
+    return Engine.load(path, config=EngineConfig(**config))
+
+
+def alone(path, block_size=16, prefill_chunk=512):
+    tokens = []
+    for question, images in QUESTIONS:
+        engine = engine_for(path, block_size=block_size, num_blocks=4096 // block_size, prefill_chunk=prefill_chunk)
+        tokens.append(engine.generate(question, images, FORCED).token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return alone(checkpoint("smolvlm"))
+
+
+def test_prompts_have_different_lengths(checkpoint):
+    engine = engine_for(checkpoint("smolvlm"))
+    lengths = {engine.submit(q, im, FORCED).prompt_len for q, im in QUESTIONS}
+    assert len(lengths) == len(QUESTIONS)
+
+
+def test_four_sequences_decoded_together_match_each_alone(checkpoint, reference):
+    engine = engine_for(checkpoint("smolvlm"), max_batch_size=4)
+    seqs = [engine.submit(q, im, FORCED) for q, im in QUESTIONS]
+    batch_sizes = []
+    while engine.has_work():
+        stepped = engine.step()
+        batch_sizes.append(len(stepped))
+    assert max(batch_sizes) == 4, "the four sequences must share decode steps"
+    assert [engine.result(s).token_ids for s in seqs] == reference
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_block_sizes_give_identical_tokens(checkpoint, reference, block_size):
+    assert alone(checkpoint("smolvlm"), block_size=block_size) == reference
+
+
+def test_chunked_prefill_gives_identical_tokens(checkpoint, reference):
+    assert alone(checkpoint("smolvlm"), prefill_chunk=7) == reference
+
+
+def test_cancel_returns_every_block(checkpoint):
+    engine = engine_for(checkpoint("smolvlm"), num_blocks=64, block_size=4)
+    free_before = engine.pool.num_free
+    keep = engine.submit(*QUESTIONS[1], FORCED)
+    doomed = engine.submit(*QUESTIONS[0], FORCED)
+    for _ in range(8):
+        engine.step()
+    assert doomed.status is Status.RUNNING and doomed.block_table.blocks
+    owned = list(doomed.block_table.blocks)
+    engine.cancel(doomed)
+    assert doomed.finish_reason.value == "cancelled"
+    assert all(engine.pool.refcount(b) == 0 for b in owned)
+    engine.run_until_done([keep])
+    assert engine.pool.num_free == free_before
+
+
+def test_preemption_under_a_small_pool_keeps_tokens(checkpoint, reference):
+    # 4-token blocks, 40 blocks: the four sequences cannot all stay resident.
+    engine = engine_for(checkpoint("smolvlm"), block_size=4, num_blocks=40, max_batch_size=4)
+    seqs = [engine.submit(q, im, FORCED) for q, im in QUESTIONS]
+    results = engine.run_until_done(seqs)
+    assert engine.scheduler.preemptions > 0
+    assert [r.token_ids for r in results] == reference
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_and_varies(checkpoint):
+    engine = engine_for(checkpoint("smolvlm"))
+    params = SamplingParams(max_new_tokens=24, min_new_tokens=24, temperature=1.5, top_p=0.9, top_k=50, seed=3)
+    a = engine.generate(*QUESTIONS[1], params).token_ids
+    b = engine.generate(*QUESTIONS[1], params).token_ids
+    c = engine.generate(*QUESTIONS[1], replace(params, seed=4)).token_ids
+    assert a == b
+    assert a != c
+
+
+def test_stream_concatenates_to_the_answer_and_stop_strings_cut(checkpoint):
+    engine = engine_for(checkpoint("smolvlm"))
+    full = engine.generate(*QUESTIONS[0], FORCED)
+    words = full.text.split()
+    assert len(words) > 3
+    streamed = "".join(engine.stream(*QUESTIONS[0], FORCED))
+    assert streamed.strip() == full.text
+    stop_word = words[2]
+    cut = engine.generate(*QUESTIONS[0], SamplingParams(max_new_tokens=32, stop=(stop_word,)))
+    assert cut.finish_reason == "stop"
+    assert stop_word not in cut.text
+    assert full.text.startswith(cut.text)
+
+
+def test_stop_token_ends_generation(checkpoint):
+    engine = engine_for(checkpoint("smolvlm"))
+    full = engine.generate(*QUESTIONS[0], FORCED)
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    result = engine.generate(*QUESTIONS[0], SamplingParams(max_new_tokens=32, stop_token_ids=(stop_id,)))
+    assert result.finish_reason == "stop"
+    assert result.token_ids == full.token_ids[:first + 1]
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2)])
+def test_bad_sampling_values_are_typed_errors(bad):
+    with pytest.raises(RequestError):
+        SamplingParams(**bad)
+
+
+def test_image_count_mismatch_is_a_request_error(checkpoint):
+    engine = engine_for(checkpoint("smolvlm"))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "color"}]}]
+    with pytest.raises(RequestError):
+        engine.submit(messages, [], FORCED)
+    assert engine.pool.num_free == engine.pool.num_blocks
