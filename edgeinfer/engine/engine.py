@@ -7,7 +7,6 @@ sequence; ``step`` runs one prefill chunk or one batched decode step; ``generate
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence as Seq
@@ -27,6 +26,7 @@ from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.errors import BackendUnavailableError, RequestError
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
 from edgeinfer.models.loader import LoadedModel, load_model
+from edgeinfer.preflight import content_hash
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -104,8 +104,7 @@ def image_key(image) -> tuple[Any, str]:
     if not hasattr(image, "tobytes"):
         raise RequestError(f"images must be PIL images or prepared images, got {type(image).__name__}")
     rgb = image.convert("RGB")
-    digest = hashlib.sha256(f"{rgb.size}".encode() + rgb.tobytes()).hexdigest()
-    return rgb, digest
+    return rgb, content_hash(rgb)
 
 
 class Engine:
