@@ -7,6 +7,8 @@ nothing about KV tiers or scheduling.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -76,7 +78,10 @@ class FamilyAdapter(ABC):
         return self.config.text_config
 
     def decoder_config(self) -> DecoderConfig:
-        return DecoderConfig.from_hf(self.text_config, qkv_bias=self.qkv_bias, mrope=self.mrope)
+        cfg = DecoderConfig.from_hf(self.text_config, qkv_bias=self.qkv_bias, mrope=self.mrope)
+        # transformers 5 keeps tying on the outer config (older saves are forwarded there).
+        tied = getattr(self.config, "tie_word_embeddings", None)
+        return cfg if tied is None else dataclasses.replace(cfg, tie_word_embeddings=bool(tied))
 
     def build_decoder(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
         inv_freq, scaling = rope_inv_freq(self.text_config)
@@ -97,14 +102,18 @@ class FamilyAdapter(ABC):
         return "<image>"
 
     def stop_token_ids(self) -> tuple[int, ...]:
-        ids = []
-        eos = getattr(self.checkpoint.tokenizer, "eos_token_id", None)
-        if eos is not None:
-            ids.append(int(eos))
-        gen = getattr(self.config, "eos_token_id", None) or getattr(self.text_config, "eos_token_id", None)
-        for value in gen if isinstance(gen, (list, tuple)) else [gen]:
-            if value is not None and int(value) not in ids:
-                ids.append(int(value))
+        """End tokens of the tokenizer, the config and generation_config.json (Qwen lists two)."""
+        generation = self.checkpoint.path / "generation_config.json"
+        candidates = [
+            getattr(self.checkpoint.tokenizer, "eos_token_id", None),
+            getattr(self.config, "eos_token_id", None) or getattr(self.text_config, "eos_token_id", None),
+            json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None,
+        ]
+        ids: list[int] = []
+        for value in candidates:
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if v is not None and int(v) not in ids:
+                    ids.append(int(v))
         return tuple(ids)
 
     def layout(self, token_ids: list[int], images: list[ImageInputs]) -> PromptLayout:

@@ -94,9 +94,219 @@ def make_smolvlm(out: Path, size: str = "tiny", architecture: str = "SmolVLM", s
     return out
 
 
+# The template published with Qwen2-VL-*-Instruct (Qwen2.5-VL ships the same one).
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_QWEN_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+# min/max_pixels are the processor's bounds; patch 14 x merge 2 makes one image token per 28x28 pixels,
+# so the tiny bounds give 16..64 tokens per image.
+QWEN2_VL_SIZES = {
+    "tiny": dict(
+        vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=64, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2),
+        text=_QWEN_TINY_TEXT, tie_word_embeddings=False, min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28,
+    ),
+    "qwen2-vl-2b": dict(
+        vision=dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=1536, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2),
+        text=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        tie_word_embeddings=True, min_pixels=56 * 56, max_pixels=1280 * 28 * 28,
+    ),
+}
+QWEN2_5_VL_SIZES = {
+    "tiny": dict(
+        # window_size 56 px = 2x2 merged patches per window, so tiny images span several windows.
+        vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    window_size=56, fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2,
+                    temporal_patch_size=2),
+        text=_QWEN_TINY_TEXT, tie_word_embeddings=True, min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28,
+    ),
+}
+
+
+def _qwen_tokenizer(vocab_size: int):
+    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                "<|video_pad|>"]
+    return build_word_tokenizer(vocab_size, specials, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
+
+
+def make_qwen2_vl(out: Path, size: str = "tiny", architecture: str = "Qwen2-VL", seed: int = 0) -> Path:
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    qwen25 = architecture == "Qwen2.5-VL"
+    spec = (QWEN2_5_VL_SIZES if qwen25 else QWEN2_VL_SIZES)[size]
+    tok = _qwen_tokenizer(spec["text"]["vocab_size"])
+    names = ("<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in names}
+    text = dict(spec["text"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    config_cls, model_cls = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if qwen25
+                             else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    config = config_cls(vision_config=spec["vision"], text_config=text,
+                        tie_word_embeddings=spec["tie_word_embeddings"],
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    model = randomize(model_cls(config).eval(), seed)
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    v = spec["vision"]
+    Qwen2VLImageProcessorPil(
+        min_pixels=spec["min_pixels"], max_pixels=spec["max_pixels"], patch_size=v["patch_size"],
+        merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
+    ).save_pretrained(out)
+    save_chat_template(out, QWEN2_VL_TEMPLATE)
+    return out
+
+
+# --- LLaVA-1.5 and LLaVA-NeXT ---------------------------------------------------------
+
+# llava-hf/llava-1.5-7b-hf's published template (also llava-v1.6-vicuna's).
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+# llava-hf/llava-v1.6-mistral-7b-hf's published template.
+LLAVA_NEXT_MISTRAL_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ '<<SYS>>\n' + message['content'][0]['text'] + '\n<</SYS>>\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' }}{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{# Render all text next #}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] }}{% endfor %}{{' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'][0]['text'] + '</s> '}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+LLAVA_SIZES = {
+    "tiny": dict(
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=32, patch_size=8),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512),
+    ),
+}
+LLAVA_NEXT_SIZES = {
+    "tiny": dict(
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=32, patch_size=8),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512),
+        # (height, width) canvases, in multiples of the tower's image_size.
+        grid_pinpoints=[[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]],
+    ),
+}
+
+
+def _llava_tokenizer(vocab_size: int):
+    return build_word_tokenizer(vocab_size, ["<image>"], bos="<s>", eos="</s>", add_bos=True)
+
+
+def _llava_configs(spec: dict, tok, tower: str, text_model: str):
+    """(vision_config, text_config, token ids) for a LLaVA-family checkpoint."""
+    from transformers import CLIPVisionConfig, LlamaConfig, MistralConfig, SiglipVisionConfig
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<image>", "<s>", "</s>", "<pad>")}
+    vision_cls = {"clip": CLIPVisionConfig, "siglip": SiglipVisionConfig}[tower]
+    text_cls = {"llama": LlamaConfig, "mistral": MistralConfig}[text_model]
+    extra = {"sliding_window": None} if text_model == "mistral" else {}
+    text = text_cls(**spec["text"], bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+                    max_position_embeddings=4096, **extra)
+    return vision_cls(**spec["vision"]), text, ids
+
+
+def _save_llava(model, out: Path, tok, processor) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def make_llava(out: Path, size: str = "tiny", seed: int = 0, *, tower: str = "clip",
+               vision_feature_layer: int | list[int] = -2, vision_feature_select_strategy: str = "default") -> Path:
+    """A LLaVA-1.5 folder: CLIP (or SigLIP) tower, MLP projector, Llama text model, the llava-hf processor."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    spec = LLAVA_SIZES[size]
+    tok = _llava_tokenizer(spec["text"]["vocab_size"])
+    vision, text, ids = _llava_configs(spec, tok, tower, "llama")
+    side = spec["vision"]["image_size"]
+    prefix = 1 if tower == "clip" else 0
+    seq_len = (side // spec["vision"]["patch_size"]) ** 2 + prefix - int(vision_feature_select_strategy == "default")
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=ids["<image>"],
+                         image_seq_length=seq_len, vision_feature_layer=vision_feature_layer,
+                         vision_feature_select_strategy=vision_feature_select_strategy, pad_token_id=ids["<pad>"])
+    model = randomize(LlavaForConditionalGeneration(config).eval(), seed)
+    model.generation_config.eos_token_id = ids["</s>"]
+    model.generation_config.pad_token_id = ids["<pad>"]
+    # Resize the shortest edge to the tower's side, then take the centre square: llava-1.5's own processing.
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok,
+                               patch_size=spec["vision"]["patch_size"],
+                               vision_feature_select_strategy=vision_feature_select_strategy,
+                               num_additional_image_tokens=prefix, chat_template=LLAVA_TEMPLATE)
+    return _save_llava(model, out, tok, processor)
+
+
+def make_llava_next(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+    """A LLaVA-NeXT (1.6, any-res) folder: CLIP tower, Mistral text model, llava-v1.6-mistral's template."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    spec = LLAVA_NEXT_SIZES[size]
+    tok = _llava_tokenizer(spec["text"]["vocab_size"])
+    vision, text, ids = _llava_configs(spec, tok, "clip", "mistral")
+    side = spec["vision"]["image_size"]
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=ids["<image>"],
+                             image_grid_pinpoints=spec["grid_pinpoints"], vision_feature_layer=-2,
+                             vision_feature_select_strategy="default", pad_token_id=ids["<pad>"])
+    model = randomize(LlavaNextForConditionalGeneration(config).eval(), seed)
+    model.generation_config.eos_token_id = ids["</s>"]
+    model.generation_config.pad_token_id = ids["<pad>"]
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                                 image_grid_pinpoints=spec["grid_pinpoints"])
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok,
+                                   patch_size=spec["vision"]["patch_size"], vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1, chat_template=LLAVA_NEXT_MISTRAL_TEMPLATE)
+    return _save_llava(model, out, tok, processor)
+
+
 BUILDERS: dict[str, Callable[..., Path]] = {
     "smolvlm": make_smolvlm,
     "idefics3": lambda out, size="tiny", seed=0: make_smolvlm(out, size, "Idefics3", seed),
+    "llava": make_llava,
+    "llava_next": make_llava_next,
+    "qwen2_vl": make_qwen2_vl,
+    "qwen2_5_vl": lambda out, size="tiny", seed=0: make_qwen2_vl(out, size, "Qwen2.5-VL", seed),
 }
 
 

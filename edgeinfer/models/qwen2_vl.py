@@ -1,0 +1,157 @@
+"""Qwen2-VL and Qwen2.5-VL: native-resolution vision tower, Qwen2 text model with M-RoPE.
+
+An image is resized so both sides are multiples of ``patch_size * merge_size`` and its
+pixel count lies within the processor's ``[min_pixels, max_pixels]``; it becomes a
+``(t, h, w)`` grid of patches, and every ``merge_size x merge_size`` block of patches one
+token. The published chat template emits ``<|vision_start|><|image_pad|><|vision_end|>``
+per image; the single ``<|image_pad|>`` is expanded to one per token, as transformers'
+processor does.
+
+Positions have three axes (temporal, height, width). Text tokens advance all three
+together; an image's tokens take their grid coordinates offset by the position where the
+image starts, and the text after it resumes at the largest position so far plus one. So a
+prompt's last position is smaller than its length, and generated tokens continue from
+``next_position`` (transformers calls the difference the rope delta).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout, load_module_state
+from edgeinfer.models.decoder import DecoderConfig
+
+# transformers 5 saves the legacy hub names; its in-memory names come first because the
+# legacy text prefix ``model.`` would also match them.
+_RENAMES = (
+    (r"^model\.visual\.", "vision.visual."),
+    (r"^model\.language_model\.", "text."),
+    (r"^visual\.", "vision.visual."),
+    (r"^model\.", "text."),
+    (r"^lm_head\.", "text.lm_head."),
+)
+
+# What transformers' text rotary embedding falls back to when the config names no sections.
+DEFAULT_MROPE_SECTION = (16, 24, 24)
+IMAGE_PAD = "<|image_pad|>"
+
+
+class QwenVisionEncoder(nn.Module):
+    """Flattened patches + ``image_grid_thw`` -> merged tokens ``[num_tokens, text_hidden]``."""
+
+    def __init__(self, visual: nn.Module) -> None:
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        return self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+
+
+def mrope_positions(token_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
+                    merge_size: int) -> torch.Tensor:
+    """[3, T] positions as transformers' ``get_rope_index`` computes them for images.
+
+    Each image's tokens are the ``t * (h/m) * (w/m)`` image tokens starting at its first one,
+    in the order the images were given; whatever follows starts at the largest position + 1.
+    """
+    chunks, start, i, n = [], 0, 0, len(token_ids)
+    pending = list(grids)
+    while i < n:
+        if token_ids[i] == image_token_id:
+            if not pending:
+                raise ValueError(f"image tokens at {i} have no image left to fill them")
+            t, h, w = pending.pop(0)
+            chunk = image_grid_positions(t, h // merge_size, w // merge_size) + start
+            if token_ids[i:i + chunk.shape[1]] != [image_token_id] * chunk.shape[1]:
+                raise ValueError(f"the image at token {i} needs {chunk.shape[1]} consecutive image tokens")
+        else:
+            end = next((k for k in range(i, n) if token_ids[k] == image_token_id), n)
+            chunk = torch.arange(start, start + end - i).expand(3, -1)
+        chunks.append(chunk)
+        start = int(chunk.max()) + 1
+        i += chunk.shape[1]
+    if pending:
+        raise ValueError(f"{len(pending)} images have no image tokens in the prompt")
+    return torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long)
+
+
+def image_grid_positions(t: int, h: int, w: int) -> torch.Tensor:
+    """[3, t*h*w] (temporal, row, column) coordinates of a merged grid, row-major."""
+    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack((tt, hh, ww)).reshape(3, -1)
+
+
+class Qwen2VLAdapter(FamilyAdapter):
+    architectures = ("Qwen2VLForConditionalGeneration",)
+    weight_renames = _RENAMES
+    qkv_bias = True
+    mrope = True
+
+    def _vision_classes(self):
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as m
+
+        return m.Qwen2VisionTransformerPretrainedModel, m.Qwen2VLVisionRotaryEmbedding
+
+    @property
+    def merge_size(self) -> int:
+        return int(self.config.vision_config.spatial_merge_size)
+
+    @property
+    def image_marker(self) -> str:
+        return IMAGE_PAD
+
+    def decoder_config(self) -> DecoderConfig:
+        # A config without mrope_section gets transformers' default sections.
+        cfg = super().decoder_config()
+        return dataclasses.replace(cfg, mrope_section=cfg.mrope_section or DEFAULT_MROPE_SECTION)
+
+    # --- vision side ---------------------------------------------------------------
+    def build_vision(self, tensors, dtype):
+        tower_cls, rotary_cls = self._vision_classes()
+        with torch.device("meta"):
+            tower = tower_cls._from_config(self.config.vision_config)
+        module = load_module_state(QwenVisionEncoder(tower), tensors, dtype)
+        # The rotary frequencies are a non-persistent buffer, so nothing loaded them off meta.
+        tower.rotary_pos_emb = rotary_cls(tower.config)
+        return module.eval()
+
+    def process_image(self, image) -> ImageInputs:
+        out = self.image_processor(images=[image], return_tensors="pt")
+        t, h, w = (int(x) for x in out["image_grid_thw"][0])
+        num_tokens = t * h * w // self.merge_size**2
+        return ImageInputs(
+            tensors={"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
+            num_tokens=num_tokens,
+            placeholder=IMAGE_PAD * num_tokens,
+            grid=(t, h, w),
+        )
+
+    def layout(self, token_ids: list[int], images: list[ImageInputs]) -> PromptLayout:
+        positions = mrope_positions(token_ids, self.image_token_id, [im.grid for im in images], self.merge_size)
+        next_position = int(positions.max()) + 1 if positions.numel() else 0
+        return PromptLayout(token_ids, positions, next_position, self.image_token_id)
+
+    def image_limits(self):
+        size = self.image_processor.size
+        factor = int(self.image_processor.patch_size) * int(self.image_processor.merge_size)
+        # The PIL processor keeps min/max pixels under size's shortest_edge/longest_edge.
+        max_pixels = getattr(size, "longest_edge", None) or getattr(size, "max_pixels", None)
+        min_pixels = getattr(size, "shortest_edge", None) or getattr(size, "min_pixels", None)
+        return {"max_side": None, "max_pixels": None if max_pixels is None else int(max_pixels),
+                "min_side": factor, "min_pixels": None if min_pixels is None else int(min_pixels)}
+
+
+class Qwen25VLAdapter(Qwen2VLAdapter):
+    """Qwen2.5-VL: windowed attention and SwiGLU in the tower; images lay out as in Qwen2-VL
+    (its temporal spacing by ``second_per_grid_ts`` applies to videos only)."""
+
+    architectures = ("Qwen2_5_VLForConditionalGeneration",)
+
+    def _vision_classes(self):
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+        return m.Qwen2_5_VisionTransformerPretrainedModel, m.Qwen2_5_VLVisionRotaryEmbedding
