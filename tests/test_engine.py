@@ -136,3 +136,23 @@ def test_image_count_mismatch_is_a_request_error(checkpoint):
     with pytest.raises(RequestError):
         engine.submit(messages, [], FORCED)
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_request_over_the_memory_budget_is_refused_before_vision(checkpoint):
+    from edgeinfer.errors import PreflightError
+
+    engine = engine_for(checkpoint("smolvlm"), kv_budget_mb=0)
+    with pytest.raises(PreflightError) as caught:
+        engine.submit(*QUESTIONS[0], FORCED)
+    assert caught.value.reason == "memory"
+    assert engine.counters["vision_runs"] == 0
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_request_over_the_context_limit_names_it(checkpoint):
+    from edgeinfer.errors import LimitExceeded
+
+    engine = engine_for(checkpoint("smolvlm"), max_context=40)
+    with pytest.raises(LimitExceeded) as caught:
+        engine.submit(*QUESTIONS[0], FORCED)
+    assert caught.value.limit == 40 and "max_context_tokens" in caught.value.override

@@ -23,10 +23,10 @@ from edgeinfer.engine.prompt import (
 from edgeinfer.engine.sampling import SamplingParams, make_generator, sample_one
 from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
-from edgeinfer.errors import BackendUnavailableError, RequestError
+from edgeinfer.errors import BackendUnavailableError, LimitExceeded, RequestError
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
 from edgeinfer.models.loader import LoadedModel, load_model
-from edgeinfer.preflight import content_hash
+from edgeinfer.preflight import check_cost, content_hash, estimate_cost
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -45,6 +45,7 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None
     vision_cache_entries: int = 16
+    available_floor_mb: int = 0
     profile_name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -70,6 +71,7 @@ class EngineConfig:
             dtype=profile.runtime.dtype,
             device=profile.runtime.device,
             threads=profile.runtime.threads,
+            available_floor_mb=profile.memory.available_floor_mb,
             profile_name=profile.name,
         )
 
@@ -154,10 +156,13 @@ class Engine:
         if markers != len(images):
             raise RequestError(f"messages reference {markers} images but {len(images)} were given")
         started = time.perf_counter()
-        processed, embeds, reused = [], [], 0
-        for image in images:
-            pil, key = image_key(image)
-            inputs = self.adapter.process_image(pil)
+        keyed = [image_key(image) for image in images]
+        processed = [self.adapter.process_image(pil) for pil, _ in keyed]
+        text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
+        layout = tokenize(self.adapter, text, processed)
+        self._check_request(layout, processed, sampling)
+        embeds, reused = [], 0
+        for (_, key), inputs in zip(keyed, processed):
             cached = self._vision_cache.get(key)
             if cached is None:
                 cached = self.vision_engine.encode(inputs.tensors)
@@ -171,16 +176,8 @@ class Engine:
                 reused += 1
             if cached.shape[0] != inputs.num_tokens:
                 raise RequestError(f"vision engine gave {cached.shape[0]} embeddings for {inputs.num_tokens} tokens")
-            processed.append(inputs)
             embeds.append(cached)
         vision_s = time.perf_counter() - started
-        text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
-        layout = tokenize(self.adapter, text, processed)
-        if len(layout.token_ids) + sampling.max_new_tokens > self.config.max_context:
-            from edgeinfer.errors import LimitExceeded
-
-            raise LimitExceeded("prompt + max_new_tokens", len(layout.token_ids) + sampling.max_new_tokens,
-                                self.config.max_context, "--set runtime.max_context_tokens=N", "context_length")
         ids = torch.tensor(layout.token_ids)
         prompt_embeds = merge_embeddings(self.decoder_engine.embed(ids), layout.token_ids,
                                          layout.image_token_id, embeds)
@@ -197,6 +194,23 @@ class Engine:
         self.scheduler.add(seq)
         self._text[seq.seq_id] = _TextState()
         return seq
+
+    def _check_request(self, layout, images, sampling: SamplingParams) -> None:
+        """Refuse, before any vision work, a request over the context or memory limits."""
+        total = len(layout.token_ids) + sampling.max_new_tokens
+        if total > self.config.max_context:
+            raise LimitExceeded("prompt + max_new_tokens", total, self.config.max_context,
+                                "--set runtime.max_context_tokens=N", "context_length")
+        cfg = self.model.decoder.cfg
+        image_tokens = sum(p.num_tokens for p in images)
+        estimate = estimate_cost(
+            image_tokens, len(layout.token_ids) - image_tokens, sampling.max_new_tokens,
+            vision_hidden=self.adapter.vision_hidden,
+            vision_layers_tokens_per_image=max((self.adapter.vision_patches(p) for p in images), default=0),
+            kv_bytes_per_token=cfg.kv_bytes_per_token * self.config.torch_dtype.itemsize,
+            dtype_bytes=self.config.torch_dtype.itemsize)
+        check_cost(estimate, self.config.kv_budget_mb * 2**20 + estimate.vision_activation_bytes,
+                   self.config.available_floor_mb * 2**20)
 
     def cancel(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, FinishReason.CANCELLED)

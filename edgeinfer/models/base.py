@@ -130,6 +130,16 @@ class FamilyAdapter(ABC):
     def build_vision(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
         """The vision engine: ``module(**ImageInputs.tensors) -> [num_tokens, text_hidden]``."""
 
+    @property
+    def vision_hidden(self) -> int:
+        return int(self.config.vision_config.hidden_size)
+
+    def vision_patches(self, image: ImageInputs) -> int:
+        """Patches the vision encoder holds at once for this image (its activation peak)."""
+        return image.num_tokens * self.patches_per_token
+
+    patches_per_token: int = 1
+
     def image_limits(self) -> dict[str, int | None]:
         """The processor's own limits for preflight: max_side, max_pixels, min_side."""
         return {"max_side": None, "max_pixels": None, "min_side": None}

@@ -50,6 +50,10 @@ class Idefics3Adapter(FamilyAdapter):
         return m.Idefics3VisionTransformer, m.Idefics3Connector
 
     @property
+    def patches_per_token(self) -> int:
+        return int(self.config.scale_factor) ** 2
+
+    @property
     def image_seq_len(self) -> int:
         v = self.config.vision_config
         return int(((v.image_size // v.patch_size) ** 2) / (self.config.scale_factor**2))

@@ -101,6 +101,16 @@ class Qwen2VLAdapter(FamilyAdapter):
         return int(self.config.vision_config.spatial_merge_size)
 
     @property
+    def patches_per_token(self) -> int:
+        return self.merge_size**2
+
+    @property
+    def vision_hidden(self) -> int:
+        # Qwen2-VL names the tower's width embed_dim (hidden_size is the decoder's).
+        vision = self.config.vision_config
+        return int(getattr(vision, "embed_dim", None) or vision.hidden_size)
+
+    @property
     def image_marker(self) -> str:
         return IMAGE_PAD
 
