@@ -292,7 +292,8 @@ def make_llava_next(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     model = randomize(LlavaNextForConditionalGeneration(config).eval(), seed)
     model.generation_config.eos_token_id = ids["</s>"]
     model.generation_config.pad_token_id = ids["<pad>"]
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": side},
+                                                 crop_size={"height": side, "width": side},
                                                  image_grid_pinpoints=spec["grid_pinpoints"])
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok,
                                    patch_size=spec["vision"]["patch_size"], vision_feature_select_strategy="default",
