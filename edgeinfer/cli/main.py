@@ -11,6 +11,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+@app.callback()
+def _quiet_libraries() -> None:
+    """Answer questions about images on Jetson, CUDA GPUs and CPUs."""
+    # transformers warns on every load that torchvision is absent and it uses its PIL
+    # image processors; that is the supported path here, not news for a shell user.
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 # Command registration: one line per command module.
 from edgeinfer.cli.profiles import profiles_app  # noqa: E402
 
@@ -18,3 +29,10 @@ app.add_typer(profiles_app, name="profiles")
 from edgeinfer.cli.doctor import doctor  # noqa: E402
 
 app.command("doctor")(doctor)
+from edgeinfer.cli.run import run  # noqa: E402
+
+app.command("run")(run)
+
+
+if __name__ == "__main__":
+    app()

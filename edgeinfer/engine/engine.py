@@ -26,7 +26,8 @@ from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.errors import BackendUnavailableError, LimitExceeded, RequestError
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
 from edgeinfer.models.loader import LoadedModel, load_model
-from edgeinfer.preflight import check_cost, content_hash, estimate_cost
+from edgeinfer.profiles import ImageLimits
+from edgeinfer.preflight import ImageRules, check_cost, content_hash, estimate_cost
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -114,6 +115,7 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.model = model
+        self.profile = None  # the DeviceProfile this engine was sized from, when loaded from one
         self.adapter = model.adapter
         self.config = config
         self.backend = backend
@@ -136,10 +138,23 @@ class Engine:
              config: EngineConfig | None = None, trust_remote_code: bool = False) -> "Engine":
         """Load a checkpoint folder. ``profile`` is a name, a YAML path, a DeviceProfile or None (auto)."""
         backend = resolve_backend(backend)
+        device_profile = None
         if config is None:
-            config = EngineConfig.from_profile(_profile(profile, overrides))
+            device_profile = _profile(profile, overrides)
+            config = EngineConfig.from_profile(device_profile)
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
-        return cls(model, config, backend)
+        engine = cls(model, config, backend)
+        engine.profile = device_profile
+        return engine
+
+    def image_rules(self) -> ImageRules:
+        """Preflight rules for this engine: the stricter of the profile's and the model's limits."""
+        limits = self.adapter.image_limits()
+        images = self.profile.images if self.profile is not None else ImageLimits(
+            max_side=2048, max_pixels=2048 * 2048, max_images=4, max_file_mb=20)
+        return ImageRules.from_profile(images, model_max_side=limits.get("max_side"),
+                                       model_max_pixels=limits.get("max_pixels"),
+                                       model_min_side=limits.get("min_side"))
 
     def _engines(self, backend: str):
         if backend == "torch":

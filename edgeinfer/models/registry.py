@@ -7,21 +7,10 @@ from edgeinfer.models.base import FamilyAdapter
 
 def _adapters() -> list[type[FamilyAdapter]]:
     from edgeinfer.models.idefics3 import Idefics3Adapter, SmolVLMAdapter
+    from edgeinfer.models.llava import LlavaAdapter, LlavaNextAdapter
+    from edgeinfer.models.qwen2_vl import Qwen2VLAdapter, Qwen25VLAdapter
 
-    adapters: list[type[FamilyAdapter]] = [Idefics3Adapter, SmolVLMAdapter]
-    try:
-        from edgeinfer.models.qwen2_vl import Qwen2VLAdapter, Qwen25VLAdapter
-
-        adapters += [Qwen2VLAdapter, Qwen25VLAdapter]
-    except ImportError:
-        pass
-    try:
-        from edgeinfer.models.llava import LlavaAdapter, LlavaNextAdapter
-
-        adapters += [LlavaAdapter, LlavaNextAdapter]
-    except ImportError:
-        pass
-    return adapters
+    return [Idefics3Adapter, SmolVLMAdapter, Qwen2VLAdapter, Qwen25VLAdapter, LlavaAdapter, LlavaNextAdapter]
 
 
 def supported_architectures() -> list[str]:

@@ -1,0 +1,82 @@
+"""``edgeinfer run``: one question about one or more images, answered from the shell."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from edgeinfer.cli.profiles import ProfileOption, SetOption, errors_to_exit_codes
+from edgeinfer.preflight import OnOversize
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
+
+ImageOption = Annotated[list[str], typer.Option(
+    "--image", "-i", help="Image file (JPEG, PNG, WebP, BMP, GIF, TIFF); '-' reads stdin. Repeatable.")]
+ModelOption = Annotated[Optional[Path], typer.Option(
+    "--model", "-m", help="Hugging Face checkpoint folder. Default: the bundled demo model.",
+    envvar="EDGEINFER_MODEL")]
+BackendOption = Annotated[str, typer.Option(
+    "--backend", help="auto | torch | onnxruntime | tensorrt. A named backend that is missing is an error.")]
+
+
+def run(
+    question: Annotated[str, typer.Argument(help="The question about the image(s).")],
+    *,
+    image: ImageOption = [],  # noqa: B006 - Typer reads the default, never mutates it
+    model: ModelOption = None,
+    profile: ProfileOption = None,
+    set_: SetOption = None,
+    backend: BackendOption = "auto",
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    stream: Annotated[Optional[bool], typer.Option(
+        "--stream/--no-stream", help="Print tokens as they come (default: on a terminal).")] = None,
+    on_oversize: Annotated[OnOversize, typer.Option(
+        help="reject: refuse an image over a limit (exit 2); fit: downscale it and say so.")] = OnOversize.REJECT,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with answer, "
+                                          "timings, usage, preflight and cache.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow a checkpoint's own Python code.")] = False,
+) -> None:
+    """Answer QUESTION about the given images."""
+    with errors_to_exit_codes():
+        answer(question, image, model or DEMO_MODEL, profile, set_ or [], backend, max_tokens, temperature,
+               top_p, seed, stream, on_oversize, as_json, trust_remote_code)
+
+
+def answer(question, images, model, profile, overrides, backend, max_tokens, temperature, top_p, seed,
+           stream, on_oversize, as_json, trust_remote_code) -> None:
+    from edgeinfer.engine import Engine, SamplingParams
+    from edgeinfer.preflight import prepare_images
+
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    engine = Engine.load(model, profile=profile, backend=backend, overrides=overrides,
+                         trust_remote_code=trust_remote_code)
+    started = time.perf_counter()
+    prepared = prepare_images(images, engine.image_rules(), on_oversize)
+    preflight_s = time.perf_counter() - started
+    for item in prepared:
+        if item.report.action != "none" and not as_json:
+            typer.echo(f"note: {item.report.describe()}", err=True)
+    if stream is None:
+        stream = sys.stdout.isatty() and not as_json
+    if stream and not as_json:
+        for delta in engine.stream(question, prepared, sampling):
+            typer.echo(delta, nl=False)
+        typer.echo()
+        return
+    result = engine.generate(question, prepared, sampling)
+    if not as_json:
+        typer.echo(result.text)
+        return
+    report = result.to_dict()
+    report["timings"] = {"preflight_s": preflight_s, **report["timings"]}
+    report["preflight"] = [item.report.to_dict() for item in prepared]
+    report.update(model=str(model), backend=engine.backend, profile=engine.config.profile_name)
+    typer.echo(json.dumps(report, indent=2))
