@@ -8,16 +8,21 @@ from edgeinfer.models.decoder import Decoder
 
 
 class TorchDecoderEngine:
+    """Index tensors arrive on the CPU; they move to the decoder's device here (a no-op on CPU)."""
+
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
+        self.device = decoder.lm_head_t.device
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed_tokens(token_ids)
+        return self.decoder.embed_tokens(token_ids.to(self.device, non_blocking=True))
 
     @torch.inference_mode()
     def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
-        return self.decoder(inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens)
+        move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return self.decoder(move(inputs_embeds), move(position_ids), k_pool, v_pool, move(block_tables),
+                            move(context_lens))
 
 
 class TorchVisionEngine:

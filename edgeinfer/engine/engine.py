@@ -47,6 +47,7 @@ class EngineConfig:
     threads: int | None = None
     vision_cache_entries: int = 16
     available_floor_mb: int = 0
+    cuda_graphs: bool = False
     profile_name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -73,6 +74,7 @@ class EngineConfig:
             device=profile.runtime.device,
             threads=profile.runtime.threads,
             available_floor_mb=profile.memory.available_floor_mb,
+            cuda_graphs=profile.runtime.cuda_graphs,
             profile_name=profile.name,
         )
 
@@ -160,10 +162,17 @@ class Engine:
         if backend == "torch":
             from edgeinfer.backends.torch_backend import TorchDecoderEngine, TorchVisionEngine
 
-            return TorchDecoderEngine(self.model.decoder), TorchVisionEngine(self.model.vision)
+            vision = TorchVisionEngine(self.model.vision)
+            if self.config.cuda_graphs and self.config.device.startswith("cuda"):
+                from edgeinfer.backends.cuda_graphs import CudaGraphDecoderEngine
+
+                max_blocks = -(-self.config.max_context // self.config.block_size)
+                return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks), vision
+            return TorchDecoderEngine(self.model.decoder), vision
         raise BackendUnavailableError(f"backend {backend!r} has no engine for this model yet; build it first")
 
     # --- requests ------------------------------------------------------------------------
+    @torch.inference_mode()
     def submit(self, prompt: str | list[Message], images: Seq[Any] = (),
                sampling: SamplingParams = SamplingParams()) -> Sequence:
         messages, markers = (user_message(prompt, len(images)), len(images)) if isinstance(prompt, str) \
@@ -235,6 +244,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one unit of work; returns the sequences that got a new token."""
         work = self.scheduler.schedule()
@@ -254,7 +264,7 @@ class Engine:
         seq.timings.prefill_s += time.perf_counter() - t0
         if not work.samples:
             return []
-        self._accept(seq, logits[0])
+        self._accept(seq, self._choose_tokens([seq], logits)[0])
         return [seq]
 
     def _run_decode(self, work: DecodeWork) -> list[Sequence]:
@@ -264,8 +274,8 @@ class Engine:
         positions = torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
         logits = self._forward(embeds, positions, list(seqs), [s.num_cached for s in seqs])
         self.counters["decode_steps"] += 1
-        for i, seq in enumerate(seqs):
-            self._accept(seq, logits[i])
+        for seq, token in zip(seqs, self._choose_tokens(seqs, logits)):
+            self._accept(seq, token)
         return list(seqs)
 
     def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
@@ -289,12 +299,21 @@ class Engine:
             s.block_table.num_tokens += t
         return logits.float()
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _choose_tokens(self, seqs: Seq[Sequence], logits: torch.Tensor) -> list[int]:
+        """Next token of each row; greedy rows in one argmax (one device sync for the batch).
+
+        Sampled rows draw on the CPU from the request's seeded generator, so a seed gives
+        the same tokens on every device.
+        """
+        for i, seq in enumerate(seqs):
+            if len(seq.generated) < seq.sampling.min_new_tokens and seq.stop_token_ids:
+                logits[i, list(seq.stop_token_ids)] = float("-inf")
+        greedy = logits.argmax(-1).tolist()
+        return [g if s.sampling.greedy else sample_one(logits[i].cpu(), s.sampling, s.generator)
+                for i, (s, g) in enumerate(zip(seqs, greedy))]
+
+    def _accept(self, seq: Sequence, token: int) -> None:
         params = seq.sampling
-        if len(seq.generated) < params.min_new_tokens and seq.stop_token_ids:
-            logits = logits.clone()
-            logits[list(seq.stop_token_ids)] = float("-inf")
-        token = sample_one(logits, params, seq.generator)
         seq.generated.append(token)
         if seq.timings.first_token is None:
             seq.timings.first_token = time.perf_counter()

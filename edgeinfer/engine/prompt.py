@@ -75,7 +75,7 @@ def merge_embeddings(text_embeds: torch.Tensor, token_ids: list[int], image_toke
     """Put image embeddings, in order, at the image-token positions of the text embeddings."""
     if not image_embeds:
         return text_embeds
-    mask = torch.tensor(token_ids) == image_token_id
+    mask = (torch.tensor(token_ids) == image_token_id).to(text_embeds.device)
     merged = text_embeds.clone()
     merged[mask] = torch.cat(image_embeds).to(merged.dtype)
     return merged
