@@ -121,6 +121,18 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
     return y if bias is None else y + bias
 
 
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              groups: int) -> torch.Tensor:
+    """Grouped-query attention: q [B,heads,T,hd], keys/values [B,kv_heads,S,hd]."""
+    if groups > 1 and torch.onnx.is_in_onnx_export():
+        # ONNX (opset 18) has no grouped attention: repeat K/V as Unsqueeze/Expand/Reshape.
+        b, kvh, s, hd = keys.shape
+        keys = keys[:, :, None].expand(b, kvh, groups, s, hd).reshape(b, kvh * groups, s, hd)
+        values = values[:, :, None].expand(b, kvh, groups, s, hd).reshape(b, kvh * groups, s, hd)
+        groups = 1
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -151,8 +163,7 @@ class DecoderLayer(nn.Module):
         new_k = k.transpose(1, 2)
         keys = torch.cat((past_k, new_k), dim=1).transpose(1, 2)
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads)
         attn = attn.transpose(1, 2).reshape(b, t, cfg.q_size)
         x = x + _linear(attn, self.o_t, self.o_bias)
         gate, up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias).chunk(2, dim=-1)
@@ -199,15 +210,28 @@ class Decoder(nn.Module):
         context_lens [B] tokens already in the pool. Returns logits [B, vocab] of the last
         position and new_k/new_v [layers, B, T, kv_heads, head_dim].
         """
-        b, t, _ = inputs_embeds.shape
+        slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], inputs_embeds.shape[1])
+
+        def read_past(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return gather_past(k_pool[i], slots), gather_past(v_pool[i], slots)
+
+        return self.run_layers(inputs_embeds, position_ids, read_past, mask)
+
+    def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None):
+        """The layers and the head over a past that ``read_past(i)`` returns for layer ``i`` as
+        (k, v) ``[B,S,kvh,hd]``, under ``mask`` ``[B,1,T,S+T]`` (None: attend to all of it).
+        ``layer_fn(layer, *inputs)`` replaces a layer's call (a compiled forward on GPUs).
+
+        ``forward`` reads the exact past; the ONNX export (``edgeinfer.backends.onnx_export``)
+        reads whole blocks and masks, so that no shape depends on the values of its inputs.
+        """
         cos, sin = self.rope(position_ids, inputs_embeds.dtype)
-        slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], t)
         x = inputs_embeds
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            past_k = gather_past(k_pool[i], slots)
-            past_v = gather_past(v_pool[i], slots)
-            x, k, v = layer(x, cos, sin, past_k, past_v, mask)
+            past_k, past_v = read_past(i)
+            inputs = (x, cos, sin, past_k, past_v, mask)
+            x, k, v = layer(*inputs) if layer_fn is None else layer_fn(layer, *inputs)
             new_k.append(k)
             new_v.append(v)
         last = self.norm(x[:, -1])
@@ -293,3 +317,20 @@ def load_decoder_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> 
     remaining.pop("rotary_emb.inv_freq", None)
     if remaining:
         raise KeyError(f"unexpected decoder weights: {sorted(remaining)[:8]}")
+
+
+def whole_block_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                               new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of every position the block tables cover, [B, width * block_size], and the mask.
+
+    No shape depends on the values of the inputs, so graphs (CUDA graphs, ONNX) built for a
+    batch and table width replay for any context length; positions past ``context_lens``
+    are masked out.
+    """
+    b, width = block_tables.shape
+    offsets = torch.arange(width * block_size, device=block_tables.device)
+    slots = block_tables.repeat_interleave(block_size, dim=1) * block_size + offsets % block_size
+    past_ok = offsets[None, :] < context_lens[:, None]
+    causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=block_tables.device).tril()
+    mask = torch.cat((past_ok[:, None, :].expand(b, new_tokens, -1), causal.expand(b, -1, -1)), dim=-1)
+    return slots, mask[:, None]
