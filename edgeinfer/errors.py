@@ -117,6 +117,25 @@ class BackendUnavailableError(EdgeInferError):
     code = "backend_unavailable"
 
 
+class EngineBuildError(EdgeInferError):
+    """An engine cannot be built, or a built one is missing, stale or corrupt.
+
+    ``artifact`` names the file or folder at fault and ``fix`` the command that repairs it,
+    when one does.
+    """
+
+    exit_code = 6
+    http_status = 500
+    code = "engine_build_error"
+
+    def __init__(self, message: str, *, artifact: str | None = None, fix: str | None = None) -> None:
+        where = f"{artifact}: " if artifact else ""
+        hint = f" (fix: {fix})" if fix else ""
+        super().__init__(f"{where}{message}{hint}")
+        self.artifact = artifact
+        self.fix = fix
+
+
 class RequestError(EdgeInferError):
     """A request is malformed (wrong types, empty prompt, bad sampling values)."""
 

@@ -24,6 +24,10 @@ from edgeinfer.engine.sampling import SamplingParams, make_generator, sample_one
 from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.errors import BackendUnavailableError, LimitExceeded, RequestError
+from edgeinfer.kv.disk import default_cache_dir
+from edgeinfer.kv.hashing import fingerprint as kv_fingerprint, image_spans
+from edgeinfer.kv.manager import KVManager, KVManagerConfig
+from edgeinfer.kv.metrics import KVMetrics
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
 from edgeinfer.models.loader import LoadedModel, load_model
 from edgeinfer.profiles import ImageLimits
@@ -49,6 +53,16 @@ class EngineConfig:
     available_floor_mb: int = 0
     cuda_graphs: bool = False
     profile_name: str = "custom"
+    # KV tiers (profile: kv.* and memory.*). Sizes 0 turn a tier off; a bare config has none.
+    host_precision: str = "full"
+    host_tier_mb: int = 0
+    disk_tier_mb: int = 0
+    disk_dir: str | None = None  # None: $XDG_CACHE_HOME/edgeinfer/kv
+    high_watermark: float = 0.90
+    low_watermark: float = 0.75
+    kv_policy: str = "lru-k"
+    prefix_cache: bool = True
+    unified_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -60,6 +74,13 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    def kv_manager_config(self) -> KVManagerConfig:
+        return KVManagerConfig(
+            host_precision=self.host_precision, host_tier_mb=self.host_tier_mb, disk_tier_mb=self.disk_tier_mb,
+            disk_dir=self.disk_dir, high_watermark=self.high_watermark, low_watermark=self.low_watermark,
+            available_floor_mb=self.available_floor_mb, policy=self.kv_policy, prefix_cache=self.prefix_cache,
+            pin_host=self.device.startswith("cuda") and not self.unified_memory and torch.cuda.is_available())
 
     @classmethod
     def from_profile(cls, profile) -> "EngineConfig":
@@ -76,6 +97,14 @@ class EngineConfig:
             available_floor_mb=profile.memory.available_floor_mb,
             cuda_graphs=profile.runtime.cuda_graphs,
             profile_name=profile.name,
+            host_precision=profile.kv.host_precision,
+            host_tier_mb=profile.memory.host_tier_mb,
+            disk_tier_mb=profile.memory.disk_tier_mb,
+            disk_dir=profile.kv.disk_dir or str(default_cache_dir()),
+            high_watermark=profile.memory.high_watermark,
+            low_watermark=profile.memory.low_watermark,
+            kv_policy=profile.kv.policy,
+            unified_memory=profile.memory.unified,
         )
 
 
@@ -128,11 +157,34 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                           config.torch_dtype, config.device)
-        self.scheduler = Scheduler(self.pool, config.max_batch_size, config.prefill_chunk, config.max_context)
+        self.kv_manager = KVManager(self.pool, self.kv, config.kv_manager_config(), self._fingerprint())
+        self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context)
         self.stop_ids = frozenset(self.adapter.stop_token_ids())
         self._vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._text: dict[int, _TextState] = {}
-        self.counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0}
+        self._counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Engine counters and the KV manager's (prefix hits, spills, restores, preemptions, recomputes)."""
+        return {**self._counters, **self.kv_manager.counters()}
+
+    def _fingerprint(self) -> bytes:
+        """The model's identity for the prefix cache: a different model never shares a block, nor
+        does the same checkpoint run by another backend or built for another profile (other K/V)."""
+        folder = self.adapter.checkpoint.path
+        files = [f for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".jinja")]
+        build = self.config.profile_name if self.backend != "torch" else ""
+        extra = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.backend}|{build}"
+        return kv_fingerprint(files, extra=extra)
+
+    def kv_metrics(self) -> KVMetrics:
+        """A snapshot of the KV tiers (also iterable as (name, labels, value) metric triples)."""
+        return self.kv_manager.metrics()
+
+    def close(self) -> None:
+        """Finish KV transfers and write the prefix cache through to disk (also done at exit)."""
+        self.kv_manager.close()
 
     # --- construction ------------------------------------------------------------------
     @classmethod
@@ -144,7 +196,19 @@ class Engine:
         if config is None:
             device_profile = _profile(profile, overrides)
             config = EngineConfig.from_profile(device_profile)
+        elif backend == "onnxruntime" and profile is not None:
+            from dataclasses import replace
+
+            # An explicit config keeps its sizes and runs the engines built for ``profile``.
+            device_profile = _profile(profile, overrides)
+            config = replace(config, profile_name=device_profile.name)
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
+        if backend == "onnxruntime":
+            from edgeinfer.backends.onnx_export import ensure_engines
+            from edgeinfer.backends.onnxruntime_backend import release_replaced_weights
+
+            built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
+            release_replaced_weights(model, built.manifest)  # this load's own model: ORT holds those weights now
         engine = cls(model, config, backend)
         engine.profile = device_profile
         return engine
@@ -169,6 +233,11 @@ class Engine:
                 max_blocks = -(-self.config.max_context // self.config.block_size)
                 return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks), vision
             return TorchDecoderEngine(self.model.decoder), vision
+        if backend == "onnxruntime":
+            from edgeinfer.backends.onnxruntime_backend import open_engines
+
+            engines = open_engines(self.model, self.config)
+            return engines.decoder, engines.vision
         raise BackendUnavailableError(f"backend {backend!r} has no engine for this model yet; build it first")
 
     # --- requests ------------------------------------------------------------------------
@@ -189,14 +258,21 @@ class Engine:
         for (_, key), inputs in zip(keyed, processed):
             cached = self._vision_cache.get(key)
             if cached is None:
-                cached = self.vision_engine.encode(inputs.tensors)
+                cached = self.kv_manager.load_embedding(key)
+                if cached is None:
+                    cached = self.vision_engine.encode(inputs.tensors)
+                    self._counters["vision_runs"] += 1
+                    self.kv_manager.store_embedding(key, cached)
+                else:
+                    cached = cached.to(self.config.device)
+                    self._counters["vision_reused"] += 1
+                    reused += 1
                 self._vision_cache[key] = cached
-                self.counters["vision_runs"] += 1
                 while len(self._vision_cache) > self.config.vision_cache_entries:
                     self._vision_cache.popitem(last=False)
             else:
                 self._vision_cache.move_to_end(key)
-                self.counters["vision_reused"] += 1
+                self._counters["vision_reused"] += 1
                 reused += 1
             if cached.shape[0] != inputs.num_tokens:
                 raise RequestError(f"vision engine gave {cached.shape[0]} embeddings for {inputs.num_tokens} tokens")
@@ -212,6 +288,8 @@ class Engine:
             stop_token_ids=frozenset() if sampling.ignore_eos else stop,
             block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
             image_tokens=sum(p.num_tokens for p in processed), vision_reused=reused,
+            image_spans=image_spans(layout.token_ids, layout.image_token_id,
+                                    [(key, p.num_tokens) for (_, key), p in zip(keyed, processed)]),
         )
         seq.timings.created = started
         seq.timings.vision_s = vision_s
@@ -260,7 +338,7 @@ class Engine:
         embeds = self._embeds(seq, start, end)[None]
         positions = seq.positions(start, end)[..., None, :]
         logits = self._forward(embeds, positions, [seq], [start])
-        self.counters["prefill_tokens"] += end - start
+        self._counters["prefill_tokens"] += end - start
         seq.timings.prefill_s += time.perf_counter() - t0
         if not work.samples:
             return []
@@ -273,7 +351,7 @@ class Engine:
         embeds = self.decoder_engine.embed(last)[:, None]
         positions = torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
         logits = self._forward(embeds, positions, list(seqs), [s.num_cached for s in seqs])
-        self.counters["decode_steps"] += 1
+        self._counters["decode_steps"] += 1
         for seq, token in zip(seqs, self._choose_tokens(seqs, logits)):
             self._accept(seq, token)
         return list(seqs)
@@ -383,7 +461,8 @@ class Engine:
         }
         usage = {"prompt_tokens": seq.prompt_len, "image_tokens": seq.image_tokens,
                  "completion_tokens": len(seq.generated), "total_tokens": seq.num_tokens}
-        cache = {"prefix_tokens_reused": seq.prefix_tokens_reused, "vision_reused": seq.vision_reused}
+        cache = {"prefix_tokens_reused": seq.prefix_tokens_reused, "vision_reused": seq.vision_reused,
+                 "spilled_blocks": seq.spilled_blocks, "restored_blocks": seq.restored_blocks}
         reason = seq.finish_reason.value if seq.finish_reason else "running"
         return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache)
 

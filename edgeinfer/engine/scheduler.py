@@ -1,7 +1,13 @@
 """The scheduler decides what runs next: a prefill chunk of one sequence, or a decode batch.
 
-Control only: it asks the block pool (mechanism) for blocks through check-then-do
-calls and never touches tensors.
+Control only: it asks the KV manager for blocks through check-then-do calls
+(``can_admit``/``admit``, ``can_allocate``/``allocate_for``) and never touches tensors.
+Sequences are served first come, first served: when a running sequence needs a block and
+none can be made, the newest sequence holding blocks is preempted (the one asking, if it
+is the newest): the KV manager spills it whole and restores it when it is admitted again.
+The oldest sequence is never preempted, so it always finishes.
+The sequence at the head of the queue is placed as soon as there is room, even while
+the batch is full, so the blocks it had spilled come back while others decode.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.errors import CapacityError
+from edgeinfer.kv.manager import KVManager
 from edgeinfer.kv.pool import BlockPool
 
 
@@ -32,8 +39,8 @@ class DecodeWork:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch_size: int, prefill_chunk: int, max_context: int) -> None:
-        self.pool = pool
+    def __init__(self, kv: KVManager, max_batch_size: int, prefill_chunk: int, max_context: int) -> None:
+        self.kv = kv
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
@@ -41,11 +48,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
 
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
+
     def add(self, seq: Sequence) -> None:
-        need = self.pool.blocks_for(seq.prompt_len + 1)
-        if need > self.pool.num_blocks:
+        need = self.kv.blocks_for(seq.prompt_len + 1)
+        if need > self.kv.num_blocks:
             raise CapacityError(
-                f"prompt of {seq.prompt_len} tokens needs {need} KV blocks, the pool has {self.pool.num_blocks}"
+                f"prompt of {seq.prompt_len} tokens needs {need} KV blocks, the pool has {self.kv.num_blocks}"
             )
         self.waiting.append(seq)
 
@@ -53,65 +64,94 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> PrefillWork | DecodeWork | None:
-        for seq in self.running:
-            if seq.in_prefill:
-                return self._prefill(seq)
-        if self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            if self.pool.can_allocate(self._chunk_blocks(seq)):
-                self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                return self._prefill(seq)
-            if not self.running:
-                raise CapacityError(f"KV pool cannot hold sequence {seq.seq_id}'s first chunk")
+        self.kv.poll()
+        for seq in list(self.running):
+            if seq.in_prefill and seq in self.running and (work := self._prefill(seq)) is not None:
+                return work
+        admitted = self._admit()
+        if admitted is not None and admitted.in_prefill and (work := self._prefill(admitted)) is not None:
+            return work
         if self.running:
-            return self._decode()
+            work = self._decode()
+            if work.seqs:
+                return work
+        if self.waiting:  # the head's blocks are still loading and nothing else can run
+            self.kv.wait_ready(self.waiting[0])
+            return self.schedule()
         return None
+
+    def _admit(self) -> Sequence | None:
+        """Place the head of the queue when there is room; start it when it is ready and a slot is free."""
+        if not self.waiting:
+            return None
+        seq = self.waiting[0]
+        batch_full = len(self.running) >= self.max_batch_size
+        if not self.kv.is_placed(seq):
+            if not self.kv.can_admit(seq, self.prefill_chunk, spare=len(self.running) if batch_full else 0):
+                if not self.running:
+                    raise CapacityError(f"KV pool cannot hold sequence {seq.seq_id}'s first chunk")
+                return None
+            self.kv.admit(seq, self.prefill_chunk)
+        if batch_full or not self.kv.ready(seq):
+            return None
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self.running.sort(key=_arrival)
+        return seq
 
     def _chunk_end(self, seq: Sequence) -> int:
         return min(seq.prefill_target, seq.num_cached + self.prefill_chunk)
 
-    def _chunk_blocks(self, seq: Sequence) -> int:
-        return seq.block_table.blocks_needed(self._chunk_end(seq) - seq.num_cached)
-
-    def _prefill(self, seq: Sequence) -> PrefillWork:
-        need = self._chunk_blocks(seq)
-        while not self.pool.can_allocate(need):
-            victim = self._victim(exclude=seq)
-            if victim is None:
-                raise CapacityError(f"KV pool cannot hold sequence {seq.seq_id}'s next chunk")
-            self.preempt(victim)
-        seq.block_table.blocks += self.pool.allocate(need)
+    def _prefill(self, seq: Sequence) -> PrefillWork | None:
+        """The next chunk of ``seq``, or None when ``seq`` had to give its blocks up."""
+        self.kv.note_progress(seq)
+        need = seq.block_table.blocks_needed(self._chunk_end(seq) - seq.num_cached)
+        if not self._make_room(seq, need):
+            return None
         return PrefillWork(seq, seq.num_cached, self._chunk_end(seq))
 
     def _decode(self) -> DecodeWork:
-        for seq in list(self.running):
+        for seq in list(self.running):  # oldest first: it gets blocks before anyone else
             if seq not in self.running:
-                continue  # preempted while making room for an earlier one
+                continue  # preempted while making room for an older one
+            self.kv.note_progress(seq)
             need = seq.block_table.blocks_needed(1)
-            while not self.pool.can_allocate(need):
-                victim = self._victim(exclude=seq)
-                if victim is None:
-                    raise CapacityError("KV pool is too small for one sequence's next token")
-                self.preempt(victim)
-            seq.block_table.blocks += self.pool.allocate(need)
+            if need:
+                self._make_room(seq, need)
         return DecodeWork(tuple(self.running))
 
-    def _victim(self, exclude: Sequence) -> Sequence | None:
-        """The newest running sequence other than ``exclude`` (it has the least work to redo)."""
-        for seq in reversed(self.running):
-            if seq is not exclude:
-                return seq
-        return None
+    def _make_room(self, seq: Sequence, need: int) -> bool:
+        """``need`` more blocks for ``seq``, preempting newer sequences; False when ``seq`` is the newest
+        and was preempted itself."""
+        while not self.kv.can_allocate(need):
+            victim = self._victim()
+            if victim is seq and len(self.running) + self._placed_head() == 1:
+                raise CapacityError(f"KV pool is too small for sequence {seq.seq_id}'s next "
+                                    f"{need} block(s): {self.kv.num_blocks} blocks in all")
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.kv.allocate_for(seq, need)
+        return True
+
+    def _placed_head(self) -> int:
+        return int(bool(self.waiting) and self.kv.is_placed(self.waiting[0]))
+
+    def _victim(self) -> Sequence:
+        """The newest sequence holding blocks: running, or placed at the head of the queue."""
+        holders = self.running + ([self.waiting[0]] if self._placed_head() else [])
+        return max(holders, key=_arrival)
 
     def preempt(self, seq: Sequence) -> None:
-        """Give a running sequence's blocks back; it is recomputed when re-admitted."""
-        self.running.remove(seq)
-        self._release(seq)
+        """Spill a sequence's blocks; it is restored (or, where blocks were lost, recomputed) when re-admitted."""
+        if seq in self.running:
+            self.running.remove(seq)
+            at = next((i for i, w in enumerate(self.waiting) if _arrival(w) > _arrival(seq)), len(self.waiting))
+            self.waiting.insert(at, seq)
+            self.preemptions += 1
+        self.kv.preempt(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
-        self.preemptions += 1
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is Status.FINISHED:
@@ -120,11 +160,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        self.kv.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table.blocks)
-        seq.block_table.blocks = []
-        seq.block_table.num_tokens = 0
+
+def _arrival(seq: Sequence) -> int:
+    """Sequence ids grow with submission: a smaller one arrived first and is served first."""
+    return seq.seq_id

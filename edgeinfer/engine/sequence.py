@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.kv.hashing import ImageSpan
 from edgeinfer.kv.pool import BlockTable
 
 _ids = itertools.count()
@@ -67,8 +68,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     timings: Timings = field(default_factory=Timings)
     image_tokens: int = 0
+    image_spans: tuple[ImageSpan, ...] = ()  # which image each image token shows (prefix-cache keys)
     prefix_tokens_reused: int = 0
     vision_reused: int = 0
+    spilled_blocks: int = 0  # blocks moved off the device (preempted, or idle above the watermark at its end)
+    restored_blocks: int = 0  # blocks brought back from the host or disk tier for it
 
     @property
     def prompt_len(self) -> int:

@@ -1,5 +1,15 @@
-"""The paged KV cache: block pool (mechanism), block tables, and the tensors behind them."""
+"""The paged KV cache: block pool (mechanism), prefix cache, tiers, eviction policy and spill worker.
 
+The engine and the scheduler talk to :class:`KVManager` only; the other classes are its
+parts. Nothing here imports a backend.
+"""
+
+from edgeinfer.kv.hashing import ImageSpan, image_spans
+from edgeinfer.kv.manager import KVManager, KVManagerConfig
+from edgeinfer.kv.metrics import KVMetrics, register_kv_metrics
+from edgeinfer.kv.policy import POLICIES, EvictionPolicy, make_policy
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
+from edgeinfer.kv.spill import SpillManager
 
-__all__ = ["BlockPool", "BlockTable", "KVCache"]
+__all__ = ["BlockPool", "BlockTable", "EvictionPolicy", "ImageSpan", "KVCache", "KVManager", "KVManagerConfig",
+           "KVMetrics", "POLICIES", "SpillManager", "image_spans", "make_policy", "register_kv_metrics"]

@@ -4,6 +4,12 @@
 cached prefix has several owners). It follows a check-then-do protocol:
 ``can_allocate(n)`` answers without side effects, ``allocate(n)`` either succeeds whole
 or raises and changes nothing.
+
+A block marked *cached* (its content is a prefix-cache entry) does not become blank
+when its last owner frees it: it is *idle*, counted as free, and keeps its content
+until the KV manager either revives it (``revive``: a prefix hit) or drops the content
+(``uncache``: it moved to another tier or was evicted). ``allocate`` hands out blank blocks only;
+which idle block to give up is the eviction policy's choice, not the pool's.
 """
 
 from __future__ import annotations
@@ -24,14 +30,26 @@ class BlockPool:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._cached: set[int] = set()
+        self._idle: set[int] = set()
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence owns: blank ones and idle cached ones."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_blank(self) -> int:
+        """Blocks ``allocate`` can hand out now."""
         return len(self._free)
 
     @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -58,10 +76,36 @@ class BlockPool:
                 raise ValueError(f"block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                (self._idle.add if b in self._cached else self._free.append)(b)
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
+
+    def is_idle(self, block: int) -> bool:
+        return block in self._idle
+
+    def mark_cached(self, block: int) -> None:
+        """An owned block now holds a prefix-cache entry: freeing it leaves it idle, not blank."""
+        if self._refs[block] == 0:
+            raise ValueError(f"block {block} is free and cannot be marked cached")
+        self._cached.add(block)
+
+    def revive(self, block: int) -> None:
+        """Take one more reference to a cached block, idle or owned."""
+        if block in self._idle:
+            self._idle.discard(block)
+            self._refs[block] = 1
+        elif block in self._cached and self._refs[block] > 0:
+            self._refs[block] += 1
+        else:
+            raise ValueError(f"block {block} holds no cached content")
+
+    def uncache(self, block: int) -> None:
+        """The block's cached content is gone: an idle block becomes blank."""
+        self._cached.discard(block)
+        if block in self._idle:
+            self._idle.discard(block)
+            self._free.append(block)
 
 
 @dataclass(slots=True)
@@ -100,6 +144,23 @@ class KVCache:
     def bytes_per_block(self) -> int:
         per = self.k[:, 0].numel() * self.k.element_size()
         return 2 * per
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def read_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of ``blocks`` as k, v ``[n, layers, block_size, kv_heads, head_dim]`` (block-major)."""
+        return self.k[:, blocks].transpose(0, 1).contiguous(), self.v[:, blocks].transpose(0, 1).contiguous()
+
+    def write_blocks(self, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put block-major ``k, v [n, layers, ...]`` into ``blocks``."""
+        self.k[:, blocks] = k.transpose(0, 1).to(self.k.dtype)
+        self.v[:, blocks] = v.transpose(0, 1).to(self.v.dtype)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
     def write(self, slots: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """new_k/new_v [layers, B, T, kvh, hd]; slots [B*T] flat slot indices."""

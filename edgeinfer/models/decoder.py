@@ -125,11 +125,14 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
               groups: int) -> torch.Tensor:
     """Grouped-query attention: q [B,heads,T,hd], keys/values [B,kv_heads,S,hd]."""
     if groups > 1 and torch.onnx.is_in_onnx_export():
-        # ONNX (opset 18) has no grouped attention: repeat K/V as Unsqueeze/Expand/Reshape.
-        b, kvh, s, hd = keys.shape
-        keys = keys[:, :, None].expand(b, kvh, groups, s, hd).reshape(b, kvh * groups, s, hd)
-        values = values[:, :, None].expand(b, kvh, groups, s, hd).reshape(b, kvh * groups, s, hd)
-        groups = 1
+        # ONNX (opset 18) has no grouped attention: fold each group's query heads into the rows
+        # of its K/V head, so the past is read once instead of repeated per query head.
+        b, heads, t, hd = q.shape
+        q = q.reshape(b, heads // groups, groups * t, hd)
+        if mask is not None:
+            s = mask.shape[-1]
+            mask = mask[:, :, None].expand(b, 1, groups, t, s).reshape(b, 1, groups * t, s)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(b, heads, t, hd)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1)
 
 
