@@ -1,0 +1,92 @@
+"""``edgeinfer build``: export a checkpoint's engines, check them and write their manifest."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from edgeinfer.cli.profiles import JsonOption, ProfileOption, SetOption, errors_to_exit_codes
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
+
+
+class BuildBackend(str, Enum):
+    onnxruntime = "onnxruntime"
+    tensorrt = "tensorrt"
+
+
+class BuildPrecision(str, Enum):
+    fp32 = "fp32"
+    int8 = "int8"
+
+
+def build(*,
+          backend: Annotated[BuildBackend, typer.Option(
+              help="Which engines to build: onnxruntime writes vision.onnx and decoder.onnx.")] = BuildBackend.onnxruntime,
+          model: Annotated[Optional[Path], typer.Option(
+              "--model", "-m", help="Hugging Face checkpoint folder. Default: the bundled demo model.",
+              envvar="EDGEINFER_MODEL")] = None,
+          profile: ProfileOption = None,
+          set_: SetOption = None,
+          precision: Annotated[Optional[BuildPrecision], typer.Option(
+              help="Decoder weights: fp32, or int8 (dynamic quantization, for CPUs). "
+                   "Default: the profile's build.precision.")] = None,
+          out: Annotated[Path, typer.Option(
+              "--out", help="Root folder of built engines; writes OUT/<model>/<profile>/.",
+              envvar="EDGEINFER_ENGINES")] = Path("engines"),
+          force: Annotated[bool, typer.Option(help="Rebuild even when the manifest still matches.")] = False,
+          json_: JsonOption = False) -> None:
+    """Export the vision and decoder engines to ONNX, check them against torch, write the manifest."""
+    with errors_to_exit_codes():
+        result = _build(backend, model or DEMO_MODEL, profile, set_ or [], precision, out, force)
+    if json_:
+        typer.echo(json.dumps({"folder": str(result.folder), "skipped": result.skipped,
+                               "reasons": list(result.reasons), "manifest": result.manifest}, indent=2))
+        return
+    _print_result(result)
+
+
+def _build(backend: BuildBackend, model: Path, profile: str | None, overrides: list[str],
+           precision: BuildPrecision | None, out: Path, force: bool):
+    from edgeinfer.backends.onnx_export import BuildSpec, build_engines
+    from edgeinfer.errors import BackendUnavailableError
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.profiles import load_profile
+
+    if backend is not BuildBackend.onnxruntime:
+        raise BackendUnavailableError(f"edgeinfer build --backend {backend.value} is not available yet; "
+                                      f"build the ONNX graphs it starts from with --backend onnxruntime")
+    chosen = load_profile(profile, overrides)
+    spec = BuildSpec.from_profile(chosen, precision.value if precision else None)
+    return build_engines(load_model(model), spec, out, force=force)
+
+
+def _print_result(result) -> None:
+    console = Console(soft_wrap=True)
+    manifest = result.manifest
+    if result.skipped:
+        console.print(f"up to date: {result.folder} (the manifest matches; --force rebuilds)")
+    else:
+        for reason in result.reasons:
+            console.print(f"(re)built because {reason}")
+        console.print(f"built {result.folder}")
+    table = Table("engine", "runs on", "file", "size")
+    for name, entry in manifest.get("engines", {}).items():
+        file = entry.get("file")
+        size = f"{(result.folder / file).stat().st_size / 2**20:.1f} MiB" if file else "-"
+        runs_on = entry.get("runtime", "?") + (f" ({entry['precision']})" if entry.get("precision") else "")
+        table.add_row(name, runs_on, file or entry.get("reason", "-"), size)
+    console.print(table)
+    checks = manifest.get("checks", {})
+    if checks:
+        decoder = checks.get("decoder", {})
+        worst = max((v for k, v in decoder.items() if isinstance(v, float) and k != "logit_scale"), default=0.0)
+        vision = checks.get("vision", {}).get("max_abs_diff")
+        console.print(f"checked against torch: decoder max |diff| {worst:.2e}"
+                      + (f", vision max |diff| {vision:.2e}" if vision is not None else ""))
