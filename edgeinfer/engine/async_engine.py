@@ -1,0 +1,572 @@
+"""The engine on its own thread, for asyncio callers such as the HTTP daemon.
+
+The :class:`~edgeinfer.engine.engine.Engine` is synchronous and single-threaded.
+``AsyncEngine`` gives it exactly one thread, which loops ``engine.step()`` while there
+is work. Every engine call (``submit``, ``step``, ``cancel``, ``text_delta``,
+``result``) happens on that thread; the event loop only talks to it through an inbox
+that the thread empties between two steps. So a request that arrives while others
+decode joins their batch at the next step (continuous batching).
+
+Tokens travel back through one ``asyncio.Queue`` per request, fed from the engine
+thread with ``loop.call_soon_threadsafe``. Cancelling (a client that went away, a
+deadline) is a message to the engine thread too: it cancels the sequence there, which
+frees its KV blocks at once.
+
+Admission is bounded: ``max_concurrent`` requests are in the engine, ``max_queue`` more
+wait for a slot, and past that :meth:`AsyncEngine.submit` raises
+:class:`QueueFullError` at once (HTTP 503 with ``Retry-After``). :meth:`AsyncEngine.drain`
+stops admitting and waits for the requests in flight, for a shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgeinfer.engine.engine import Engine, GenerationResult
+from edgeinfer.engine.prompt import Message
+from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.engine.sequence import Sequence, Status
+from edgeinfer.errors import CapacityError, EdgeInferError, RequestError
+
+log = logging.getLogger(__name__)
+
+MetricTriple = tuple[str, dict[str, str], float]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class QueueFullError(CapacityError):
+    """Every slot and every queue place is taken, or the engine is shutting down."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(EdgeInferError):
+    """The request ran past its deadline and was cancelled."""
+
+    http_status = 504
+    code = "deadline_exceeded"
+
+    def __init__(self, timeout_s: float, completion_tokens: int) -> None:
+        super().__init__(f"request ran past its deadline of {timeout_s:g} s after {completion_tokens} tokens "
+                         f"and was cancelled (override: --set server.request_timeout_s=N, or fewer max_tokens)")
+        self.timeout_s = timeout_s
+
+
+class RequestCancelled(EdgeInferError):
+    """The caller went away (closed its connection) before the answer was done."""
+
+    http_status = 499  # nginx's "client closed request": no one reads it, metrics do
+    code = "cancelled"
+
+
+class EngineFailure(EdgeInferError):
+    """The engine raised something that is not one of our typed errors: a bug."""
+
+    http_status = 500
+    code = "internal_error"
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One chat (or plain prompt) with its images, as the engine's ``submit`` takes it."""
+
+    prompt: str | list[Message]
+    images: tuple[Any, ...] = ()
+    sampling: SamplingParams = SamplingParams()
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """Server-side times of one request, from its arrival at :meth:`AsyncEngine.submit`."""
+
+    queued_s: float  # waiting for an engine slot
+    ttft_s: float | None  # to the first token
+    tpot_s: float | None  # mean time per output token after the first
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    result: GenerationResult
+    stats: RequestStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the metrics see, published by the engine thread (never read from the engine live)."""
+
+    kv_free: int = 0  # blocks no sequence owns (blank, or idle in the prefix cache)
+    kv_total: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    kv: Any = None  # the engine's ``kv_metrics()`` snapshot, where it has one
+
+
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Delta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: EdgeInferError
+
+
+_Event = _Admitted | _Delta | _Finished | _Failed
+
+
+class _Trimmer:
+    """Makes the streamed text add up to ``GenerationResult.text`` (which is stripped):
+    leading whitespace is dropped, trailing whitespace is held until more text follows."""
+
+    __slots__ = ("started", "held")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.held = ""
+
+    def feed(self, delta: str) -> str:
+        if not self.started:
+            delta = delta.lstrip()
+            self.started = bool(delta)
+        body = delta.rstrip()
+        if not body:
+            self.held += delta
+            return ""
+        out, self.held = self.held + body, delta[len(body):]
+        return out
+
+
+class RequestHandle:
+    """One request in flight, seen from the event loop.
+
+    ``admitted()`` returns once the engine took the request (or raises its error);
+    ``deltas()`` yields the answer's text as it grows; ``completion`` is set when it ends.
+    Leaving ``deltas()`` early, or ``cancel()``, cancels the request in the engine.
+    """
+
+    def __init__(self, owner: AsyncEngine, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.arrived = time.perf_counter()
+        self.deadline = None if request.timeout_s is None else self.arrived + request.timeout_s
+        self.completion: Completion | None = None
+        self.prompt_tokens: int | None = None
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
+        self._ended = False  # event-loop side: a final event was read
+        # Engine thread only:
+        self.seq: Sequence | None = None
+        self.submitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished = False
+        self.trimmer = _Trimmer()
+
+    # --- event loop side ------------------------------------------------------------
+    async def admitted(self) -> None:
+        """Wait until the engine has the request; raises what the engine refused it with."""
+        try:
+            event = await self._queue.get()
+        except BaseException:
+            self.cancel()
+            raise
+        if isinstance(event, _Failed):
+            self._ended = True
+            raise event.error
+        if not isinstance(event, _Admitted):  # a final event cannot come before admission
+            raise EngineFailure(f"request got {type(event).__name__} before it was admitted")
+        self.prompt_tokens = event.prompt_tokens
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The answer's text in pieces; sets ``completion`` at the end; raises the request's error."""
+        try:
+            while not self._ended:
+                event = await self._queue.get()
+                if isinstance(event, _Admitted):
+                    self.prompt_tokens = event.prompt_tokens
+                elif isinstance(event, _Delta):
+                    yield event.text
+                elif isinstance(event, _Finished):
+                    self._ended = True
+                    self.completion = event.completion
+                elif isinstance(event, _Failed):
+                    self._ended = True
+                    raise event.error
+        finally:
+            if not self._ended:
+                self.cancel()
+
+    async def result(self) -> Completion:
+        async for _ in self.deltas():
+            pass
+        assert self.completion is not None
+        return self.completion
+
+    def cancel(self) -> None:
+        """Cancel in the engine (idempotent; a finished request is left alone)."""
+        if not self._ended:
+            self._owner._request_cancel(self)
+
+    # --- engine thread side -----------------------------------------------------------
+    def emit(self, event: _Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class AsyncEngine:
+    """An Engine driven by one background thread; see the module docstring."""
+
+    SNAPSHOT_EVERY_S = 0.2
+
+    def __init__(self, engine: Engine, *, max_concurrent: int, max_queue: int) -> None:
+        if max_concurrent < 1 or max_queue < 0:
+            raise ValueError(f"max_concurrent={max_concurrent} must be >= 1 and max_queue={max_queue} >= 0")
+        self.engine = engine
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self._cond = threading.Condition()
+        # Shared, under _cond:
+        self._inbox: list[RequestHandle] = []
+        self._cancels: list[tuple[RequestHandle | None, EdgeInferError]] = []
+        self._outstanding = 0  # submitted and not finished
+        self._running = 0  # of those, inside the engine
+        self._accepting = True
+        self._stopping = False
+        self._mean_latency_s = 1.0
+        # Engine thread only:
+        self._pending: deque[RequestHandle] = deque()
+        self._active: dict[int, RequestHandle] = {}
+        self._last_snapshot = 0.0
+        self.snapshot = EngineSnapshot()
+        self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
+
+    # --- lifecycle --------------------------------------------------------------------
+    def start(self) -> AsyncEngine:
+        self._publish_snapshot()
+        self._thread.start()
+        return self
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting; wait up to ``grace_s`` for the requests in flight; cancel the rest.
+
+        Returns how many were cancelled.
+        """
+        with self._cond:
+            self._accepting = False
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while self.outstanding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.outstanding
+        if left:
+            self._cancel_everything(RequestCancelled("the server shut down before the answer was done"))
+        return left
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine thread; requests still in flight fail as cancelled."""
+        with self._cond:
+            self._accepting = False
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for an engine slot."""
+        return self._outstanding - self._running
+
+    @property
+    def capacity(self) -> int:
+        return self.max_concurrent + self.max_queue
+
+    # --- submitting (event loop side) ----------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Seq[GenerationRequest]) -> list[RequestHandle]:
+        """Take all of ``requests`` or none (QueueFullError). Call from the event loop."""
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(self, request, loop) for request in requests]
+        with self._cond:
+            self._refuse_unless_room(len(handles))
+            self._outstanding += len(handles)
+            self._inbox.extend(handles)
+            self._cond.notify_all()
+        return handles
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        handle = self.submit(request)
+        await handle.admitted()
+        return await handle.result()
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[str]:
+        handle = self.submit(request)
+        await handle.admitted()
+        async for delta in handle.deltas():
+            yield delta
+
+    def _refuse_unless_room(self, n: int) -> None:
+        retry = self.retry_after_s()
+        if not self._accepting:
+            raise QueueFullError("the server is shutting down and takes no new requests", retry)
+        if n > self.capacity:
+            raise RequestError(f"{n} requests at once is over the server's capacity of {self.capacity} "
+                               f"(max_concurrent {self.max_concurrent} + max_queue {self.max_queue})")
+        if self._outstanding + n > self.capacity:
+            raise QueueFullError(
+                f"server busy: {self._outstanding} requests in flight or queued, the limit is {self.capacity} "
+                f"(max_concurrent {self.max_concurrent} + max_queue {self.max_queue}); "
+                f"retry after {retry} s", retry)
+
+    def retry_after_s(self) -> int:
+        """A hint for Retry-After: the mean request time times the queue ahead, per slot."""
+        waves = 1 + self.queue_depth / self.max_concurrent
+        return int(min(60, max(1, math.ceil(self._mean_latency_s * waves))))
+
+    # --- cancelling (any thread) ------------------------------------------------------------
+    def _request_cancel(self, handle: RequestHandle,
+                        error: EdgeInferError | None = None) -> None:
+        with self._cond:
+            self._cancels.append((handle, error or RequestCancelled("the request was cancelled")))
+            self._cond.notify_all()
+
+    def _cancel_everything(self, error: EdgeInferError) -> None:
+        """Ask the engine thread to cancel every request it holds (``None`` stands for all)."""
+        with self._cond:
+            self._cancels.append((None, error))
+            self._cond.notify_all()
+
+    # --- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._next_round():
+                self._step()
+                self._publish_snapshot()
+        finally:
+            self._fail_all(RequestCancelled("the engine stopped before the answer was done"))
+            self._close_engine()
+            self._publish_snapshot(force=True)
+
+    def _close_engine(self) -> None:
+        """Let the engine finish its own work (KV transfers, write-through), on this thread."""
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:
+            log.exception("closing the engine failed")
+
+    def _next_round(self) -> bool:
+        """Take new requests and cancellations, waiting while there is nothing to do."""
+        with self._cond:
+            while not (self._inbox or self._cancels or self._pending or self._active or self._stopping):
+                self._publish_snapshot(force=True)
+                self._cond.wait()
+            if self._stopping:
+                return False
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self._pending.extend(inbox)
+        for handle, error in cancels:
+            for target in ([*self._pending, *self._active.values()] if handle is None else [handle]):
+                self._cancel_now(target, error)
+        self._expire(time.perf_counter())
+        self._admit()
+        return True
+
+    def _admit(self) -> None:
+        while self._pending and len(self._active) < self.max_concurrent:
+            handle = self._pending.popleft()
+            request = handle.request
+            try:
+                seq = self.engine.submit(request.prompt, request.images, request.sampling)
+            except Exception as exc:  # the request's fault (typed) or a bug (EngineFailure)
+                self._finish(handle, _Failed(_typed(exc)))
+                continue
+            handle.seq, handle.submitted_at = seq, time.perf_counter()
+            self._active[seq.seq_id] = handle
+            with self._cond:
+                self._running += 1
+            handle.emit(_Admitted(seq.prompt_len))
+
+    def _step(self) -> None:
+        if not self._active or not self.engine.has_work():
+            return
+        try:
+            stepped = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the %d requests in it", len(self._active))
+            self._fail_all(_typed(exc))
+            return
+        now = time.perf_counter()
+        for seq in stepped:
+            handle = self._active.get(seq.seq_id)
+            if handle is None:
+                continue
+            if handle.first_token_at is None:
+                handle.first_token_at = now
+            delta = handle.trimmer.feed(self.engine.text_delta(seq))
+            if delta:
+                handle.emit(_Delta(delta))
+            if seq.status is Status.FINISHED:
+                self._complete(handle, now)
+        # A sequence the engine ended without a token this step (none should): still answer it.
+        for handle in [h for h in self._active.values() if h.seq is not None and h.seq.status is Status.FINISHED]:
+            self._complete(handle, now)
+        if not stepped:
+            time.sleep(0.001)  # the engine waits on something (a KV transfer): do not spin hot
+
+    def _complete(self, handle: RequestHandle, now: float) -> None:
+        seq = handle.seq
+        assert seq is not None
+        result = self.engine.result(seq)
+        del self._active[seq.seq_id]
+        first = handle.first_token_at
+        n = len(result.token_ids)
+        stats = RequestStats(
+            queued_s=(handle.submitted_at or now) - handle.arrived,
+            ttft_s=None if first is None else first - handle.arrived,
+            tpot_s=(now - first) / (n - 1) if first is not None and n > 1 else None,
+            total_s=now - handle.arrived,
+        )
+        self._mean_latency_s = 0.8 * self._mean_latency_s + 0.2 * stats.total_s
+        self._finish(handle, _Finished(Completion(result, stats)))
+
+    def _cancel_now(self, handle: RequestHandle, error: EdgeInferError) -> None:
+        if handle.finished:
+            return
+        if handle in self._pending:
+            self._pending.remove(handle)
+        elif handle.seq is not None and handle.seq.seq_id in self._active:
+            self._release(handle.seq)
+        self._finish(handle, _Failed(error))
+
+    def _release(self, seq: Sequence) -> None:
+        """Cancel ``seq`` in the engine: frees its KV blocks; ``result`` drops its text state."""
+        del self._active[seq.seq_id]
+        try:
+            if seq.status is not Status.FINISHED:
+                self.engine.cancel(seq)
+            self.engine.result(seq)
+        except Exception:  # cancelling must never take the engine thread down
+            log.exception("cancelling sequence %d failed", seq.seq_id)
+
+    def _expire(self, now: float) -> None:
+        for handle in [*self._pending, *self._active.values()]:
+            if handle.deadline is not None and now > handle.deadline:
+                generated = len(handle.seq.generated) if handle.seq is not None else 0
+                self._cancel_now(handle, DeadlineExceeded(handle.request.timeout_s or 0.0, generated))
+
+    def _fail_all(self, error: EdgeInferError) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self._pending.extend(inbox)
+        for handle in [*self._pending, *self._active.values(), *(h for h, _ in cancels if h is not None)]:
+            self._cancel_now(handle, error)
+
+    def _finish(self, handle: RequestHandle, event: _Finished | _Failed) -> None:
+        handle.finished = True
+        with self._cond:
+            self._outstanding -= 1
+            if handle.submitted_at is not None:
+                self._running -= 1
+        handle.emit(event)
+
+    def _publish_snapshot(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_snapshot < self.SNAPSHOT_EVERY_S:
+            return
+        self._last_snapshot = now
+        pool = self.engine.pool
+        self.snapshot = EngineSnapshot(
+            kv_free=pool.num_free, kv_total=pool.num_blocks,
+            counters=dict(getattr(self.engine, "counters", {})),
+            kv=_kv_metrics(self.engine),
+        )
+
+
+def _typed(exc: BaseException) -> EdgeInferError:
+    if isinstance(exc, EdgeInferError):
+        return exc
+    template_error = _template_error_type()
+    if template_error is not None and isinstance(exc, template_error):
+        return RequestError(f"the model's chat template cannot render these messages: {exc}")
+    log.error("engine raised %s", type(exc).__name__, exc_info=exc)
+    return EngineFailure(f"internal error in the engine ({type(exc).__name__}); see the server log")
+
+
+def _template_error_type() -> type[BaseException] | None:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return None
+    return TemplateError
+
+
+def _kv_metrics(engine: Engine) -> Any:
+    """The engine's own KV metrics snapshot where it has ``kv_metrics()``, else None."""
+    method: Callable[[], Any] | None = getattr(engine, "kv_metrics", None)
+    if method is None:
+        return None
+    try:
+        return method()
+    except Exception:
+        log.exception("kv_metrics() failed")
+        return None
+
+
+def metric_triples(raw: Any) -> Iterable[MetricTriple]:
+    """A KV snapshot as (name, labels, value): it may iterate as triples, or be a name -> number map."""
+    if isinstance(raw, dict):
+        for name, value in raw.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                full = name if str(name).startswith("edgeinfer_") else f"edgeinfer_kv_{name}"
+                yield full, {}, float(value)
+        return
+    for item in raw or ():
+        if isinstance(item, tuple) and len(item) == 3 and isinstance(item[1], dict):
+            yield str(item[0]), {str(k): str(v) for k, v in item[1].items()}, float(item[2])

@@ -1,0 +1,168 @@
+"""Every error the daemon answers, in OpenAI's shape: ``{"error": {message, type, param, code}}``.
+
+The status comes from :func:`edgeinfer.errors.http_status_for` (each typed error's
+place in the one mapping); FastAPI's own validation and HTTP errors are reshaped here
+too, so a client never sees another shape. A 503 carries ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edgeinfer.errors import EdgeInferError, PreflightError, RequestError, http_status_for
+
+log = logging.getLogger(__name__)
+
+# OpenAI's error types by status; anything else 4xx is an invalid request.
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+          504: "timeout"}
+DEFAULT_RETRY_AFTER_S = 1
+
+
+class InvalidParam(RequestError):
+    """A request field is wrong; ``param`` names it the way OpenAI does (``messages[0].content``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class AuthenticationError(EdgeInferError):
+    http_status = 401
+    code = "invalid_api_key"
+
+
+class ModelNotFound(EdgeInferError):
+    http_status = 404
+    code = "model_not_found"
+
+
+class BodyTooLarge(EdgeInferError):
+    http_status = 413
+    code = "request_too_large"
+
+    def __init__(self, measured: int | str, limit: int) -> None:
+        limit_mb = limit // 2**20
+        super().__init__(f"request body is {measured} bytes, over the limit of {limit} bytes ({limit_mb} MiB) "
+                         f"(override: --set server.max_body_mb=N)")
+        self.limit = limit
+
+
+class ModelNotReady(EdgeInferError):
+    http_status = 503
+    code = "model_not_ready"
+
+
+def error_type(status: int) -> str:
+    if status in _TYPES:
+        return _TYPES[status]
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(message: str, status: int, *, code: str | None, param: str | None = None,
+               detail: dict[str, Any] | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"message": message, "type": error_type(status), "param": param, "code": code}
+    if detail:
+        error["edgeinfer"] = detail
+    return {"error": error}
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    """The response for any exception; untyped ones are logged and told apart from the client's fault."""
+    status = http_status_for(error)
+    if isinstance(error, EdgeInferError):
+        body = error_body(error.message, status, code=_code(error), param=_param(error),
+                          detail=error.to_dict() if isinstance(error, PreflightError) else None)
+    else:
+        log.error("unhandled %s", type(error).__name__, exc_info=error)
+        body = error_body(f"internal server error ({type(error).__name__}); see the server log", status,
+                          code="internal_error")
+    return JSONResponse(body, status_code=status, headers=_headers(error, status))
+
+
+def _code(error: EdgeInferError) -> str:
+    return getattr(error, "reason", None) if isinstance(error, PreflightError) else error.code
+
+
+def _param(error: EdgeInferError) -> str | None:
+    if isinstance(error, PreflightError):
+        return error.source
+    return getattr(error, "param", None)
+
+
+def _headers(error: BaseException, status: int) -> dict[str, str]:
+    if status == 503:
+        return {"Retry-After": str(getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S))}
+    if status == 401:
+        return {"WWW-Authenticate": "Bearer"}
+    return {}
+
+
+def param_path(loc: Sequence[Any]) -> str:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header", "form", "file")]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "tagged-union[")):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def validation_response(exc: RequestValidationError) -> JSONResponse:
+    """Body that is not JSON: 400; JSON of the wrong shape: 422 naming the first fields at fault."""
+    errors = exc.errors()
+    invalid_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if invalid_json is not None:
+        reason = (invalid_json.get("ctx") or {}).get("error", "not JSON")
+        position = invalid_json["loc"][-1] if len(invalid_json.get("loc", ())) > 1 else "?"
+        return JSONResponse(error_body(f"request body is not valid JSON: {reason} (at character {position})",
+                                       400, code="invalid_json"), status_code=400)
+    if any(_raw_body(e) for e in errors):
+        return JSONResponse(error_body("request body must be a JSON object sent with "
+                                       "Content-Type: application/json", 400, code="invalid_json"),
+                            status_code=400)
+    described = [f"{param_path(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:3]]
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    first = param_path(errors[0].get("loc", ())) if errors else None
+    return JSONResponse(error_body("invalid request: " + "; ".join(described) + more, 422,
+                                   code="invalid_value", param=first or None), status_code=422)
+
+
+def _raw_body(error: dict[str, Any]) -> bool:
+    return tuple(error.get("loc", ())) == ("body",) and isinstance(error.get("input"), (bytes, str))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(EdgeInferError)
+    async def typed(request: Request, exc: EdgeInferError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}; see /docs"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        code = BodyTooLarge.code if exc.status_code == 413 else None
+        return JSONResponse(error_body(message, exc.status_code, code=code), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def untyped(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)

@@ -1,0 +1,478 @@
+#!/usr/bin/env python3
+"""A bounded loopback load test of ``edgeinfer serve``.
+
+    python scripts/load_test.py                       # the demo model (or a tiny random one)
+    python scripts/load_test.py --model DIR --requests 200 --concurrency 16 --malformed 0.2
+
+It starts the daemon as a child process on 127.0.0.1 (a free port), answers a few
+questions with the engine in this process to know the right answers, warms the server
+up, then sends ``--requests`` requests at ``--concurrency``, a share of them malformed
+(bad base64, an oversized image, invalid JSON, wrong types, a missing image), through
+/v1/chat/completions (plain and streaming) and /v1/vqa. It checks that:
+
+- every valid request is answered with the engine's own answer, or refused with 503 and
+  Retry-After (retried at most ``--retries`` times, after the advertised delay);
+- every malformed one gets a 4xx whose message names the problem; nothing gets another 5xx;
+- the server is healthy afterwards, its RSS grew less than 10% after warm-up, and
+  /metrics shows every KV block free (no sequence holds one; blocks idle in the prefix
+  cache count as free, as the pool counts them);
+- SIGTERM stops it with exit status 0.
+
+Traffic goes to 127.0.0.1 only; the run stops after ``--time-limit`` seconds whatever
+happens. The figures are printed (and written as JSON with ``--json``); the exit status
+is 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import random
+import re
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edgeinfer.demo import DEMO_MODEL_DIR  # noqa: E402
+
+HOST = "127.0.0.1"
+MALFORMED_KINDS = ("bad_base64", "oversized_image", "invalid_json", "wrong_types", "missing_image")
+# What each malformed kind must get: a status and a word the error message must contain.
+EXPECTED_ERRORS = {
+    "bad_base64": (400, "base64"),
+    "oversized_image": (422, "max_side"),
+    "invalid_json": (400, "JSON"),
+    "wrong_types": (422, "max_tokens"),
+    "missing_image": (422, "image"),
+}
+RSS_GROWTH_LIMIT = 0.10
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    png: bytes
+    text: str
+    expected: str  # the engine's own answer
+    truth: str | None  # the synthetic picture's answer, when the demo model is served
+
+
+@dataclass(slots=True)
+class Outcome:
+    kind: str  # "chat", "stream", "vqa" or a malformed kind
+    status: int
+    ok: bool
+    seconds: float
+    detail: str = ""
+    retries: int = 0
+    correct_truth: bool | None = None
+
+
+@dataclass(slots=True)
+class Figures:
+    outcomes: list[Outcome] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: Path, profile: str, overrides: list[str], api_key: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "edgeinfer.cli.main", "serve", "--model", str(model), "--profile", profile,
+               "--host", HOST, "--port", str(port), "--log-level", "warning", "--backend", "torch"]
+    for item in overrides:
+        command += ["--set", item]
+    log = tempfile.NamedTemporaryFile(prefix="edgeinfer-load-", suffix=".log", delete=False)  # noqa: SIM115
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "EDGEINFER_API_KEY": api_key})
+    print(f"server: pid {process.pid}, http://{HOST}:{port}, log {log.name}")
+    return process, f"http://{HOST}:{port}"
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode} while loading")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"the server was not ready after {timeout_s} s")
+
+
+def rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def scrape(url: str, headers: dict) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def device_blocks(metrics: dict[str, float]) -> dict[str, float]:
+    """Device KV blocks by state: free and used, or (with the KV manager) running, idle, ..."""
+    found = {}
+    for key, value in metrics.items():
+        match = re.match(r'^edgeinfer_kv_blocks\{state="(\w+)",tier="device"\}$', key)
+        if match:
+            found[match.group(1)] = value
+    return found
+
+
+def held_blocks(blocks: dict[str, float]) -> float:
+    """Blocks a sequence owns or a transfer holds; idle prefix-cache blocks are free to take."""
+    return sum(v for state, v in blocks.items() if state not in ("free", "idle")) if blocks else -1.0
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat_body(question: Question, max_tokens: int, stream: bool) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": data_uri(question.png)}},
+               {"type": "text", "text": question.text}]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream}
+
+
+def questions_for(model: Path, is_demo: bool, n: int, max_tokens: int, seed: int) -> list[Question]:
+    """Pictures and questions, with the answers the engine gives directly (greedy)."""
+    from edgeinfer.engine import Engine, SamplingParams
+
+    engine = Engine.load(model, profile="cpu", backend="torch",
+                         overrides=["kv.device_blocks=512", "memory.disk_tier_mb=0"])
+    sampling = SamplingParams(max_new_tokens=max_tokens)
+    if is_demo:
+        from edgeinfer.demo import synthetic
+
+        samples = [(s.image, s.question, s.answer) for s in synthetic.held_out(seed, n)]
+    else:
+        import numpy as np
+
+        rng = np.random.RandomState(seed)
+        words = ("what is in the image ?", "describe this picture", "what color", "how many")
+        samples = [(Image.fromarray(rng.randint(0, 256, (64 + 16 * i, 96, 3), dtype=np.uint8)),
+                    words[i % len(words)], None) for i in range(n)]
+    out = []
+    for image, text, truth in samples:
+        data = png(image.convert("RGB"))
+        expected = engine.generate(text, [Image.open(io.BytesIO(data))], sampling).text
+        out.append(Question(data, text, expected, truth))
+    return out
+
+
+def malformed_request(kind: str, question: Question, oversized_png: bytes) -> tuple[str, dict]:
+    """(path, httpx request arguments) for one malformed request."""
+    if kind == "bad_base64":
+        body = chat_body(question, 4, False)
+        body["messages"][0]["content"][0]["image_url"]["url"] = "data:image/png;base64,iVBOR!!not-base64!!"
+        return "/v1/chat/completions", {"json": body}
+    if kind == "oversized_image":
+        body = chat_body(question, 4, False)
+        body["messages"][0]["content"][0]["image_url"]["url"] = data_uri(oversized_png)
+        return "/v1/chat/completions", {"json": body}
+    if kind == "invalid_json":
+        return "/v1/chat/completions", {"content": b'{"messages": [{"role": "user", "content": "hi"}',
+                                        "headers": {"content-type": "application/json"}}
+    if kind == "wrong_types":
+        body = chat_body(question, 4, False)
+        body["max_tokens"] = "plenty"
+        return "/v1/chat/completions", {"json": body}
+    if kind == "missing_image":
+        return "/v1/vqa", {"data": {"question": question.text, "max_tokens": "4"}}
+    raise ValueError(kind)
+
+
+async def send_valid(client: httpx.AsyncClient, kind: str, question: Question, max_tokens: int,
+                     retries: int) -> Outcome:
+    started = time.perf_counter()
+    for attempt in range(retries + 1):
+        status, answer, detail, retry_after = await _valid_once(client, kind, question, max_tokens)
+        if status != 503 or attempt == retries:
+            break
+        await asyncio.sleep(min(float(retry_after or 1), 5.0))
+    seconds = time.perf_counter() - started
+    if status == 200:
+        truth = None if question.truth is None else answer.strip().lower() == question.truth
+        ok = answer == question.expected
+        return Outcome(kind, status, ok, seconds, "" if ok else f"answer {answer!r} != {question.expected!r}",
+                       attempt, truth)
+    ok = status == 503 and retry_after is not None and retry_after.isdigit()
+    return Outcome(kind, status, ok, seconds, detail if not ok else "refused with Retry-After", attempt)
+
+
+async def _valid_once(client, kind, question, max_tokens) -> tuple[int, str, str, str | None]:
+    if kind == "vqa":
+        response = await client.post("/v1/vqa", files={"image": ("frame.png", question.png, "image/png")},
+                                     data={"question": question.text, "max_tokens": str(max_tokens)})
+        return response.status_code, _field(response, "answer"), response.text[:200], \
+            response.headers.get("retry-after")
+    if kind == "chat":
+        response = await client.post("/v1/chat/completions", json=chat_body(question, max_tokens, False))
+        answer = response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else ""
+        return response.status_code, answer, response.text[:200], response.headers.get("retry-after")
+    async with client.stream("POST", "/v1/chat/completions", json=chat_body(question, max_tokens, True)) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, "", response.text[:200], response.headers.get("retry-after")
+        pieces, done = [], False
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return 500, "", f"error event: {event['error']}", None
+                pieces += [c["delta"].get("content") or "" for c in event["choices"]]
+        return (200 if done else 599), "".join(pieces), "" if done else "stream ended without [DONE]", None
+
+
+def _field(response: httpx.Response, name: str) -> str:
+    return response.json().get(name, "") if response.status_code == 200 else ""
+
+
+async def send_malformed(client: httpx.AsyncClient, kind: str, question: Question, oversized: bytes) -> Outcome:
+    path, arguments = malformed_request(kind, question, oversized)
+    started = time.perf_counter()
+    response = await client.post(path, **arguments)
+    seconds = time.perf_counter() - started
+    status, word = EXPECTED_ERRORS[kind]
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = ""
+    ok = response.status_code == status and word.lower() in message.lower()
+    return Outcome(kind, response.status_code, ok, seconds, message[:160])
+
+
+def plan(n: int, malformed_share: float, seed: int) -> list[str]:
+    """The kinds of ``n`` requests in a shuffled order: malformed kinds in turn, valid ones
+    split 60/25/15 over plain chat, streaming chat and /v1/vqa."""
+    rng = random.Random(seed)
+    bad = round(n * malformed_share)
+    kinds = [MALFORMED_KINDS[i % len(MALFORMED_KINDS)] for i in range(bad)]
+    kinds += rng.choices(("chat", "stream", "vqa"), weights=(60, 25, 15), k=n - bad)
+    rng.shuffle(kinds)
+    return kinds
+
+
+async def run_load(url: str, api_key: str, kinds: list[str], questions: list[Question], concurrency: int,
+                   max_tokens: int, retries: int, oversized: bytes, time_limit_s: float) -> list[Outcome]:
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {api_key}"}, limits=limits,
+                                 timeout=httpx.Timeout(120.0)) as client:
+
+        async def one(i: int, kind: str) -> Outcome:
+            async with semaphore:
+                question = questions[i % len(questions)]
+                try:
+                    if kind in MALFORMED_KINDS:
+                        return await send_malformed(client, kind, question, oversized)
+                    return await send_valid(client, kind, question, max_tokens, retries)
+                except httpx.HTTPError as exc:
+                    return Outcome(kind, 0, False, 0.0, f"{type(exc).__name__}: {exc}")
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i, k) for i, k in enumerate(kinds))), time_limit_s)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(outcomes: list[Outcome], wall_s: float, rss: dict[str, float], metrics: dict[str, float],
+           healthy: bool, exit_status: int | None, concurrency: int) -> tuple[dict, list[str]]:
+    valid = [o for o in outcomes if o.kind not in MALFORMED_KINDS]
+    malformed = [o for o in outcomes if o.kind in MALFORMED_KINDS]
+    answered = [o for o in valid if o.status == 200]
+    truths = [o.correct_truth for o in answered if o.correct_truth is not None]
+    growth = (rss["after"] - rss["warm"]) / rss["warm"]
+    blocks = device_blocks(metrics)
+    held = held_blocks(blocks)
+    figures = {
+        "requests": len(outcomes), "concurrency": concurrency, "wall_s": round(wall_s, 2),
+        "throughput_rps": round(len(outcomes) / wall_s, 2),
+        "valid": len(valid), "answered": len(answered), "answered_right": sum(o.ok for o in answered),
+        "refused_503_final": sum(o.status == 503 for o in valid),
+        "retries_after_503": sum(o.retries for o in valid),
+        "malformed": len(malformed), "malformed_4xx_named": sum(o.ok for o in malformed),
+        "status_counts": dict(sorted(Counter(o.status for o in outcomes).items())),
+        "malformed_status": {k: dict(Counter(o.status for o in malformed if o.kind == k)) for k in MALFORMED_KINDS},
+        # 503 + Retry-After is the allowed refusal; any other 5xx is a server error.
+        "server_5xx_other_than_503": sum(500 <= o.status < 600 and o.status != 503 for o in outcomes),
+        "latency_s": {"p50": round(percentile([o.seconds for o in answered], 0.5), 3),
+                      "p95": round(percentile([o.seconds for o in answered], 0.95), 3),
+                      "max": round(max((o.seconds for o in answered), default=float("nan")), 3)},
+        "ground_truth_accuracy": round(statistics.mean(truths), 3) if truths else None,
+        "rss_mb": {k: round(v, 1) for k, v in rss.items()}, "rss_growth_after_warmup": round(growth, 4),
+        "kv_device_blocks": blocks, "kv_blocks_held": held, "healthy_after": healthy,
+        "sigterm_exit_status": exit_status,
+        "ttft_mean_s": _mean(metrics, "edgeinfer_time_to_first_token_seconds"),
+        "tpot_mean_s": _mean(metrics, "edgeinfer_time_per_output_token_seconds"),
+    }
+    failures = [f"{o.kind}: status {o.status}: {o.detail}" for o in outcomes if not o.ok]
+    if figures["server_5xx_other_than_503"]:
+        failures.append(f"{figures['server_5xx_other_than_503']} responses were 5xx other than 503")
+    if growth >= RSS_GROWTH_LIMIT:
+        failures.append(f"RSS grew {growth:.1%} after warm-up (limit {RSS_GROWTH_LIMIT:.0%})")
+    if held != 0 or not blocks:
+        failures.append(f"KV blocks not all free at the end: {blocks}")
+    if not healthy:
+        failures.append("the server was not healthy after the run")
+    if exit_status != 0:
+        failures.append(f"SIGTERM exit status {exit_status}, expected 0")
+    return figures, failures
+
+
+def _mean(metrics: dict[str, float], name: str) -> float | None:
+    count = metrics.get(f"{name}_count", 0)
+    return round(metrics[f"{name}_sum"] / count, 4) if count else None
+
+
+def stop(process: subprocess.Popen, grace_s: float = 30) -> int | None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="checkpoint folder (default: the demo model, else a tiny random checkpoint)")
+    parser.add_argument("--profile", default="cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=None,
+                        help="profile override for the server (repeatable; default: kv.device_blocks=2048, "
+                             "a pool small enough that RSS growth is not hidden under it, and kv.disk_dir in a "
+                             "temporary folder)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--malformed", type=float, default=0.2, help="share of malformed requests")
+    parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--retries", type=int, default=2, help="retries of a 503, after its Retry-After")
+    parser.add_argument("--questions", type=int, default=8, help="distinct pictures and questions")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole load phase")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
+    if args.requests < 1 or args.requests > 10_000 or not 1 <= args.concurrency <= 64:
+        parser.error("--requests must be in 1..10000 and --concurrency in 1..64 (a bounded test)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    is_demo = args.model is None and (DEMO_MODEL_DIR / "model.safetensors").is_file()
+    model = args.model or (DEMO_MODEL_DIR if is_demo else None)
+    if model is None:
+        from edgeinfer.testing.checkpoints import make_checkpoint
+
+        model = Path(make_checkpoint("smolvlm", Path(tempfile.mkdtemp(prefix="edgeinfer-tiny-"))))
+        print(f"the demo model is absent: serving a tiny random checkpoint ({model})")
+    scratch = Path(tempfile.mkdtemp(prefix="edgeinfer-load-kv-"))  # the disk tier, never the user's cache
+    overrides = args.overrides if args.overrides is not None else ["kv.device_blocks=2048",
+                                                                   f"kv.disk_dir={scratch}"]
+    print(f"reference answers from the engine in this process ({args.questions} questions)")
+    questions = questions_for(model, is_demo, args.questions, args.max_tokens, args.seed)
+    oversized = png(Image.new("RGB", (1600, 40), (90, 90, 90)))  # over max_side on every shipped profile
+    api_key = secrets.token_urlsafe(24)
+    process, url = start_server(model, args.profile, overrides, api_key)
+    exit_status = None
+    try:
+        print(f"ready in {wait_ready(url, process, 300):.1f} s")
+        headers = {"Authorization": f"Bearer {api_key}"}
+        warm = asyncio.run(run_load(url, api_key, ["chat", "stream", "vqa"] * (args.warmup // 3 + 1), questions,
+                                    args.concurrency, args.max_tokens, args.retries, oversized, args.time_limit))
+        rss = {"warm": rss_mb(process.pid)}
+        print(f"warm-up: {len(warm)} requests, statuses {dict(Counter(o.status for o in warm))}, "
+              f"RSS {rss['warm']:.0f} MiB")
+        kinds = plan(args.requests, args.malformed, args.seed)
+        started = time.perf_counter()
+        outcomes = asyncio.run(run_load(url, api_key, kinds, questions, args.concurrency, args.max_tokens,
+                                        args.retries, oversized, args.time_limit))
+        wall_s = time.perf_counter() - started
+        rss["after"] = rss_mb(process.pid)
+        metrics = _settled_metrics(url, headers)
+        healthy = (httpx.get(f"{url}/health", timeout=5).status_code == 200
+                   and httpx.get(f"{url}/ready", timeout=5).status_code == 200)
+    finally:
+        exit_status = stop(process)
+    figures, failures = report(outcomes, wall_s, rss, metrics, healthy, exit_status, args.concurrency)
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps({"figures": figures, "failures": failures}, indent=2))
+    for failure in failures[:30]:
+        print(f"FAIL {failure}")
+    print("all checks passed" if not failures else f"{len(failures)} checks failed")
+    return 1 if failures else 0
+
+
+def _settled_metrics(url: str, headers: dict, timeout_s: float = 10.0) -> dict[str, float]:
+    """/metrics once the engine thread has published its idle state (it does within 0.2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape(url, headers)
+        settled = metrics.get("edgeinfer_requests_running") == 0 and held_blocks(device_blocks(metrics)) == 0
+        if settled or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

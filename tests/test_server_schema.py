@@ -1,0 +1,69 @@
+"""Schemathesis against the live server's /openapi.json: whatever the schema allows, no 5xx.
+
+Examples are bounded (count per operation, and generated answers are capped at a few
+tokens) so the whole module takes seconds on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from edgeinfer.profiles import load_profile  # noqa: E402
+from edgeinfer.server import ServerSettings  # noqa: E402
+from tests.test_server import BASE_OVERRIDES, running_server  # noqa: E402
+
+MAX_EXAMPLES = 25
+MAX_TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def schema_server(checkpoint) -> Iterator[str]:
+    profile = load_profile("cpu", [*BASE_OVERRIDES, "images.max_file_mb=1", "server.max_body_mb=2",
+                                   "runtime.max_context_tokens=512", "runtime.prefill_chunk_tokens=256"])
+    with running_server(ServerSettings(model_dir=checkpoint("smolvlm"), profile=profile, backend="torch")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def api_schema(schema_server):
+    return schemathesis.openapi.from_url(f"{schema_server}/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def bounded(body):
+    """Keep a generated chat short: the point is the server's answers, not long generations."""
+    if not isinstance(body, dict):
+        return
+    for item in body.get("requests", []) if isinstance(body.get("requests"), list) else [body]:
+        if not isinstance(item, dict):
+            continue
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(item.get(key), int) and not isinstance(item.get(key), bool):
+                item[key] = max(1, min(item[key], MAX_TOKENS))
+        if isinstance(item.get("min_tokens"), int):
+            item["min_tokens"] = 0
+        if item.get("ignore_eos") is True:
+            item["ignore_eos"] = False
+        if "max_tokens" not in item and "max_completion_tokens" not in item and "messages" in item:
+            item["max_tokens"] = MAX_TOKENS
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_no_server_errors(case, schema_server):
+    bounded(case.body)
+    if case.path == "/v1/vqa" and isinstance(case.body, dict):
+        case.body["max_tokens"] = MAX_TOKENS
+    response = case.call(base_url=schema_server, timeout=60)
+    assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
