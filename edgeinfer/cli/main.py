@@ -32,6 +32,16 @@ app.command("doctor")(doctor)
 from edgeinfer.cli.run import run  # noqa: E402
 
 app.command("run")(run)
+from edgeinfer.cli.serve import serve  # noqa: E402
+
+app.command("serve")(serve)
+
+from edgeinfer.cli.build import build  # noqa: E402
+
+app.command("build")(build)
+from edgeinfer.cli.bench import bench_app  # noqa: E402
+
+app.add_typer(bench_app, name="bench")
 
 
 if __name__ == "__main__":
