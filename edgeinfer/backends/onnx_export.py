@@ -545,8 +545,9 @@ def cpu_session(path: Path, threads: int | None = None):
 def check_decoder(decoder: Decoder, path: Path, block_size: int) -> dict[str, float]:
     """Largest differences between the graph and the torch decoder on a prefill and a batched decode step."""
     session = cpu_session(path)
-    cases = {"prefill": dict(batch=1, tokens=6, context=[0]), "prefill_after_past": dict(batch=1, tokens=4, context=[9]),
-             "batched_decode": dict(batch=3, tokens=1, context=[11, 3, 1])}
+    cases = {"prefill": {"batch": 1, "tokens": 6, "context": [0]},
+             "prefill_after_past": {"batch": 1, "tokens": 4, "context": [9]},
+             "batched_decode": {"batch": 3, "tokens": 1, "context": [11, 3, 1]}}
     report = {}
     for name, case in cases.items():
         inputs = decoder_example(decoder, block_size=block_size, seed=len(name), **case)

@@ -176,7 +176,8 @@ def compare(spec: BenchSpec, kinds: tuple[str, ...] = ("transformers", "ours")) 
                       "peak_rss": x["peak_rss_mb"] / peer["peak_rss_mb"]}
                for kind, x in summary.items() if kind != "transformers"}
     ratios = by_kind.get("ours", {})
-    return {"ratios_by_kind": by_kind, "spec": {k: str(v) for k, v in spec.__dict__.items()} if hasattr(spec, "__dict__") else
+    return {"ratios_by_kind": by_kind,
+            "spec": {k: str(v) for k, v in spec.__dict__.items()} if hasattr(spec, "__dict__") else
             {f: str(getattr(spec, f)) for f in spec.__slots__},
             "results": results, "summary": summary, "ratios": ratios, "environment": environment()}
 

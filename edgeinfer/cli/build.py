@@ -28,7 +28,8 @@ class BuildPrecision(str, Enum):
 
 def build(*,
           backend: Annotated[BuildBackend, typer.Option(
-              help="Which engines to build: onnxruntime writes vision.onnx and decoder.onnx.")] = BuildBackend.onnxruntime,
+              help="Which engines to build: onnxruntime writes vision.onnx and decoder.onnx."),
+          ] = BuildBackend.onnxruntime,
           model: Annotated[Optional[Path], typer.Option(
               "--model", "-m", help="Hugging Face checkpoint folder. Default: the bundled demo model.",
               envvar="EDGEINFER_MODEL")] = None,
