@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from edgeinfer.bench.generate import _Clock  # the token clock is shared with the CPU benchmark
+
 QUESTION = "Describe this image."
 KINDS = ("ours", "transformers-dynamic", "transformers-static")
 
@@ -158,22 +160,6 @@ def vision_kwargs(adapter, images, batch: int, device: str, dtype) -> dict:
         if isinstance(value, torch.Tensor):
             kwargs[key] = value.to(device, dtype) if value.is_floating_point() else value.to(device)
     return kwargs
-
-
-class _Clock:
-    """A transformers streamer that timestamps each generated step."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if self._prompt_seen:
-            self.times.append(time.perf_counter())
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
 
 
 def run_transformers(spec: GpuBenchSpec, cache: str) -> dict:
