@@ -11,9 +11,10 @@ from typing import Annotated, Optional
 import typer
 
 from edgeinfer.cli.profiles import ProfileOption, SetOption, errors_to_exit_codes
+from edgeinfer.demo import DEMO_MODEL_DIR
+from edgeinfer.errors import ModelLoadError
 from edgeinfer.preflight import OnOversize
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 
 ImageOption = Annotated[list[str], typer.Option(
     "--image", "-i", help="Image file (JPEG, PNG, WebP, BMP, GIF, TIFF); '-' reads stdin. Repeatable.")]
@@ -46,7 +47,10 @@ def run(
 ) -> None:
     """Answer QUESTION about the given images."""
     with errors_to_exit_codes():
-        answer(question, image, model or DEMO_MODEL, profile, set_ or [], backend, max_tokens, temperature,
+        if model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise ModelLoadError(f"the bundled demo model is not in this install ({DEMO_MODEL_DIR}); "
+                                 "pass --model DIR with a Hugging Face checkpoint folder")
+        answer(question, image, model or DEMO_MODEL_DIR, profile, set_ or [], backend, max_tokens, temperature,
                top_p, seed, stream, on_oversize, as_json, trust_remote_code)
 
 
