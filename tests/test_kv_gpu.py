@@ -51,16 +51,17 @@ def test_bf16_pool_with_cuda_graphs_under_spilling(checkpoint, tmp_path):
     assert all(p is None or p > 0 for p in positions) and counters["restored_blocks"] > 0
 
 
-@pytest.mark.parametrize("name", ["full", "int8", "fp8"])
-def test_codecs_on_the_device_match_the_cpu(name):
+@pytest.mark.parametrize("name,bound", [("full", 0.0), ("int8", 1 / 127), ("fp8", 1 / 16)])
+def test_codecs_on_the_device_keep_their_error_bound(name, bound):
+    """Encoded on the GPU, decoded on the GPU: within the codec's bound of the original (GPU and CPU
+    may round a value to neighbouring quanta, so they are not compared with each other)."""
     if name == "fp8" and not fp8_supported("cuda"):
         pytest.skip("no float8_e4m3fn on this GPU")
     geometry = BlockGeometry(2, 16, 2, 64, torch.bfloat16)
     k = torch.randn(3, *geometry.block_shape).to(torch.bfloat16)
     v = torch.randn(3, *geometry.block_shape).to(torch.bfloat16)
     codec = make_codec(name, geometry, "cuda")
-    on_gpu = codec.encode(k.cuda(), v.cuda())
-    k2, v2 = codec.decode(on_gpu)
-    k3, v3 = codec.decode(codec.encode(k, v))
-    torch.testing.assert_close(k2.cpu(), k3, atol=1e-2, rtol=0)
-    torch.testing.assert_close(v2.cpu(), v3, atol=1e-2, rtol=0)
+    k2, v2 = codec.decode(codec.encode(k.cuda(), v.cuda()))
+    for x, y in ((k.float(), k2.float().cpu()), (v.float(), v2.float().cpu())):
+        amax = x.abs().amax(dim=(2, 4), keepdim=True)
+        assert ((x - y).abs() <= amax * bound + amax * 2**-8).all()  # + one bf16 rounding of the output

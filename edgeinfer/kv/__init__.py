@@ -11,5 +11,5 @@ from edgeinfer.kv.policy import POLICIES, EvictionPolicy, make_policy
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
 from edgeinfer.kv.spill import SpillManager
 
-__all__ = ["BlockPool", "BlockTable", "EvictionPolicy", "ImageSpan", "KVCache", "KVManager", "KVManagerConfig",
-           "KVMetrics", "POLICIES", "SpillManager", "image_spans", "make_policy", "register_kv_metrics"]
+__all__ = ["POLICIES", "BlockPool", "BlockTable", "EvictionPolicy", "ImageSpan", "KVCache", "KVManager",
+           "KVManagerConfig", "KVMetrics", "SpillManager", "image_spans", "make_policy", "register_kv_metrics"]

@@ -28,7 +28,13 @@ import torch
 
 from edgeinfer.kv.codec import BlockGeometry, make_codec
 from edgeinfer.kv.entry import Entry, PrefixIndex, Tier
-from edgeinfer.kv.hashing import BlockKey, ImageSpan, full_key, image_ends_in, partial_key
+from edgeinfer.kv.hashing import (
+    BlockKey,
+    ImageSpan,
+    full_key,
+    image_ends_in,
+    partial_key,
+)
 from edgeinfer.kv.metrics import KVMetrics, TierUsage
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
 from edgeinfer.kv.spill import SpillManager, disk_layout

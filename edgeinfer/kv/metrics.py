@@ -176,7 +176,11 @@ class KVMetrics:
 
 def register_kv_metrics(registry, snapshot: Callable[[], KVMetrics]):
     """Add a collector of ``snapshot()`` to a prometheus_client ``CollectorRegistry``; returns it."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 
     class KVCollector:
         def collect(self):

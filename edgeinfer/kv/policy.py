@@ -159,8 +159,9 @@ class LRUKPolicy(EvictionPolicy):
         return victims
 
     def _forget(self, now: int) -> None:
+        """Drop withdrawn keys' histories older than the window (oldest first, at most 4x window kept)."""
         while self._retired:
-            key, times = next(iter(self._retired.items()))
+            times = next(iter(self._retired.values()))
             if times and times[-1] > now - self.window and len(self._retired) <= 4 * self.window:
                 break
             self._retired.popitem(last=False)

@@ -24,7 +24,13 @@ import torch
 
 from edgeinfer.errors import CapacityError
 from edgeinfer.kv.codec import BlockCodec, BlockGeometry
-from edgeinfer.kv.disk import DiskBusyError, DiskLayout, DiskStore, EmbeddingFiles, default_cache_dir
+from edgeinfer.kv.disk import (
+    DiskBusyError,
+    DiskLayout,
+    DiskStore,
+    EmbeddingFiles,
+    default_cache_dir,
+)
 from edgeinfer.kv.entry import Entry, PrefixIndex, Tier
 from edgeinfer.kv.host import HostStore
 from edgeinfer.kv.metrics import KVStats

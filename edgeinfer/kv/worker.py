@@ -25,7 +25,7 @@ import torch
 
 
 class Job:
-    __slots__ = ("fn", "urgent", "after", "state", "error", "seconds", "done")
+    __slots__ = ("after", "done", "error", "fn", "seconds", "state", "urgent")
 
     def __init__(self, fn: Callable[[], None], urgent: bool, after=None) -> None:
         self.fn = fn
