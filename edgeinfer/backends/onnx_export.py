@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.doctor import file_sha256  # the same hash doctor checks manifests with
 from edgeinfer.errors import EngineBuildError
 from edgeinfer.models.decoder import Decoder
 
@@ -138,14 +139,6 @@ def build_command(model_dir: str | Path, spec: BuildSpec) -> str:
 
 
 # --------------------------------------------------------------------------- hashes and versions
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
