@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache, partial
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ class TrainConfig:
     threads: int
     time_budget: float | None
     validate_every: int
+    dense_weight: float
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.echo, self.window) < 1:
@@ -92,8 +94,23 @@ def _prompt_ids(tokenizer, question: str, image_tokens: int) -> tuple[int, ...]:
     return tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
+class Item(NamedTuple):
+    pixels: np.ndarray  # uint8 [H, W, 3] at the model's size
+    ids: list[int]  # prompt, answer, </s>
+    start: int  # where the answer starts in ids
+    qtype: str
+    targets: dict[str, np.ndarray] | None  # per-patch classes, see synthetic.patch_targets
+
+
+def make_item(sample: synthetic.Sample, scene: synthetic.Scene | None, spec: recipe.DemoSpec, tokenizer,
+              with_bos: bool = True) -> Item:
+    ids, start = encode(tokenizer, sample.question, sample.answer, spec.image_tokens, with_bos)
+    targets = synthetic.patch_targets(scene, spec.image_size // spec.patch_size) if scene else None
+    return Item(recipe.pixels(sample.image, spec), ids, start, sample.qtype, targets)
+
+
 class SyntheticStream(Dataset):
-    """Sample ``i`` of stream ``seed``: uint8 pixels at the model's size, token ids, answer start."""
+    """Item ``i`` of stream ``seed``, with its per-patch targets."""
 
     def __init__(self, seed: int, spec: recipe.DemoSpec, tokenizer) -> None:
         self.seed, self.spec, self.tokenizer = seed, spec, tokenizer
@@ -101,11 +118,10 @@ class SyntheticStream(Dataset):
     def __len__(self) -> int:
         return 2**31
 
-    def __getitem__(self, index: int):
-        sample = synthetic.sample_at(self.seed, index)
+    def __getitem__(self, index: int) -> Item:
+        sample, scene = synthetic.annotated_at(self.seed, index)
         with_bos = random.Random(f"bos:{self.seed}:{index}").random() >= BOS_DROP_RATE
-        ids, start = encode(self.tokenizer, sample.question, sample.answer, self.spec.image_tokens, with_bos)
-        return recipe.pixels(sample.image, self.spec), ids, start, sample.qtype
+        return make_item(sample, scene, self.spec, self.tokenizer, with_bos)
 
 
 def collate(items, pad_id: int, length: int | None = None):
@@ -114,20 +130,23 @@ def collate(items, pad_id: int, length: int | None = None):
     ``length`` fixes the padded length (batches of one shape can be mixed); by default
     the longest sequence sets it.
     """
-    longest = max(len(ids) for _, ids, _, _ in items)
+    longest = max(len(item.ids) for item in items)
     length = length or longest
     if longest > length:
         raise ValueError(f"a sequence of {longest} tokens does not fit the padded length {length}")
     input_ids = torch.full((len(items), length), pad_id, dtype=torch.long)
     attention = torch.zeros((len(items), length), dtype=torch.long)
     labels = torch.full((len(items), length), -100, dtype=torch.long)
-    for b, (_, ids, start, _) in enumerate(items):
-        input_ids[b, : len(ids)] = torch.tensor(ids)
-        attention[b, : len(ids)] = 1
-        labels[b, start - 1 : len(ids) - 1] = torch.tensor(ids[start:])
-    pixels = torch.from_numpy(np.stack([p for p, _, _, _ in items]))
-    return {"pixels": pixels, "input_ids": input_ids, "attention_mask": attention, "labels": labels,
-            "qtypes": [q for _, _, _, q in items]}
+    for b, item in enumerate(items):
+        input_ids[b, : len(item.ids)] = torch.tensor(item.ids)
+        attention[b, : len(item.ids)] = 1
+        labels[b, item.start - 1 : len(item.ids) - 1] = torch.tensor(item.ids[item.start:])
+    batch = {"pixels": torch.from_numpy(np.stack([item.pixels for item in items])), "input_ids": input_ids,
+             "attention_mask": attention, "labels": labels, "qtypes": [item.qtype for item in items]}
+    if all(item.targets is not None for item in items):
+        for key in DENSE_KEYS:
+            batch[key] = torch.from_numpy(np.stack([item.targets[key] for item in items]))
+    return batch
 
 
 class PixelNormalizer:
@@ -152,9 +171,10 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def make_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+def make_optimizer(modules: list[torch.nn.Module], config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98), eps=1e-8, fused=device.type == "cuda")
 
@@ -165,6 +185,46 @@ def learning_rate(step: int, total: int, config: TrainConfig) -> float:
         return config.lr * (step + 1) / config.warmup_steps
     progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# --- the dense auxiliary loss ------------------------------------------------------------
+# A ViT trained from scratch through the answer token alone learns to recognise shapes
+# and glyphs very slowly: one target per picture reaches its patches only through the
+# text model's attention, which starts out uniform. Per-patch targets (what each patch
+# shows) give every patch its own signal, so the tower's features become semantic early
+# and the text model has something to attend to. The heads are dropped after training.
+
+DENSE_KEYS = ("kind", "color", "text", "centre")
+
+
+class DenseHeads(torch.nn.Module):
+    """Linear per-patch classifiers over the vision tower's selected layer."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.sizes = {"kind": len(synthetic.SHAPES) + 1, "color": len(synthetic.COLORS) + 1,
+                      "text": len(synthetic.TEXT_CLASSES) + 1, "centre": 2}
+        self.proj = torch.nn.Linear(hidden, sum(self.sizes.values()))
+
+    def forward(self, patches: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.sizes, self.proj(patches.float()).split(list(self.sizes.values()), dim=-1)))
+
+
+class PatchTap:
+    """Keeps the patch states the vision tower hands to the projector in the last forward."""
+
+    def __init__(self, model) -> None:
+        self.layer = model.config.vision_feature_layer
+        self.patches: torch.Tensor | None = None
+        model.model.vision_tower.register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output) -> None:
+        self.patches = output.hidden_states[self.layer][:, 1:]
+
+
+def dense_loss(heads: DenseHeads, patches: torch.Tensor, batch: dict) -> torch.Tensor:
+    logits = heads(patches)
+    return sum(torch.nn.functional.cross_entropy(logits[key].flatten(0, 1), batch[key].flatten()) for key in DENSE_KEYS)
 
 
 def answer_loss(model, batch: dict, pixel_values: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,10 +257,7 @@ def validate(model, batches: list[dict], normalizer: PixelNormalizer, device: to
 
 def validation_batches(config: TrainConfig, spec: recipe.DemoSpec, tokenizer) -> list[dict]:
     samples = synthetic.held_out(config.seed + VALIDATION_SEED_OFFSET, VALIDATION_SIZE)
-    items = []
-    for sample in samples:
-        ids, start = encode(tokenizer, sample.question, sample.answer, spec.image_tokens, with_bos=True)
-        items.append((recipe.pixels(sample.image, spec), ids, start, sample.qtype))
+    items = [make_item(sample, None, spec, tokenizer) for sample in samples]
     return [collate(items[i : i + 128], tokenizer.pad_token_id) for i in range(0, len(items), 128)]
 
 
@@ -215,7 +272,7 @@ class ReplayWindow:
     training on each drawn batch once.
     """
 
-    KEYS = ("pixels", "input_ids", "attention_mask", "labels")
+    KEYS = ("pixels", "input_ids", "attention_mask", "labels", *DENSE_KEYS)
 
     def __init__(self, seed: int, batch_size: int, echo: int, window: int, device: torch.device) -> None:
         self.seed, self.batch_size, self.echo, self.window, self.device = seed, batch_size, echo, window, device
@@ -247,14 +304,16 @@ class ReplayWindow:
                 step += 1
 
 
-def train_step(model, optimizer: torch.optim.Optimizer, batch: dict, normalizer: PixelNormalizer,
-               device: torch.device) -> torch.Tensor:
+def train_step(model, heads: DenseHeads, tap: PatchTap, optimizer: torch.optim.Optimizer, batch: dict,
+               normalizer: PixelNormalizer, dense_weight: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; returns the answer loss and the dense loss."""
     loss, _ = answer_loss(model, batch, normalizer(batch["pixels"]), device)
+    dense = dense_loss(heads, tap.patches, batch)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    (loss + dense_weight * dense).backward()
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
     optimizer.step()
-    return loss.detach()
+    return loss.detach(), dense.detach()
 
 
 # --- the run ---------------------------------------------------------------------------
@@ -288,7 +347,9 @@ def train(config: TrainConfig, spec: recipe.DemoSpec, out: Path) -> None:
     tokenizer = processor.tokenizer
     model = recipe.build_model(spec, tokenizer).to(device)
     model.train()
-    optimizer = make_optimizer(model, config, device)
+    heads = DenseHeads(spec.vision_hidden).to(device)
+    tap = PatchTap(model)
+    optimizer = make_optimizer([model, heads], config, device)
     normalizer = PixelNormalizer(device)
 
     stream = SyntheticStream(config.seed, spec, tokenizer)
@@ -317,7 +378,7 @@ def train(config: TrainConfig, spec: recipe.DemoSpec, out: Path) -> None:
             break
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total, config)
-        loss = train_step(model, optimizer, batch, normalizer, device)
+        loss, dense = train_step(model, heads, tap, optimizer, batch, normalizer, config.dense_weight, device)
         step += 1
 
         if step == calibrate_from:
@@ -332,12 +393,13 @@ def train(config: TrainConfig, spec: recipe.DemoSpec, out: Path) -> None:
                 bar.total = total
         bar.update(1)
         if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            bar.set_postfix(loss=f"{loss.item():.4f}", dense=f"{dense.item():.3f}",
+                            lr=f"{optimizer.param_groups[0]['lr']:.2e}")
         if step % config.validate_every == 0 or step == total:
             scores = validate(model, validation, normalizer, device)
-            history.append({"step": step, "loss": round(loss.item(), 5), "seconds": round(time.perf_counter() - started, 1),
+            history.append({"step": step, "loss": round(loss.item(), 5), "dense": round(dense.item(), 4), "seconds": round(time.perf_counter() - started, 1),
                             **{k: round(v, 4) for k, v in scores.items()}})
-            bar.write("step {step} loss {loss} ".format(**history[-1])
+            bar.write("step {step} loss {loss} dense {dense} ".format(**history[-1])
                       + " ".join(f"{k} {v:.3f}" for k, v in scores.items()))
     bar.close()
     seconds = time.perf_counter() - started
@@ -386,9 +448,10 @@ a real model on a machine with no network; it knows nothing outside that world.
   `USER: <image>\\n{{question}} ASSISTANT:`, answer then `</s>`.
 - Training: seed {config['seed']}, {config['steps']} steps of {config['batch_size']} samples, each drawn batch
   used for {config['echo']} step(s) ({math.ceil(config['steps'] / config['echo']) * config['batch_size']:,} generated samples), AdamW, peak learning rate {config['lr']},
-  {config['warmup_steps']} warm-up steps then cosine decay; loss on answer tokens only.
+  {config['warmup_steps']} warm-up steps then cosine decay; loss on the answer tokens, plus
+  {config['dense_weight']} x a per-patch auxiliary loss on the vision tower (heads dropped after training).
   {summary['seconds']:.0f} s on {summary['device_name']} (torch {summary['torch']}).
-- Reproduce: `python scripts/train_demo_model.py --seed {config['seed']} --steps {config['steps']} --batch-size {config['batch_size']} --echo {config['echo']} --window {config['window']} --lr {config['lr']} --warmup-steps {config['warmup_steps']} --out DIR`.
+- Reproduce: `python scripts/train_demo_model.py --seed {config['seed']} --steps {config['steps']} --batch-size {config['batch_size']} --echo {config['echo']} --window {config['window']} --lr {config['lr']} --warmup-steps {config['warmup_steps']} --dense-weight {config['dense_weight']} --device {config['device']} --out DIR`.
 
 ## Validation during training
 
@@ -426,12 +489,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, Path]:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds the whole run may take; lowers --steps to fit")
     parser.add_argument("--validate-every", type=int, default=250)
+    parser.add_argument("--dense-weight", type=float, default=1.0,
+                        help="weight of the per-patch auxiliary loss (0: answer tokens only)")
     parser.add_argument("--out", type=Path, default=Path("edgeinfer/demo_model"))
     args = parser.parse_args(argv)
     config = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
                          weight_decay=args.weight_decay, echo=args.echo, window=args.window, workers=args.workers, device=args.device,
-                         threads=args.threads, time_budget=args.time_budget, validate_every=args.validate_every)
+                         threads=args.threads, time_budget=args.time_budget, validate_every=args.validate_every,
+                         dense_weight=args.dense_weight)
     return config, args.out
 
 

@@ -1,12 +1,16 @@
-"""`edgeinfer run` end to end through the real command, on a tiny checkpoint."""
+"""`edgeinfer run` end to end through the real command: the bundled demo model, and a tiny checkpoint."""
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from PIL import Image, ImageDraw, ImageOps
 
 from tests.conftest import noise_image
 
@@ -55,3 +59,55 @@ def test_fit_reports_the_original_and_new_size(checkpoint, image_file):
 def test_missing_backend_is_named_not_a_silent_fallback(checkpoint):
     done = edgeinfer("run", "--model", str(checkpoint("smolvlm")), "--backend", "tensorrt", "what ?")
     assert done.returncode == 4 and "tensorrt" in done.stderr and "Traceback" not in done.stderr
+
+
+# --------------------------------------------------------------------------- the demo model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_readme_first_command_answers_the_bundled_example():
+    """The README's first command, as a user types it (the installed script where there is one)."""
+    from edgeinfer.demo import synthetic
+
+    command = [shutil.which("edgeinfer")] if shutil.which("edgeinfer") else [sys.executable, "-m", "edgeinfer.cli.main"]
+    done = subprocess.run([*command, "run", "--image", "examples/demo.jpg", "What color is the circle?"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == synthetic.DEMO_QUESTIONS["What color is the circle?"] == "red"
+
+
+def test_demo_model_answers_every_question_about_the_example():
+    from edgeinfer.demo import synthetic
+
+    for question, expected in synthetic.DEMO_QUESTIONS.items():
+        done = edgeinfer("run", "--image", str(REPO / "examples" / "demo.jpg"), "--json", question)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["answer"].lower() == expected, question
+
+
+def exif_rotated_photo(path: Path) -> Path:
+    """Upright: a red circle top left. Stored turned a quarter turn anticlockwise, with EXIF
+    orientation 6 (turn clockwise to show): read raw, the circle is bottom left."""
+    upright = Image.new("RGB", (320, 240), (205, 212, 220))
+    ImageDraw.Draw(upright).ellipse((40, 20, 120, 100), fill=(220, 30, 35))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    upright.transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=95, exif=exif.tobytes())
+    shown = ImageOps.exif_transpose(Image.open(path))
+    assert shown.size == upright.size  # the picture above is what a viewer shows
+    return path
+
+
+def test_exif_rotated_photo_is_described_upright(tmp_path):
+    photo = exif_rotated_photo(tmp_path / "rotated.jpg")
+    done = edgeinfer("run", "--image", str(photo), "--json", "Is the circle at the top or the bottom?")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["answer"] == "top"
+    assert report["preflight"][0]["original_size"] == [320, 240]
+    raw = Image.open(io.BytesIO(photo.read_bytes()))  # the stored pixels, orientation not applied
+    raw_path = tmp_path / "raw.png"
+    raw.save(raw_path)
+    assert json.loads(edgeinfer("run", "--image", str(raw_path), "--json",
+                                "Is the circle at the top or the bottom?").stdout)["answer"] == "bottom"

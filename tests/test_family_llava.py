@@ -148,7 +148,6 @@ def test_feature_layer_out_of_range_is_a_load_error():
         feature_layers(25, 24)
 
 
-@pytest.mark.skipif(not (DEMO_MODEL / "config.json").is_file(), reason="the demo model is not trained yet")
 def test_demo_model_answers_like_transformers():
     """The shipped demo model, on held-out synthetic questions: same prompt, same answer up to its end token."""
     from edgeinfer.demo import synthetic

@@ -315,7 +315,6 @@ def demo_model_dir():
     return DEMO_MODEL_DIR
 
 
-@pytest.mark.skipif(not (demo_model_dir() / "config.json").is_file(), reason="the demo model is not bundled yet")
 def test_demo_model_int8_accuracy_and_fp32_parity(engines):
     from edgeinfer.demo import synthetic
 

@@ -1,8 +1,7 @@
 """The HTTP daemon, end to end: a real uvicorn server on 127.0.0.1 (random port), real clients.
 
-The served model is the bundled demo model when it is present (answers are then checked
-against the synthetic pictures' known answers), else a tiny random checkpoint; either
-way "the right answer" also means the same text that ``Engine.generate`` gives directly.
+The served model is the bundled demo model: answers are checked against the synthetic
+pictures' known answers, and against the text ``Engine.generate`` gives directly.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from edgeinfer.engine.async_engine import AsyncEngine, DeadlineExceeded, Generat
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings, ServerSettingsError, create_app
 from edgeinfer.server.daemon import uvicorn_config
-from tests.conftest import noise_image
 
 API_KEY = "test-key-0123456789"
 REPO = Path(__file__).resolve().parents[1]
@@ -44,15 +42,6 @@ LONG = {"max_tokens": 2000, "ignore_eos": True}  # a generation that runs for se
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def demo_ready() -> bool:
-    return (DEMO_MODEL_DIR / "model.safetensors").is_file() and (DEMO_MODEL_DIR / "config.json").is_file()
-
-
-requires_demo = pytest.mark.skipif(not demo_ready(), reason=(
-    f"the demo model is not in {DEMO_MODEL_DIR} yet (it is trained by scripts/train_demo_model.py); "
-    "answer correctness on synthetic pictures needs it"))
 
 
 def png_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -144,26 +133,26 @@ def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> Non
 
 
 @pytest.fixture(scope="module")
-def model_dir(checkpoint) -> Path:
-    return DEMO_MODEL_DIR if demo_ready() else Path(checkpoint("smolvlm"))
+def model_dir() -> Path:
+    return DEMO_MODEL_DIR
 
 
 @pytest.fixture(scope="module")
 def question() -> tuple[Image.Image, str]:
-    """A picture and a question about it (the demo picture when the demo model is served)."""
-    if demo_ready():
-        from edgeinfer.demo import synthetic
+    """The demo picture and a question about it."""
+    from edgeinfer.demo import synthetic
 
-        return synthetic.demo_picture(), "What color is the circle?"
-    return noise_image(128, 96, seed=3), "what is in the image ?"
+    return synthetic.demo_picture(), "What color is the circle?"
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir, question) -> str:
-    """What the engine answers directly, greedy, 12 tokens at most."""
+    """What the engine answers directly, greedy, 12 tokens at most: the right answer."""
     image, text = question
     engine = Engine.load(model_dir, profile=load_profile("cpu", BASE_OVERRIDES), backend="torch")
-    return engine.generate(text, [image], SamplingParams(max_new_tokens=12)).text
+    answer = engine.generate(text, [image], SamplingParams(max_new_tokens=12)).text
+    assert answer.strip().lower() == "red"
+    return answer
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +218,6 @@ def test_stream_and_plain_answers_agree(client, question, reference):
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == reference
 
 
-@requires_demo
 def test_demo_model_answers_synthetic_questions_right(openai_client):
     from edgeinfer.demo import synthetic
 

@@ -469,7 +469,13 @@ def bench_drift(h: Harness) -> dict:
 
 
 def bench_demo(h: Harness) -> dict:
-    """The demo model's accuracy under a squeezed pool, per host precision (a separate model)."""
+    """The demo model's accuracy when its prompts come back from a squeezed pool's host tier.
+
+    Each group of eight questions is asked twice: the first round fills the prefix cache,
+    and the pool (blocks for about two of the eight prompts) pushes those blocks to the
+    host tier; the second round finds them there and restores them, in the tier's
+    precision, instead of running the prompt again. Accuracy is the second round's.
+    """
     from edgeinfer.demo import DEMO_MODEL_DIR, synthetic
     from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 
@@ -479,19 +485,21 @@ def bench_demo(h: Harness) -> dict:
     out = {}
     for precision in ("none", "full", "int8", "fp8"):
         squeeze = precision != "none"
-        config = EngineConfig(num_blocks=12 if squeeze else 4096, block_size=4, max_batch_size=8,
+        config = EngineConfig(num_blocks=48 if squeeze else 4096, block_size=4, max_batch_size=8,
                               host_tier_mb=64 if squeeze else 0, host_precision="full" if not squeeze else precision,
                               high_watermark=0.4, low_watermark=0.2, threads=h.spec.threads)
         engine = Engine.load(DEMO_MODEL_DIR, config=config)
-        correct = 0
+        correct = reused = 0
         for start in range(0, len(samples), 8):
             batch = samples[start:start + 8]
-            seqs = [engine.submit(s.question, [s.image], SamplingParams(max_new_tokens=8)) for s in batch]
-            for sample, result in zip(batch, engine.run_until_done(seqs)):
-                correct += result.text.strip().strip(".!? ").lower() == sample.answer
+            for _ in range(2):
+                seqs = [engine.submit(s.question, [s.image], SamplingParams(max_new_tokens=8)) for s in batch]
+                results = engine.run_until_done(seqs)
+            correct += sum(r.text.strip().strip(".!? ").lower() == s.answer for s, r in zip(batch, results))
+            reused += sum(r.cache["prefix_tokens_reused"] for r in results)
         out[precision] = {"accuracy": correct / len(samples), "n": len(samples),
                           "restored_blocks": engine.counters["restored_blocks"],
-                          "preemptions": engine.counters["preemptions"]}
+                          "prefix_tokens_reused": reused, "preemptions": engine.counters["preemptions"]}
         engine.close()
     return out
 
@@ -639,9 +647,11 @@ def markdown(report: dict) -> str:
         if "skipped" in d:
             lines += [f"Skipped: {d['skipped']}.", ""]
         else:
-            lines += ["| host tier | accuracy | blocks restored |", "|---|---|---|"]
-            lines += [f"| {k} | {v['accuracy']:.1%} | {v['restored_blocks']} |" for k, v in d.items()
-                      if isinstance(v, dict)]
+            lines += ["Each question asked twice; accuracy of the second round, whose prompts come back "
+                      "from the host tier (`none`: an unconstrained pool, the prompts reused on the device).", "",
+                      "| host tier | accuracy | blocks restored | prompt tokens reused |", "|---|---|---|---|"]
+            lines += [f"| {k} | {v['accuracy']:.1%} | {v['restored_blocks']} | {v['prefix_tokens_reused']} |"
+                      for k, v in d.items() if isinstance(v, dict)]
             lines.append("")
     return "\n".join(lines)
 

@@ -84,11 +84,32 @@ class Sample(NamedTuple):
 
 
 class Shape(NamedTuple):
+    """One drawn object: kind, colour name, centre and circumradius in pixels, turn in degrees."""
+
     kind: str
     color: str
     cx: float
     cy: float
     r: float
+    angle: float = 0.0
+
+
+class TextBox(NamedTuple):
+    """Rendered text and the pixel box ``(left, top, right, bottom)`` its ink lies in."""
+
+    text: str
+    box: tuple[int, int, int, int]
+
+
+class Scene(NamedTuple):
+    """Where everything in a picture is: what training's per-patch targets are made from."""
+
+    size: tuple[int, int]
+    shapes: tuple[Shape, ...] = ()
+    text: TextBox | None = None
+
+
+Annotated = tuple[Sample, Scene]
 
 
 # --- drawing -------------------------------------------------------------------------
@@ -135,10 +156,13 @@ def _jittered(rgb: tuple[int, int, int], rng: random.Random) -> tuple[int, int, 
     return tuple(min(255, max(0, v + rng.randint(-COLOR_JITTER, COLOR_JITTER))) for v in rgb)
 
 
+def shape_polygon(shape: Shape) -> list[tuple[float, float]]:
+    """The outline of ``shape`` in picture coordinates."""
+    return [(shape.cx + x, shape.cy + y) for x, y in _rotated(_outline(shape.kind, shape.r), shape.angle)]
+
+
 def _draw_shape(draw: ImageDraw.ImageDraw, shape: Shape, rng: random.Random) -> None:
-    # Small turns only: a square turned by 45 degrees is a diamond.
-    points = _rotated(_outline(shape.kind, shape.r), rng.uniform(-12, 12))
-    draw.polygon([(shape.cx + x, shape.cy + y) for x, y in points], fill=_jittered(COLORS[shape.color], rng))
+    draw.polygon(shape_polygon(shape), fill=_jittered(COLORS[shape.color], rng))
 
 
 @lru_cache(maxsize=256)
@@ -244,7 +268,7 @@ def _place(rng: random.Random, size: tuple[int, int], radii: Sequence[float],
 
 
 def _scene(rng: random.Random, kinds: Sequence[str], colors: Sequence[str],
-           radius_fractions: Sequence[float], **ranges: Sequence[tuple[float, float]]) -> tuple[Image.Image, list[Shape]] | None:
+           radius_fractions: Sequence[float], **ranges: Sequence[tuple[float, float]]) -> tuple[Image.Image, Scene] | None:
     size = _canvas_size(rng)
     radii = [f * min(size) for f in radius_fractions]
     centres = _place(rng, size, radii, **ranges)
@@ -252,10 +276,11 @@ def _scene(rng: random.Random, kinds: Sequence[str], colors: Sequence[str],
         return None
     image = _background(rng, size, colors)
     draw = ImageDraw.Draw(image)
-    shapes = [Shape(k, c, x, y, r) for k, c, (x, y), r in zip(kinds, colors, centres, radii)]
+    # Small turns only: a square turned by 45 degrees is a diamond.
+    shapes = tuple(Shape(k, c, x, y, r, rng.uniform(-12, 12)) for k, c, (x, y), r in zip(kinds, colors, centres, radii))
     for shape in shapes:
         _draw_shape(draw, shape, rng)
-    return _encoded(image, rng), shapes
+    return _encoded(image, rng), Scene(size, shapes)
 
 
 def _distinct(rng: random.Random, pool: Sequence[str], n: int) -> list[str]:
@@ -265,33 +290,33 @@ def _distinct(rng: random.Random, pool: Sequence[str], n: int) -> list[str]:
 # --- question types ------------------------------------------------------------------
 # Each returns None when a random layout does not fit; the caller draws again.
 
-def _color_question(rng: random.Random) -> Sample | None:
+def _color_question(rng: random.Random) -> Annotated | None:
     n = 1 if rng.random() < 0.5 else rng.randint(2, 3)
     kinds, colors = _distinct(rng, SHAPES, n), _distinct(rng, COLORS, n)
     fractions = [rng.uniform(0.12, 0.35) if n == 1 else rng.uniform(0.08, 0.2) for _ in range(n)]
     scene = _scene(rng, kinds, colors, fractions)
     if scene is None:
         return None
-    image, shapes = scene
-    target = rng.choice(shapes)
+    image, layout = scene
+    target = rng.choice(layout.shapes)
     templates = COLOR_OF_KIND + (COLOR_OF_ONLY if n == 1 else ())
-    return Sample(image, rng.choice(templates).format(k=target.kind), target.color, "color")
+    return Sample(image, rng.choice(templates).format(k=target.kind), target.color, "color"), layout
 
 
-def _shape_question(rng: random.Random) -> Sample | None:
+def _shape_question(rng: random.Random) -> Annotated | None:
     n = 1 if rng.random() < 0.5 else rng.randint(2, 3)
     kinds, colors = _distinct(rng, SHAPES, n), _distinct(rng, COLORS, n)
     fractions = [rng.uniform(0.12, 0.35) if n == 1 else rng.uniform(0.08, 0.2) for _ in range(n)]
     scene = _scene(rng, kinds, colors, fractions)
     if scene is None:
         return None
-    image, shapes = scene
-    target = rng.choice(shapes)
+    image, layout = scene
+    target = rng.choice(layout.shapes)
     templates = SHAPE_OF_ONLY if n == 1 else SHAPE_OF_COLOR
-    return Sample(image, rng.choice(templates).format(c=target.color), target.kind, "shape")
+    return Sample(image, rng.choice(templates).format(c=target.color), target.kind, "shape"), layout
 
 
-def _count_question(rng: random.Random) -> Sample | None:
+def _count_question(rng: random.Random) -> Annotated | None:
     n = rng.randint(1, MAX_COUNT)
     same_kind = rng.random() < 0.4
     kinds = [rng.choice(SHAPES)] * n if same_kind else [rng.choice(SHAPES) for _ in range(n)]
@@ -304,13 +329,13 @@ def _count_question(rng: random.Random) -> Sample | None:
         question = rng.choice(COUNT_OF_KIND).format(p=PLURALS[kinds[0]])
     else:
         question = rng.choice(COUNT_ALL)
-    return Sample(scene[0], question, str(n), "count")
+    return Sample(scene[0], question, str(n), "count"), scene[1]
 
 
 _OUTER = ((0.0, 0.36), (0.64, 1.0))  # first / second third of an axis, with a margin
 
 
-def _position_question(rng: random.Random) -> Sample | None:
+def _position_question(rng: random.Random) -> Annotated | None:
     horizontal = rng.random() < 0.5
     side = rng.randint(0, 1)  # 0: left / top, 1: right / bottom
     names = ("left", "right") if horizontal else ("top", "bottom")
@@ -321,7 +346,7 @@ def _position_question(rng: random.Random) -> Sample | None:
         if scene is None:
             return None
         template = rng.choice(SIDE_OF_ONE_X if horizontal else SIDE_OF_ONE_Y)
-        return Sample(scene[0], template.format(k=kind), names[side], "position")
+        return Sample(scene[0], template.format(k=kind), names[side], "position"), scene[1]
 
     kinds, colors = _distinct(rng, SHAPES, 2), _distinct(rng, COLORS, 2)
     ranges = {"x_range" if horizontal else "y_range": [_OUTER[0], _OUTER[1]]}
@@ -332,16 +357,16 @@ def _position_question(rng: random.Random) -> Sample | None:
     style = rng.randint(0, 1)
     if style == 0:
         template = WHICH_SIDE_X if horizontal else WHICH_SIDE_Y
-        return Sample(scene[0], template.format(s=names[side]), kinds[side], "position")
+        return Sample(scene[0], template.format(s=names[side]), kinds[side], "position"), scene[1]
     asked, other = (first, second) if rng.random() < 0.5 else (second, first)
     answer = names[0] if asked == first else names[1]
     template = RELATIVE_X if horizontal else RELATIVE_Y
     if not horizontal:
         answer = "above" if asked == first else "below"
-    return Sample(scene[0], template.format(a=asked, b=other), answer, "position")
+    return Sample(scene[0], template.format(a=asked, b=other), answer, "position"), scene[1]
 
 
-def _size_question(rng: random.Random) -> Sample | None:
+def _size_question(rng: random.Random) -> Annotated | None:
     big = rng.random() < 0.5
     if rng.random() < 0.5:
         kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
@@ -350,7 +375,7 @@ def _size_question(rng: random.Random) -> Sample | None:
         if scene is None:
             return None
         template = rng.choice(SIZE_OF_ONE)
-        return Sample(scene[0], template.format(k=kind), "big" if big else "small", "size")
+        return Sample(scene[0], template.format(k=kind), "big" if big else "small", "size"), scene[1]
 
     kind, colors = rng.choice(SHAPES), _distinct(rng, COLORS, 2)  # colors[0] is the big one
     scene = _scene(rng, [kind, kind], colors, [rng.uniform(0.2, 0.3), rng.uniform(0.06, 0.11)])
@@ -359,12 +384,13 @@ def _size_question(rng: random.Random) -> Sample | None:
     if rng.random() < 0.5:
         color = colors[0] if big else colors[1]
         question = rng.choice(SIZE_OF_COLORED)
-        return Sample(scene[0], question.format(c=color, k=kind), "big" if big else "small", "size")
+        return Sample(scene[0], question.format(c=color, k=kind), "big" if big else "small", "size"), scene[1]
     question = COLOR_OF_SIZED.format(s="big" if big else "small", k=kind)
-    return Sample(scene[0], question, colors[0] if big else colors[1], "size")
+    return Sample(scene[0], question, colors[0] if big else colors[1], "size"), scene[1]
 
 
-def _text_image(rng: random.Random, text: str, height_fraction: tuple[float, float]) -> Image.Image | None:
+def _text_image(rng: random.Random, text: str, label: str,
+                height_fraction: tuple[float, float]) -> tuple[Image.Image, Scene] | None:
     size = _canvas_size(rng)
     ink = rng.choice(list(COLORS))
     font = _font(max(10, int(rng.uniform(*height_fraction) * min(size))))
@@ -382,28 +408,30 @@ def _text_image(rng: random.Random, text: str, height_fraction: tuple[float, flo
     y = rng.randint(0, max(0, size[1] - layer.height))
     image = _background(rng, size, [ink])
     image.paste(Image.new("RGB", layer.size, _jittered(COLORS[ink], rng)), (x, y), layer)
-    return _encoded(image, rng)
+    left, top, right, bottom = layer.getbbox() or (0, 0, layer.width, layer.height)
+    box = (x + left, y + top, min(size[0], x + right), min(size[1], y + bottom))
+    return _encoded(image, rng), Scene(size, text=TextBox(label, box))
 
 
-def _digit_question(rng: random.Random) -> Sample | None:
+def _digit_question(rng: random.Random) -> Annotated | None:
     digit = rng.choice(DIGITS)
-    image = _text_image(rng, digit, (0.35, 0.8))
-    if image is None:
+    drawn = _text_image(rng, digit, digit, (0.35, 0.8))
+    if drawn is None:
         return None
     question = rng.choice(READ_DIGIT)
-    return Sample(image, question, digit, "digit")
+    return Sample(drawn[0], question, digit, "digit"), drawn[1]
 
 
-def _word_question(rng: random.Random) -> Sample | None:
+def _word_question(rng: random.Random) -> Annotated | None:
     word = rng.choice(WORDS)
-    image = _text_image(rng, word.upper() if rng.random() < 0.3 else word, (0.25, 0.5))
-    if image is None:
+    drawn = _text_image(rng, word.upper() if rng.random() < 0.3 else word, word, (0.25, 0.5))
+    if drawn is None:
         return None
     question = rng.choice(READ_WORD)
-    return Sample(image, question, word, "word")
+    return Sample(drawn[0], question, word, "word"), drawn[1]
 
 
-GENERATORS: dict[QType, Callable[[random.Random], Sample | None]] = {
+GENERATORS: dict[QType, Callable[[random.Random], Annotated | None]] = {
     "color": _color_question,
     "shape": _shape_question,
     "count": _count_question,
@@ -416,16 +444,21 @@ GENERATORS: dict[QType, Callable[[random.Random], Sample | None]] = {
 
 # --- public API ----------------------------------------------------------------------
 
-def make_sample(rng: random.Random, qtype: QType | None = None) -> Sample:
-    """One sample of ``qtype`` (any type, uniformly, when None) drawn from ``rng``."""
+def make_annotated(rng: random.Random, qtype: QType | None = None) -> Annotated:
+    """One sample of ``qtype`` (any type, uniformly, when None) drawn from ``rng``, with its scene."""
     if qtype is None:
         qtype = rng.choice(QTYPES)
     if qtype not in GENERATORS:
         raise ValueError(f"unknown question type {qtype!r}; known: {', '.join(QTYPES)}")
     while True:
-        sample = GENERATORS[qtype](rng)
-        if sample is not None:
-            return sample
+        drawn = GENERATORS[qtype](rng)
+        if drawn is not None:
+            return drawn
+
+
+def make_sample(rng: random.Random, qtype: QType | None = None) -> Sample:
+    """One sample of ``qtype`` (any type, uniformly, when None) drawn from ``rng``."""
+    return make_annotated(rng, qtype)[0]
 
 
 def sample_rng(seed: int, index: int) -> random.Random:
@@ -439,16 +472,67 @@ TRAINING_WEIGHTS: dict[QType, float] = {
 }
 
 
-def sample_at(seed: int, index: int) -> Sample:
-    """Sample ``index`` of the training stream ``seed``, its type drawn by ``TRAINING_WEIGHTS``."""
+def annotated_at(seed: int, index: int) -> Annotated:
+    """Sample ``index`` of the training stream ``seed`` and its scene; the type drawn by ``TRAINING_WEIGHTS``."""
     rng = sample_rng(seed, index)
     qtype = rng.choices(QTYPES, weights=[TRAINING_WEIGHTS[q] for q in QTYPES])[0]
-    return make_sample(rng, qtype)
+    return make_annotated(rng, qtype)
+
+
+def sample_at(seed: int, index: int) -> Sample:
+    """Sample ``index`` of the training stream ``seed``."""
+    return annotated_at(seed, index)[0]
 
 
 def held_out(seed: int, n: int) -> list[Sample]:
     """``n`` samples from stream ``seed``, the question types taken in turn so each gets ``n / 7``."""
     return [make_sample(sample_rng(seed, i), QTYPES[i % len(QTYPES)]) for i in range(n)]
+
+
+# --- per-patch targets ---------------------------------------------------------------
+# What each patch of the model's square shows, for training's dense auxiliary loss: the
+# kind and colour of the object covering it, the digit or word its text belongs to, and
+# whether an object's centre lies in it. Class 0 is "nothing".
+
+TEXT_CLASSES: tuple[str, ...] = DIGITS + WORDS
+_SUPERSAMPLE = 8  # mask pixels per patch side
+_MIN_COVER = 0.1
+
+
+def patch_targets(scene: Scene, grid: int) -> dict[str, np.ndarray]:
+    """``kind``, ``color``, ``text`` class ids and ``centre`` flags per patch, each ``[grid * grid]`` int64.
+
+    The picture is squashed to the square exactly as the processor squashes it, so
+    patch ``(row, col)`` covers the same part of the picture as image token ``row * grid + col``.
+    """
+    side = grid * _SUPERSAMPLE
+    sx, sy = side / scene.size[0], side / scene.size[1]
+    kind = np.zeros((grid, grid), dtype=np.int64)
+    color = np.zeros((grid, grid), dtype=np.int64)
+    text = np.zeros((grid, grid), dtype=np.int64)
+    centre = np.zeros((grid, grid), dtype=np.int64)
+    best = np.full((grid, grid), _MIN_COVER)
+    for shape in scene.shapes:
+        cover = _coverage([(x * sx, y * sy) for x, y in shape_polygon(shape)], side, grid)
+        wins = cover > best
+        best = np.where(wins, cover, best)
+        kind[wins] = SHAPES.index(shape.kind) + 1
+        color[wins] = list(COLORS).index(shape.color) + 1
+        row = min(grid - 1, int(shape.cy * sy) // _SUPERSAMPLE)
+        col = min(grid - 1, int(shape.cx * sx) // _SUPERSAMPLE)
+        centre[row, col] = 1
+    if scene.text is not None:
+        left, top, right, bottom = scene.text.box
+        box = [(left * sx, top * sy), (right * sx, top * sy), (right * sx, bottom * sy), (left * sx, bottom * sy)]
+        text[_coverage(box, side, grid) > 0.25] = TEXT_CLASSES.index(scene.text.text) + 1
+    return {"kind": kind.ravel(), "color": color.ravel(), "text": text.ravel(), "centre": centre.ravel()}
+
+
+def _coverage(polygon: list[tuple[float, float]], side: int, grid: int) -> np.ndarray:
+    """Share of each of ``grid x grid`` cells that ``polygon`` (in ``side``-pixel coordinates) covers."""
+    mask = Image.new("L", (side, side), 0)
+    ImageDraw.Draw(mask).polygon(polygon, fill=255)
+    return np.asarray(mask.resize((grid, grid), Image.BOX), dtype=np.float64) / 255.0
 
 
 # The picture bundled as examples/demo.jpg and the questions it answers.
@@ -464,8 +548,8 @@ def demo_picture() -> Image.Image:
     image = Image.new("RGB", (480, 360), (205, 212, 220))
     draw = ImageDraw.Draw(image)
     rng = random.Random(0)
-    for shape in (Shape("circle", "red", 130, 175, 62), Shape("square", "blue", 350, 105, 52),
-                  Shape("triangle", "yellow", 360, 265, 46)):
+    for shape in (Shape("circle", "red", 130, 175, 62), Shape("square", "blue", 350, 105, 52, 6.0),
+                  Shape("triangle", "yellow", 360, 265, 46, -4.0)):
         _draw_shape(draw, shape, rng)
     return image
 
