@@ -29,3 +29,24 @@ def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A random RGB image: distinct content per seed, so vision outputs differ."""
     pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="session")
+def exported_graphs(checkpoint, tmp_path_factory):
+    """exported_graphs(family) -> (loaded model, folder) of the ONNX graphs ONNX Runtime runs,
+    exported once per session (``family`` ``demo`` is the bundled demo model)."""
+    from edgeinfer.backends.onnx_export import BuildSpec, build_engines
+    from edgeinfer.demo import DEMO_MODEL_DIR
+    from edgeinfer.models.loader import load_model
+
+    root = tmp_path_factory.mktemp("exported")
+    built: dict[str, tuple[object, object]] = {}
+
+    def get(family: str):
+        if family not in built:
+            model = load_model(DEMO_MODEL_DIR if family == "demo" else checkpoint(family))
+            result = build_engines(model, BuildSpec.custom("export"), root, progress=False)
+            built[family] = (model, result.folder)
+        return built[family]
+
+    return get

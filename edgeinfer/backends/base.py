@@ -29,7 +29,8 @@ class VisionEngine(Protocol):
 BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("torch", "pip install torch"),
     "onnxruntime": ("onnxruntime", "pip install onnxruntime (or onnxruntime-gpu on CUDA)"),
-    "tensorrt": ("tensorrt", "install TensorRT (JetPack ships it on Jetson; pip install 'edgeinfer[tensorrt]' elsewhere)"),
+    "tensorrt": ("tensorrt", "install TensorRT 10.x (JetPack ships it on Jetson: sudo apt install python3-libnvinfer; "
+                             "pip install 'edgeinfer[tensorrt]' elsewhere)"),
 }
 
 

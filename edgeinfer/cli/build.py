@@ -28,7 +28,8 @@ class BuildPrecision(str, Enum):
 
 def build(*,
           backend: Annotated[BuildBackend, typer.Option(
-              help="Which engines to build: onnxruntime writes vision.onnx and decoder.onnx."),
+              help="Which engines to build: onnxruntime writes vision.onnx and decoder.onnx; tensorrt "
+                   "builds vision.plan and decoder.plan from them with the profile's build settings."),
           ] = BuildBackend.onnxruntime,
           model: Annotated[Optional[Path], typer.Option(
               "--model", "-m", help="Hugging Face checkpoint folder. Default: the bundled demo model.",
@@ -36,19 +37,23 @@ def build(*,
           profile: ProfileOption = None,
           set_: SetOption = None,
           precision: Annotated[Optional[BuildPrecision], typer.Option(
-              help="Decoder weights: fp32, or int8 (dynamic quantization, for CPUs). "
-                   "Default: the profile's build.precision.")] = None,
+              help="onnxruntime: decoder weights fp32, or int8 (dynamic quantization, for CPUs). tensorrt: "
+                   "same as --set build.precision=... Default: the profile's build.precision.")] = None,
           out: Annotated[Path, typer.Option(
               "--out", help="Root folder of built engines; writes OUT/<model>/<profile>/.",
               envvar="EDGEINFER_ENGINES")] = Path("engines"),
           force: Annotated[bool, typer.Option(help="Rebuild even when the manifest still matches.")] = False,
           json_: JsonOption = False) -> None:
-    """Export the vision and decoder engines to ONNX, check them against torch, write the manifest."""
+    """Export the vision and decoder engines to ONNX, check them against torch, write the manifest;
+    with --backend tensorrt, also build the TensorRT engines from those graphs."""
     with errors_to_exit_codes():
         result = _build(backend, model or DEMO_MODEL, profile, set_ or [], precision, out, force)
     if json_:
         typer.echo(json.dumps({"folder": str(result.folder), "skipped": result.skipped,
                                "reasons": list(result.reasons), "manifest": result.manifest}, indent=2))
+        return
+    if backend is BuildBackend.tensorrt:
+        _print_tensorrt(result)
         return
     _print_result(result)
 
@@ -56,13 +61,15 @@ def build(*,
 def _build(backend: BuildBackend, model: Path, profile: str | None, overrides: list[str],
            precision: BuildPrecision | None, out: Path, force: bool):
     from edgeinfer.backends.onnx_export import BuildSpec, build_engines
-    from edgeinfer.errors import BackendUnavailableError
     from edgeinfer.models.loader import load_model
     from edgeinfer.profiles import load_profile
 
-    if backend is not BuildBackend.onnxruntime:
-        raise BackendUnavailableError(f"edgeinfer build --backend {backend.value} is not available yet; "
-                                      f"build the ONNX graphs it starts from with --backend onnxruntime")
+    if backend is BuildBackend.tensorrt:
+        from edgeinfer.backends.tensorrt_build import build_tensorrt_engines, import_tensorrt
+
+        import_tensorrt()  # before any export: say at once what is missing
+        extra = [f"build.precision={precision.value}"] if precision else []
+        return build_tensorrt_engines(model, load_profile(profile, [*overrides, *extra]), out, force=force)
     chosen = load_profile(profile, overrides)
     spec = BuildSpec.from_profile(chosen, precision.value if precision else None)
     return build_engines(load_model(model), spec, out, force=force)
@@ -91,3 +98,26 @@ def _print_result(result) -> None:
         vision = checks.get("vision", {}).get("max_abs_diff")
         console.print(f"checked against torch: decoder max |diff| {worst:.2e}"
                       + (f", vision max |diff| {vision:.2e}" if vision is not None else ""))
+
+
+def _print_tensorrt(result) -> None:
+    console = Console(soft_wrap=True)
+    section = result.manifest.get("tensorrt", {})
+    if result.skipped:
+        console.print(f"up to date: {result.folder} (the TensorRT fingerprint matches; --force rebuilds)")
+    else:
+        for reason in result.reasons:
+            console.print(f"(re)built because {reason}")
+        console.print(f"built {result.folder}")
+    fingerprint = section.get("fingerprint", {})
+    console.print(f"TensorRT {fingerprint.get('tensorrt')} on {fingerprint.get('gpu')} (SM {fingerprint.get('sm')})")
+    table = Table("engine", "file", "flags", "workspace", "DLA", "size", "built in")
+    for name, entry in section.get("engines", {}).items():
+        path = result.folder / entry["plan_file"]
+        size = f"{path.stat().st_size / 2**20:.1f} MiB" if path.is_file() else "-"
+        seconds = section.get("build_seconds", {}).get(name)
+        table.add_row(name, entry["plan_file"], ", ".join(entry["flags"]) or "fp32",
+                      f"{entry['workspace_bytes'] // 2**20} MiB",
+                      "-" if entry["dla_core"] is None else f"core {entry['dla_core']}", size,
+                      "-" if seconds is None else f"{seconds:.0f} s")
+    console.print(table)

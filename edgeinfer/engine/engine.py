@@ -142,7 +142,8 @@ def image_key(image) -> tuple[Any, str]:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig, backend: str = "torch") -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig, backend: str = "torch", *,
+                 engines: tuple[Any, Any] | None = None) -> None:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.model = model
@@ -150,10 +151,11 @@ class Engine:
         self.adapter = model.adapter
         self.config = config
         self.backend = backend
-        self.decoder_engine, self.vision_engine = self._engines(backend)
+        # ``engines``: a (decoder, vision) pair opened by the caller (the tensorrt backend checks them
+        # against the profile in ``load``).
+        self.decoder_engine, self.vision_engine = engines or self._engines(backend)
         cfg = model.decoder.cfg
-        bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.kv_size * config.torch_dtype.itemsize
-        num_blocks = config.num_blocks or max(4, config.kv_budget_mb * 2**20 // bytes_per_block)
+        num_blocks = pool_blocks(config, cfg)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                           config.torch_dtype, config.device)
@@ -196,7 +198,7 @@ class Engine:
         if config is None:
             device_profile = _profile(profile, overrides)
             config = EngineConfig.from_profile(device_profile)
-        elif backend == "onnxruntime" and profile is not None:
+        elif backend in ("onnxruntime", "tensorrt") and profile is not None:
             from dataclasses import replace
 
             # An explicit config keeps its sizes and runs the engines built for ``profile``.
@@ -209,7 +211,15 @@ class Engine:
 
             built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
             release_replaced_weights(model, built.manifest)  # this load's own model: ORT holds those weights now
-        engine = cls(model, config, backend)
+        engines = None
+        if backend == "tensorrt":
+            from edgeinfer.backends.onnxruntime_backend import release_replaced_weights
+            from edgeinfer.backends.tensorrt_backend import open_engines as open_tensorrt
+
+            opened = open_tensorrt(model, device_profile, config)  # refuses stale engines, never builds
+            engines = (opened.decoder, opened.vision)
+            release_replaced_weights(model, opened.manifest)  # TensorRT holds the graphs' weights now
+        engine = cls(model, config, backend, engines=engines)
         engine.profile = device_profile
         return engine
 
@@ -465,6 +475,12 @@ class Engine:
                  "spilled_blocks": seq.spilled_blocks, "restored_blocks": seq.restored_blocks}
         reason = seq.finish_reason.value if seq.finish_reason else "running"
         return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache)
+
+
+def pool_blocks(config: EngineConfig, cfg) -> int:
+    """Device KV blocks: the configured count, else the KV budget over one block's bytes."""
+    bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.kv_size * config.torch_dtype.itemsize
+    return config.num_blocks or max(4, config.kv_budget_mb * 2**20 // bytes_per_block)
 
 
 def _profile(profile, overrides: Seq[str]):
