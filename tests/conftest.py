@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +15,12 @@ from PIL import Image
 from edgeinfer.testing.checkpoints import make_checkpoint
 
 torch.set_num_threads(2)
+
+# Engines on a profile with a disk tier persist KV blocks and vision outputs under
+# $XDG_CACHE_HOME; the tests (and the commands they start) use a folder of their own.
+_CACHE = tempfile.mkdtemp(prefix="edgeinfer-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
