@@ -14,6 +14,7 @@ for a provider this ORT does not have is an error, never a fallback.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -201,6 +202,9 @@ def open_engines(model, config, root: str | Path | None = None,
     table = decoder.lm_head_t.t() if decoder.embed is None else decoder.embed
     session = make_session(folder / manifest["engines"]["decoder"]["file"], chosen, config.threads)
     decoder_engine = OrtDecoderEngine(session, table.detach(), decoder.cfg.num_layers, decoder.cfg.vocab_size)
+    # What the K/V depends on beyond the checkpoint: an INT8 build's K/V is not an fp32 build's.
+    decoder_engine.build_identity = json.dumps(
+        {"precision": manifest.get("precision"), "decoder": manifest["engines"]["decoder"]}, sort_keys=True)
     return OrtEngines(decoder_engine, _vision_engine(model, folder, manifest, chosen, config.threads),
                       tuple(chosen), folder, manifest)
 

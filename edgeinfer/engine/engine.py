@@ -176,7 +176,8 @@ class Engine:
         does the same checkpoint run by another backend or built for another profile (other K/V)."""
         folder = self.adapter.checkpoint.path
         files = [f for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".jinja")]
-        build = self.config.profile_name if self.backend != "torch" else ""
+        build = "" if self.backend == "torch" else \
+            f"{self.config.profile_name}|{getattr(self.decoder_engine, 'build_identity', '')}"
         extra = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.backend}|{build}"
         return kv_fingerprint(files, extra=extra)
 
