@@ -156,3 +156,60 @@ def test_request_over_the_context_limit_names_it(checkpoint):
     with pytest.raises(LimitExceeded) as caught:
         engine.submit(*QUESTIONS[0], FORCED)
     assert caught.value.limit == 40 and "max_context_tokens" in caught.value.override
+
+
+# --------------------------------------------------------------------------- greedy bursts
+# The CUDA graph engine's burst step (ids in, K/V written into the pool, argmax fed back)
+# runs eagerly off the GPU, so its bookkeeping is checked here against step-by-step decoding.
+
+
+def bursting_engine(path, **config):
+    from edgeinfer.backends.cuda_graphs import CudaGraphDecoderEngine
+    from edgeinfer.backends.torch_backend import TorchVisionEngine
+    from edgeinfer.models.loader import load_model
+
+    config = EngineConfig(**{"num_blocks": 512, "max_batch_size": 4, **config})
+    model = load_model(path, config.torch_dtype, config.device)
+    decoder = CudaGraphDecoderEngine(model.decoder, config.max_batch_size, -(-config.max_context // config.block_size),
+                                     compile_layers=False)
+    return Engine(model, config, engines=(decoder, TorchVisionEngine(model.vision)))
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # 1-D positions and M-RoPE
+def test_decode_bursts_give_the_step_by_step_tokens(checkpoint, family):
+    path = checkpoint(family)
+    lengths = [32, 7, 19]  # three rows in a bucket of four; two finish inside a burst
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    questions = QUESTIONS[:3]
+
+    plain = engine_for(path, max_batch_size=4)
+    expected = plain.run_until_done([plain.submit(q, im, p) for (q, im), p in zip(questions, params)])
+
+    engine = bursting_engine(path, block_size=16)
+    results = engine.run_until_done([engine.submit(q, im, p) for (q, im), p in zip(questions, params)])
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert engine.counters["decode_bursts"] > 0 and engine.counters["decode_steps"] > engine.counters["decode_bursts"]
+    assert engine.pool.num_free == engine.pool.num_blocks  # every block back
+
+
+def test_a_stop_token_inside_a_burst_ends_the_answer_there(checkpoint):
+    path = checkpoint("smolvlm")
+    question, images = QUESTIONS[0]
+    free = engine_for(path).generate(question, images, SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    # A token that first shows up a few steps in (tiny random models repeat themselves).
+    stop = next(t for t in free if free.index(t) >= 5)
+    cut = free[: free.index(stop) + 1]
+    engine = bursting_engine(path, block_size=64)
+    result = engine.generate(question, images, SamplingParams(max_new_tokens=24, stop_token_ids=(stop,)))
+    assert result.token_ids == cut and result.finish_reason == "stop"
+    assert engine.counters["decode_bursts"] > 0
+    # A follow-up in the same engine (the dropped tail of the burst left no trace) matches a fresh engine.
+    again = engine.generate(question, images, SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    assert again == free
+
+
+def test_sampled_rows_never_burst(checkpoint):
+    engine = bursting_engine(checkpoint("smolvlm"))
+    question, images = QUESTIONS[1]
+    engine.generate(question, images, SamplingParams(max_new_tokens=12, temperature=0.8, seed=3))
+    assert engine.counters["decode_bursts"] == 0

@@ -12,7 +12,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch.cuda.is_available() is false"),
 ]
-FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
+FORCED = SamplingParams(max_new_tokens=32, ignore_eos=True)  # fixed length; greedy rows burst
 REQUESTS = [("what is in the image ?", [noise_image(128, 96, seed=1)]), ("describe this picture", []),
             ("color", [noise_image(80, 128, seed=7), noise_image(64, 96, seed=8)])]
 
@@ -33,7 +33,17 @@ def test_cuda_fp32_with_graphs_matches_cpu(checkpoint, family):
     cpu, _ = tokens(path)
     cuda, engine = tokens(path, device="cuda", cuda_graphs=True)
     assert engine.decoder_engine.captures > 0, "decode steps must run from CUDA graphs"
+    assert engine.counters["decode_bursts"] > 0, "greedy rows must decode in bursts"
     assert cuda == cpu
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])
+def test_bursts_equal_single_graph_steps(checkpoint, family):
+    path = checkpoint(family)
+    single, _ = tokens(path, device="cuda", dtype="bfloat16", cuda_graphs=True, decode_burst=1)
+    burst, engine = tokens(path, device="cuda", dtype="bfloat16", cuda_graphs=True)
+    assert engine.counters["decode_bursts"] > 0
+    assert burst == single
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])

@@ -8,11 +8,18 @@ themselves only and their outputs are dropped), and the past is read through who
 blocks under a mask so no shape depends on the context length.
 
 Prefill (T > 1) runs eagerly: its shapes change with every prompt.
+
+Greedy decoding can go further (``decode_burst``): a second graph takes token ids rather
+than embeddings, writes its K/V into the pool itself and feeds its argmax back as the next
+input, so several steps replay back to back with one copy to the host at the end. The
+host's share of a step (scheduling, index tensors, the token's round trip) is then paid
+once per burst, not once per token.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,53 @@ def buckets(limit: int, start: int = 1) -> list[int]:
 
 def bucket_for(value: int, choices: list[int]) -> int | None:
     return next((c for c in choices if c >= value), None)
+
+
+def _matrices(decoder: Decoder) -> list[torch.nn.Parameter]:
+    names = ("qkv_t", "o_t", "gate_up_t", "down_t")
+    return [getattr(layer, n) for layer in decoder.layers for n in names] + [decoder.lm_head_t]
+
+
+def _relayout(decoder: Decoder, out_major: bool) -> None:
+    """Store every ``[in, out]`` matrix row-major (``in_out``) or as the transpose of a row-major
+    ``[out, in]`` (``out_in``, what ``F.linear`` reads); the values and shapes stay the same."""
+    for p in _matrices(decoder):
+        p.data = p.data.t().contiguous().t() if out_major else p.data.contiguous()
+
+
+def choose_weight_layout(decoder: Decoder, repeats: int = 50) -> dict:
+    """Time a batch-1 product with the widest matrix in both layouts on this device; keep the faster.
+
+    cuBLAS picks different kernels for ``x @ W`` by layout, and which one streams memory
+    faster depends on the GPU and the shape, so the device decides, once, at load.
+    """
+    probe = decoder.layers[0].gate_up_t
+    x = torch.randn(1, probe.shape[0], dtype=probe.dtype, device=probe.device)
+    times = {}
+    for name, weight in (("in_out", probe.data.contiguous()), ("out_in", probe.data.t().contiguous().t())):
+        for _ in range(5):
+            x @ weight
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            x @ weight
+        end.record()
+        torch.cuda.synchronize(probe.device)
+        times[name] = start.elapsed_time(end) / repeats * 1e3
+        del weight
+    chosen = min(times, key=times.get)
+    _relayout(decoder, out_major=chosen == "out_in")
+    return {"chosen": chosen, **{f"{k}_us": round(v, 2) for k, v in times.items()}}
+
+
+@dataclass
+class _BurstGraph:
+    replay: Callable[[], None]  # the graph's replay; on a CPU, the step itself (tests run it there)
+    tokens: torch.Tensor  # [batch] the input ids; each replay leaves the next ones here
+    positions: torch.Tensor
+    tables: torch.Tensor
+    context_lens: torch.Tensor
+    valid: torch.Tensor  # [batch] 1 for real rows, 0 for padding
 
 
 @dataclass
@@ -53,12 +107,18 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self.batch_buckets = buckets(max_batch_size)
         self.width_buckets = buckets(max_blocks, start=8)
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._bursts: dict[tuple[int, int, int], _BurstGraph] = {}
         self._pool = None  # graphs share one memory pool
         self.captures = 0
         # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
         # Every layer has the same code and shapes, so one compilation serves all of them.
+        if compile_layers:
+            # One compiled code object serves every (batch, width) bucket of every engine in
+            # the process; the default limit of 8 variants would be hit by a few buckets.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         self._layer_fn = torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True) if compile_layers else None
         self.compile_error: str | None = None
+        self.weight_layout = choose_weight_layout(decoder) if self.device.type == "cuda" else None
 
     def _static_step(self, embeds, positions, k_pool, v_pool, tables, context_lens):
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], 1)
@@ -90,6 +150,25 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         g.context_lens.zero_()
         g.context_lens[:b].copy_(context_lens.to(g.context_lens.device))
 
+    def _warm_up(self, run, device) -> None:
+        """Run ``run`` twice on a side stream before a capture (compiling the layers the first time);
+        a compiler failure falls back to eager layers, with a warning."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            try:
+                for _ in range(2):
+                    run()
+            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager layers
+                if self._layer_fn is None:
+                    raise
+                self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
+                warnings.warn(f"compiled decoder layers failed, capturing eager layers: {self.compile_error}")
+                self._layer_fn = None
+                for _ in range(2):
+                    run()
+        torch.cuda.current_stream(device).wait_stream(side)
+
     def _capture(self, key, embeds, positions, k_pool, v_pool) -> _Graph:
         batch, width, rank = key
         device = embeds.device
@@ -99,21 +178,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         tables = torch.zeros(batch, width, dtype=torch.long, device=device)
         context_lens = torch.zeros(batch, dtype=torch.long, device=device)
         args = (static_embeds, static_positions, k_pool, v_pool, tables, context_lens)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            try:
-                for _ in range(2):  # warm-up (and compilation) outside the capture
-                    self._static_step(*args)
-            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager layers
-                if self._layer_fn is None:
-                    raise
-                self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
-                warnings.warn(f"compiled decoder layers failed, capturing eager layers: {self.compile_error}")
-                self._layer_fn = None
-                for _ in range(2):
-                    self._static_step(*args)
-        torch.cuda.current_stream(device).wait_stream(side)
+        self._warm_up(lambda: self._static_step(*args), device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits, new_k, new_v = self._static_step(*args)
@@ -121,4 +186,85 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self.captures += 1
         g = _Graph(graph, static_embeds, static_positions, tables, context_lens, logits, new_k, new_v)
         self._graphs[key] = g
+        return g
+
+    # --- greedy bursts ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_burst(self, tokens, position_ids, k_pool, v_pool, block_tables, context_lens,
+                     steps: int) -> torch.Tensor | None:
+        """``steps`` greedy decode steps from input ids ``tokens`` [B], K/V written into the pools.
+
+        The block tables must already hold a slot for every step's token. Returns the chosen
+        ids [B, steps] on the device, or None when no graph covers this batch (the caller
+        then decodes step by step).
+        """
+        b = tokens.shape[0]
+        batch = bucket_for(b, self.batch_buckets)
+        width = bucket_for(block_tables.shape[1], self.width_buckets)
+        if batch is None or width is None:
+            return None
+        key = (batch, width, position_ids.dim())
+        g = self._bursts.get(key) or self._capture_burst(key, k_pool, v_pool)
+        device = g.tokens.device
+        g.tokens.zero_()
+        g.tokens[:b].copy_(tokens.to(device, non_blocking=True))
+        g.positions.zero_()
+        g.positions[..., :b, :].copy_(position_ids.to(device, non_blocking=True))
+        g.tables.zero_()
+        g.tables[:b, :block_tables.shape[1]].copy_(block_tables.to(device, non_blocking=True))
+        g.context_lens.zero_()
+        g.context_lens[:b].copy_(context_lens.to(device, non_blocking=True))
+        g.valid.zero_()
+        g.valid[:b] = 1
+        out = torch.empty(b, steps, dtype=torch.long, device=device)
+        for i in range(steps):
+            g.replay()
+            out[:, i].copy_(g.tokens[:b])
+        return out
+
+    def _burst_step(self, tokens, positions, k_pool, v_pool, tables, context_lens, valid, write: bool = True) -> None:
+        """One greedy step on static buffers: embed, layers, K/V into the pool, argmax back into ``tokens``.
+
+        ``write=False`` (the warm-up before capture) leaves the pools alone.
+        """
+        embeds = self.decoder.embed_tokens(tokens)[:, None]
+        logits, new_k, new_v = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens)
+        block_size = k_pool.shape[2]
+        # Padding rows write row 0's values at row 0's slot: duplicates of one write, never a
+        # stray write into a block someone owns.
+        rows = torch.arange(tokens.shape[0], device=tokens.device) * valid
+        column = (context_lens // block_size).clamp(max=tables.shape[1] - 1)
+        slots = (tables.gather(1, column[:, None])[:, 0] * block_size + context_lens % block_size)[rows]
+        layers = k_pool.shape[0]
+        if not write:
+            return
+        k_pool.view(layers, -1, *k_pool.shape[3:]).index_copy_(1, slots, new_k[:, rows, 0].to(k_pool.dtype))
+        v_pool.view(layers, -1, *v_pool.shape[3:]).index_copy_(1, slots, new_v[:, rows, 0].to(v_pool.dtype))
+        tokens.copy_(logits.float().argmax(-1))
+        positions.add_(valid.view(tokens.shape[0], 1))
+        context_lens.add_(valid)
+
+    def _capture_burst(self, key, k_pool, v_pool) -> _BurstGraph:
+        batch, width, rank = key
+        device = k_pool.device
+        buffers = (torch.zeros(batch, dtype=torch.long, device=device),
+                   torch.zeros((3, batch, 1) if rank == 3 else (batch, 1), dtype=torch.long, device=device),
+                   torch.zeros(batch, width, dtype=torch.long, device=device),
+                   torch.zeros(batch, dtype=torch.long, device=device),
+                   torch.zeros(batch, dtype=torch.long, device=device))
+        tokens, positions, tables, context_lens, valid = buffers
+        if not k_pool.is_cuda:  # no graphs off the GPU: the same step, run eagerly
+            g = _BurstGraph(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:]), *buffers)
+            self._bursts[key] = g
+            return g
+        # Warm-up without writing: the pools hold other sequences' K/V. (The capture itself
+        # only records; nothing runs until a replay.)
+        self._warm_up(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:], write=False), device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._burst_step(tokens, positions, k_pool, v_pool, tables, context_lens, valid)
+        self._pool = graph.pool()
+        self.captures += 1
+        g = _BurstGraph(graph.replay, tokens, positions, tables, context_lens, valid)
+        self._bursts[key] = g
         return g

@@ -96,9 +96,11 @@ def run_ours(spec: GpuBenchSpec) -> dict:
     max_batch = max(spec.batch_sizes)
     config = EngineConfig(dtype=spec.dtype, device=spec.device, max_batch_size=max_batch, block_size=16,
                           kv_budget_mb=1024, max_context=4096, prefill_chunk=4096, vision_cache_entries=1,
-                          cuda_graphs=spec.device.startswith("cuda"))
+                          cuda_graphs=spec.device.startswith("cuda"), prefix_cache=False)
     engine = Engine.load(spec.model, config=config)
-    params = SamplingParams(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens)
+    # A fixed length, as the peers' min_new_tokens gives; no prefix cache, so every request
+    # pays for its prefill as theirs do.
+    params = SamplingParams(max_new_tokens=spec.new_tokens, ignore_eos=True)
     image = bench_image(spec.image_size)
     ttft, vision, prefill, decode = [], [], [], {b: [] for b in spec.batch_sizes}
     prompt_tokens = 0
@@ -130,6 +132,8 @@ def run_ours(spec: GpuBenchSpec) -> dict:
             "prompt_tokens": prompt_tokens, "text_weight_bytes": weight_bytes,
             "kv_bytes_per_token": kv_bytes_per_token, "peak_memory_mb": peak_memory_mb(spec.device),
             "cuda_graph_captures": getattr(engine.decoder_engine, "captures", 0),
+            "decode_steps": engine.counters["decode_steps"], "decode_bursts": engine.counters["decode_bursts"],
+            "weight_layout": getattr(engine.decoder_engine, "weight_layout", None),
             "compile_error": getattr(engine.decoder_engine, "compile_error", None)}
 
 

@@ -52,6 +52,8 @@ class EngineConfig:
     vision_cache_entries: int = 16
     available_floor_mb: int = 0
     cuda_graphs: bool = False
+    # Greedy decode steps replayed back to back between trips to the host (CUDA graphs only).
+    decode_burst: int = 8
     profile_name: str = "custom"
     # KV tiers (profile: kv.* and memory.*). Sizes 0 turn a tier off; a bare config has none.
     host_precision: str = "full"
@@ -164,7 +166,8 @@ class Engine:
         self.stop_ids = frozenset(self.adapter.stop_token_ids())
         self._vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._text: dict[int, _TextState] = {}
-        self._counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0}
+        self._counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0,
+                          "decode_bursts": 0}
 
     @property
     def counters(self) -> dict[str, int]:
@@ -358,6 +361,15 @@ class Engine:
 
     def _run_decode(self, work: DecodeWork) -> list[Sequence]:
         seqs = work.seqs
+        steps = self._burst_length(seqs)
+        if steps > 1 and (tokens := self._burst(seqs, steps)) is not None:
+            for seq, row in zip(seqs, tokens):
+                for token in row:
+                    seq.block_table.num_tokens += 1  # the K/V of the token before it is in the pool
+                    self._accept(seq, token)
+                    if seq.status is Status.FINISHED:
+                        break  # the rest of the burst is dropped
+            return list(seqs)
         last = torch.tensor([s.generated[-1] for s in seqs])
         embeds = self.decoder_engine.embed(last)[:, None]
         positions = torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
@@ -366,6 +378,35 @@ class Engine:
         for seq, token in zip(seqs, self._choose_tokens(seqs, logits)):
             self._accept(seq, token)
         return list(seqs)
+
+    def _burst_length(self, seqs: Seq[Sequence]) -> int:
+        """How many greedy steps may run before the host looks again (1: step by step).
+
+        Only where the decoder engine can burst, every row is greedy and past its
+        ``min_new_tokens``, no request waits to join, and within the blocks each sequence
+        already holds, so the scheduler's accounting never runs behind.
+        """
+        if self.config.decode_burst <= 1 or not hasattr(self.decoder_engine, "decode_burst") or self.scheduler.waiting:
+            return 1
+        if any(not s.sampling.greedy or (len(s.generated) < s.sampling.min_new_tokens and s.stop_token_ids)
+               for s in seqs):
+            return 1
+        room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached for s in seqs)
+        left = max(s.sampling.max_new_tokens - len(s.generated) for s in seqs)
+        return max(1, min(self.config.decode_burst, room, left))
+
+    def _burst(self, seqs: Seq[Sequence], steps: int) -> list[list[int]] | None:
+        width = max(len(s.block_table.blocks) for s in seqs)
+        tables = torch.tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs])
+        positions = torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
+        tokens = self.decoder_engine.decode_burst(
+            torch.tensor([s.generated[-1] for s in seqs]), positions, self.kv.k, self.kv.v, tables,
+            torch.tensor([s.num_cached for s in seqs]), steps)
+        if tokens is None:
+            return None
+        self._counters["decode_steps"] += steps
+        self._counters["decode_bursts"] += 1
+        return tokens.tolist()
 
     def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         if end <= seq.prompt_len:

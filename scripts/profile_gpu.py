@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Where the time of one request goes on a GPU: preprocessing, the vision tower, prefill, decode steps.
+
+    python scripts/profile_gpu.py --model DIR [--image-size 1024x768] [--steps 64] --out profile.json
+
+Decode is split into the engine's time per token (wall time, host included, greedy
+bursts as the engine runs them) and the single-step CUDA graph's replay alone (device
+time, replays back to back), so the difference is what the host adds per token. The vision tower is timed eager and compiled for the image's
+shape. Prints a JSON object; nothing here is a pass/fail check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgeinfer.bench.gpu import QUESTION, bench_image  # noqa: E402
+from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall seconds of ``fn()`` with the device synchronised around it."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--image-size", default="1024x768")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    w, h = (int(v) for v in args.image_size.split("x"))
+    image = bench_image((w, h))
+    config = EngineConfig(dtype=args.dtype, device="cuda", max_batch_size=16, block_size=16, kv_budget_mb=1024,
+                          max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True)
+    engine = Engine.load(args.model, config=config)
+    params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
+    for _ in range(2):  # warm-up: graphs captured, layers compiled
+        engine._vision_cache.clear()
+        engine.generate(QUESTION, [image], params)
+    out: dict = {"model": str(args.model), "image": [w, h], "gpu": torch.cuda.get_device_name()}
+
+    # Preprocessing and the vision tower.
+    adapter = engine.adapter
+    processed = adapter.process_image(image)
+    out["preprocess_s"] = timed(lambda: adapter.process_image(image), 5)
+    out["vision_tokens"] = processed.num_tokens
+    tower = engine.vision_engine
+    out["vision_eager_s"] = timed(lambda: tower.encode(processed.tensors), 5)
+    compiled = torch.compile(tower.module, dynamic=False)
+    try:
+        device = next(tower.module.parameters()).device
+        tensors = {k: v.to(device) for k, v in processed.tensors.items()}
+        with torch.inference_mode():
+            compiled(**tensors)
+            out["vision_compiled_s"] = timed(lambda: compiled(**tensors), 5)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: report, go on
+        out["vision_compiled_error"] = f"{type(exc).__name__}: {exc}"[:400]
+
+    # One request, step by step.
+    engine._vision_cache.clear()
+    seq = engine.submit(QUESTION, [image], params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while not seq.generated:
+        engine.step()
+    torch.cuda.synchronize()
+    out["prefill_s"] = seq.timings.prefill_s
+    out["submit_to_first_token_s"] = time.perf_counter() - t0 + seq.timings.vision_s
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    before = len(seq.generated)
+    t0 = time.perf_counter()
+    profiler.enable()
+    while len(seq.generated) - before < args.steps:
+        engine.step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out["decode_step_wall_ms"] = (time.perf_counter() - t0) / (len(seq.generated) - before) * 1e3
+    out["decode_bursts"] = engine.counters["decode_bursts"]
+    out["weight_layout"] = getattr(engine.decoder_engine, "weight_layout", None)
+    out["compile_error"] = getattr(engine.decoder_engine, "compile_error", None)
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
+    out["host_profile_top"] = stream.getvalue().splitlines()[:60]
+
+    graphs = getattr(engine.decoder_engine, "_graphs", {})
+    one = next((g for (batch, _, _), g in graphs.items() if batch == 1), None)
+    if one is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            one.graph.replay()
+        start.record()
+        for _ in range(100):
+            one.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out["graph_replay_ms"] = start.elapsed_time(end) / 100
+        out["host_added_ms"] = out["decode_step_wall_ms"] - out["graph_replay_ms"]
+    decoder = engine.model.decoder
+    out["text_weight_bytes"] = sum(p.numel() * p.element_size() for n, p in decoder.named_parameters() if n != "embed")
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
