@@ -15,9 +15,9 @@ from PIL import Image, ImageDraw, ImageOps
 from tests.conftest import noise_image
 
 
-def edgeinfer(*args: str) -> subprocess.CompletedProcess:
+def edgeinfer(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgeinfer.cli.main", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,19 @@ def test_exif_rotated_photo_is_described_upright(tmp_path):
     raw.save(raw_path)
     assert json.loads(edgeinfer("run", "--image", str(raw_path), "--json",
                                 "Is the circle at the top or the bottom?").stdout)["answer"] == "bottom"
+
+
+def test_a_later_run_restores_the_prompt_from_the_disk_tier(tmp_path):
+    """A four-block device pool from the command line; the second run of the same question
+    finds the first run's blocks on disk and restores them rather than recomputing."""
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    args = ("run", "--image", str(REPO / "examples" / "demo.jpg"), "--profile", "cpu", "--set", "kv.device_blocks=4",
+            "--set", "kv.block_size=32", "--json", "What color is the circle?")
+    first, second = (json.loads(edgeinfer(*args, env=env).stdout) for _ in range(2))
+    assert first["answer"] == second["answer"] == "red"
+    assert first["cache"]["restored_blocks"] == 0 and first["cache"]["prefix_tokens_reused"] == 0
+    assert second["cache"]["restored_blocks"] > 0 and second["cache"]["vision_reused"] == 1
+    assert second["cache"]["prefix_tokens_reused"] == second["usage"]["prompt_tokens"] - 1
+    assert second["token_ids"] == first["token_ids"]

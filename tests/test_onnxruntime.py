@@ -321,14 +321,19 @@ def test_demo_model_int8_accuracy_and_fp32_parity(engines):
     samples = synthetic.held_out(4321, 42)  # the demo model's own check seed, never trained on
     greedy = SamplingParams(max_new_tokens=4)
 
+    roots = {}
+
     def answers(backend: str = "torch", overrides: tuple[str, ...] = ()) -> list[str]:
         # No disk tier: a persisted prefix or image embedding from another engine would skip the graphs.
         engine = Engine.load(demo_model_dir(), profile="cpu", backend=backend,
                              overrides=["memory.disk_tier_mb=0", *overrides])
+        roots[(backend, overrides)] = engine.kv_manager.root
         return [engine.generate(s.question, [s.image], greedy).text.strip() for s in samples]
 
     torch_answers = answers()
     assert answers(backend="onnxruntime") == torch_answers
-    int8 = answers(backend="onnxruntime", overrides=["build.precision=int8"])
+    int8 = answers(backend="onnxruntime", overrides=("build.precision=int8",))
+    # Each engine's K/V gets prefix-cache keys of its own: int8 blocks are never served to fp32.
+    assert len(set(roots.values())) == 3
     correct = sum(a == s.answer for a, s in zip(int8, samples))
     assert correct >= 0.95 * len(samples), list(zip(int8, [s.answer for s in samples]))
