@@ -75,15 +75,20 @@ def _build(backend: BuildBackend, model: Path, profile: str | None, overrides: l
     return build_engines(load_model(model), spec, out, force=force)
 
 
+def _print_status(console: Console, result, matches: str) -> None:
+    """Whether the build was skipped (and why that was allowed) or what made it run."""
+    if result.skipped:
+        console.print(f"up to date: {result.folder} ({matches}; --force rebuilds)")
+        return
+    for reason in result.reasons:
+        console.print(f"(re)built because {reason}")
+    console.print(f"built {result.folder}")
+
+
 def _print_result(result) -> None:
     console = Console(soft_wrap=True)
     manifest = result.manifest
-    if result.skipped:
-        console.print(f"up to date: {result.folder} (the manifest matches; --force rebuilds)")
-    else:
-        for reason in result.reasons:
-            console.print(f"(re)built because {reason}")
-        console.print(f"built {result.folder}")
+    _print_status(console, result, "the manifest matches")
     table = Table("engine", "runs on", "file", "size")
     for name, entry in manifest.get("engines", {}).items():
         file = entry.get("file")
@@ -103,12 +108,7 @@ def _print_result(result) -> None:
 def _print_tensorrt(result) -> None:
     console = Console(soft_wrap=True)
     section = result.manifest.get("tensorrt", {})
-    if result.skipped:
-        console.print(f"up to date: {result.folder} (the TensorRT fingerprint matches; --force rebuilds)")
-    else:
-        for reason in result.reasons:
-            console.print(f"(re)built because {reason}")
-        console.print(f"built {result.folder}")
+    _print_status(console, result, "the TensorRT fingerprint matches")
     fingerprint = section.get("fingerprint", {})
     console.print(f"TensorRT {fingerprint.get('tensorrt')} on {fingerprint.get('gpu')} (SM {fingerprint.get('sm')})")
     table = Table("engine", "file", "flags", "workspace", "DLA", "size", "built in")
