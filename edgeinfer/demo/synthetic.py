@@ -290,7 +290,8 @@ def _distinct(rng: random.Random, pool: Sequence[str], n: int) -> list[str]:
 # --- question types ------------------------------------------------------------------
 # Each returns None when a random layout does not fit; the caller draws again.
 
-def _color_question(rng: random.Random) -> Annotated | None:
+def _one_to_three(rng: random.Random) -> tuple[Image.Image, Scene, Shape, int] | None:
+    """One shape, or two or three of distinct kinds and colours; and the one a question asks about."""
     n = 1 if rng.random() < 0.5 else rng.randint(2, 3)
     kinds, colors = _distinct(rng, SHAPES, n), _distinct(rng, COLORS, n)
     fractions = [rng.uniform(0.12, 0.35) if n == 1 else rng.uniform(0.08, 0.2) for _ in range(n)]
@@ -298,20 +299,23 @@ def _color_question(rng: random.Random) -> Annotated | None:
     if scene is None:
         return None
     image, layout = scene
-    target = rng.choice(layout.shapes)
+    return image, layout, rng.choice(layout.shapes), n
+
+
+def _color_question(rng: random.Random) -> Annotated | None:
+    drawn = _one_to_three(rng)
+    if drawn is None:
+        return None
+    image, layout, target, n = drawn
     templates = COLOR_OF_KIND + (COLOR_OF_ONLY if n == 1 else ())
     return Sample(image, rng.choice(templates).format(k=target.kind), target.color, "color"), layout
 
 
 def _shape_question(rng: random.Random) -> Annotated | None:
-    n = 1 if rng.random() < 0.5 else rng.randint(2, 3)
-    kinds, colors = _distinct(rng, SHAPES, n), _distinct(rng, COLORS, n)
-    fractions = [rng.uniform(0.12, 0.35) if n == 1 else rng.uniform(0.08, 0.2) for _ in range(n)]
-    scene = _scene(rng, kinds, colors, fractions)
-    if scene is None:
+    drawn = _one_to_three(rng)
+    if drawn is None:
         return None
-    image, layout = scene
-    target = rng.choice(layout.shapes)
+    image, layout, target, n = drawn
     templates = SHAPE_OF_ONLY if n == 1 else SHAPE_OF_COLOR
     return Sample(image, rng.choice(templates).format(c=target.color), target.kind, "shape"), layout
 
