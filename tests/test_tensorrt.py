@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from edgeinfer.backends.onnx_export import DECODER_FILE, MANIFEST, VISION_FILE, read_manifest
-from edgeinfer.backends.tensorrt_backend import ShapeLimits
+from edgeinfer.backends.tensorrt_backend import DecodeGraphPlan, ShapeLimits, clipped_buckets
 from edgeinfer.backends.tensorrt_build import (
     DECODER_PLAN,
     VISION_PLAN,
@@ -336,6 +336,77 @@ def test_shape_limits_name_the_profile_field():
     assert "build.decoder_block_table" in str(error.value)
 
 
+# --------------------------------------------------------------------------- decode steps in CUDA graphs
+
+
+def decoder_limits(plan) -> ShapeLimits:
+    return ShapeLimits({s.name: (s.min, s.max) for s in plan.decoder.shapes})
+
+
+def test_graph_buckets_are_the_torch_buckets_inside_the_built_range():
+    assert clipped_buckets(1, 8) == (1, 2, 4, 8)
+    assert clipped_buckets(1, 6) == (1, 2, 4, 6)  # the last bucket is the engine's max, not 8
+    assert clipped_buckets(2, 8) == (2, 4, 8)  # nothing under the engine's min
+    assert clipped_buckets(1, 512, start=8) == (8, 16, 32, 64, 128, 256, 512)
+    assert clipped_buckets(1, 300, start=8) == (8, 16, 32, 64, 128, 256, 300)
+    assert clipped_buckets(1, 4, start=8) == (4,)
+
+
+def test_graph_plan_of_the_built_manifest(built_folder):
+    folder, _ = built_folder
+    limits = ShapeLimits.from_manifest(read_manifest(folder)["tensorrt"]["engines"]["decoder"])
+    plan = DecodeGraphPlan.for_engine(limits, enabled=True)  # cuda: batch 1..8, table 1..512
+    assert plan.batches == (1, 2, 4, 8) and plan.widths == (8, 16, 32, 64, 128, 256, 512)
+    assert not plan.mrope and plan.hidden == limits.ranges["inputs_embeds"][1][2]
+    assert DecodeGraphPlan.for_engine(limits, enabled=False) is None  # runtime.cuda_graphs false
+
+
+@pytest.mark.parametrize(("batch", "tokens", "width", "bucket"), [
+    (1, 1, 1, (1, 8)),
+    (3, 1, 20, (4, 32)),
+    (8, 1, 512, (8, 512)),
+    (1, 7, 4, None),  # prefill stays eager
+    (2, 2, 4, None),
+    (9, 1, 4, None),  # over every batch bucket
+    (1, 1, 513, None),  # over every width bucket
+])
+def test_which_steps_replay_from_a_graph(built_folder, batch, tokens, width, bucket):
+    folder, _ = built_folder
+    limits = ShapeLimits.from_manifest(read_manifest(folder)["tensorrt"]["engines"]["decoder"])
+    assert DecodeGraphPlan.for_engine(limits, enabled=True).bucket(batch, tokens, width) == bucket
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_every_graph_shape_is_one_the_engine_takes(exported_graphs, tmp_path, name):
+    profile = load_profile(name)
+    limits = decoder_limits(plan_of(exported_graphs, "smolvlm", profile, TARGETS[name], tmp_path))
+    plan = DecodeGraphPlan.for_engine(limits, enabled=True)
+    assert plan.batches[-1] == profile.build.decoder_batch.max
+    assert plan.widths[-1] == profile.build.decoder_block_table.max
+    assert plan.bucket(profile.runtime.max_batch_size, 1, 1) is not None  # every decode batch has a graph
+    for batch in plan.batches:
+        for width in plan.widths:
+            shapes = plan.input_shapes((batch, width))
+            assert shapes["inputs_embeds"] == (batch, 1, plan.hidden) and shapes["context_lens"] == (batch,)
+            assert shapes["position_ids"] == (batch, 1) and shapes["block_tables"] == (batch, width)
+            for input_name, shape in shapes.items():
+                limits.check(input_name, shape, "build")
+
+
+def test_graph_plan_with_mrope_positions(exported_graphs, tmp_path):
+    profile = load_profile("orin-nano-8gb")  # decoder_batch 1..2, table 1..256
+    plan = DecodeGraphPlan.for_engine(decoder_limits(plan_of(exported_graphs, "qwen2_vl", profile, ORIN_NANO,
+                                                             tmp_path)), enabled=True)
+    assert plan.mrope and plan.batches == (1, 2) and plan.widths[-1] == 256
+    assert plan.input_shapes((2, 16))["position_ids"] == (3, 2, 1)
+
+
+def test_no_graphs_for_an_engine_without_single_token_steps():
+    limits = ShapeLimits({"inputs_embeds": ((1, 2, 64), (4, 16, 64)), "position_ids": ((1, 2), (4, 16)),
+                          "block_tables": ((1, 1), (4, 32)), "context_lens": ((1,), (4,))})
+    assert DecodeGraphPlan.for_engine(limits, enabled=True) is None
+
+
 # --------------------------------------------------------------------------- without TensorRT
 
 
@@ -442,3 +513,28 @@ def test_tensorrt_11_builds_only_float32_and_older_than_10_is_refused(exported_g
     with pytest.raises(EngineBuildError, match="older than 10.0"):
         plan_of(exported_graphs, "smolvlm", load_profile("agx-orin-64gb"),
                 dataclasses.replace(ORIN, tensorrt="8.6.2"), tmp_path)
+
+
+@pytest.mark.tensorrt
+@pytest.mark.gpu
+def test_tensorrt_decode_graphs_give_the_eager_tokens(tmp_path, monkeypatch):
+    _needs_tensorrt()
+    from edgeinfer.backends.tensorrt_build import build_tensorrt_engines
+    from edgeinfer.demo import DEMO_MODEL_DIR, synthetic
+    from edgeinfer.engine import Engine, SamplingParams
+
+    monkeypatch.setenv("EDGEINFER_ENGINES", str(tmp_path))
+    exact = ["memory.disk_tier_mb=0", "build.precision=fp32", "runtime.dtype=float32"]
+    build_tensorrt_engines(DEMO_MODEL_DIR, load_profile("cuda", exact), tmp_path, progress=False)
+    samples = synthetic.held_out(4321, 4)
+    greedy = SamplingParams(max_new_tokens=8)
+    answers, graphs = {}, None
+    # runtime.cuda_graphs is not in the profile fingerprint: both load the same engines.
+    for flag in ("false", "true"):
+        engine = Engine.load(DEMO_MODEL_DIR, profile="cuda", backend="tensorrt",
+                             overrides=[*exact, f"runtime.cuda_graphs={flag}"])
+        answers[flag] = [engine.generate(s.question, [s.image], greedy).token_ids for s in samples]
+        graphs = engine.decoder_engine.graphs
+    assert answers["true"] == answers["false"]
+    assert graphs.error is None and graphs.graphs, graphs.error
+    assert {batch for batch, _ in graphs.graphs} == {1}  # one request at a time: the batch-1 bucket
