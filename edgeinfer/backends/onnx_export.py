@@ -58,7 +58,7 @@ from edgeinfer.models.decoder import Decoder
 OPSET = 18
 MANIFEST_SCHEMA = 1
 # Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
-EXPORT_REVISION = 2
+EXPORT_REVISION = 3
 MANIFEST = "manifest.json"
 DECODER_FILE = "decoder.onnx"
 VISION_FILE = "vision.onnx"
@@ -174,13 +174,17 @@ def library_versions() -> dict[str, str]:
 # --------------------------------------------------------------------------- the decoder graph
 
 
-def read_blocks(pool: torch.Tensor, layer: int, block_tables: torch.Tensor) -> torch.Tensor:
-    """[layers, blocks, bs, kvh, hd] pool, [B, W] table -> the past of ``layer``, [B, W*bs, kvh, hd].
+def read_blocks(flat_pool: torch.Tensor, layer: int, blocks: torch.Tensor, block_tables: torch.Tensor,
+                kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The past of ``layer``, [B, W*bs, kvh, hd], from the pool viewed as [layers*blocks, bs, kvh, hd].
 
-    The layer index is a tensor so that the export emits one gather over (layer, block)
-    pairs; ``pool[layer]`` would copy the whole layer first.
+    One gather of rows ``layer * blocks + table`` (``pool[layer]`` would copy the whole
+    layer first), then one reshape with a constant shape: four nodes a layer.
     """
-    return pool[torch.full_like(block_tables, layer), block_tables].flatten(1, 2)
+    from edgeinfer.models.decoder import reshape_tail
+
+    picked = flat_pool[block_tables + layer * blocks]  # [B, W, bs, kvh, hd]
+    return reshape_tail(picked, 1, -1, kv_heads, head_dim)
 
 
 def padded_past_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -205,8 +209,12 @@ class DecoderGraph(nn.Module):
     def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
         mask = padded_past_mask(block_tables, context_lens, k_pool.shape[2], inputs_embeds.shape[1])
 
+        cfg, blocks = self.decoder.cfg, k_pool.shape[1]
+        flat_k, flat_v = k_pool.flatten(0, 1), v_pool.flatten(0, 1)  # views: the pools are not copied
+
         def read_past(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return read_blocks(k_pool, i, block_tables), read_blocks(v_pool, i, block_tables)
+            return (read_blocks(flat_k, i, blocks, block_tables, cfg.num_kv_heads, cfg.head_dim),
+                    read_blocks(flat_v, i, blocks, block_tables, cfg.num_kv_heads, cfg.head_dim))
 
         return self.decoder.run_layers(inputs_embeds, position_ids, read_past, mask)
 

@@ -111,9 +111,33 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+def rotate_half(x: torch.Tensor, half: int | None = None) -> torch.Tensor:
+    """``half``, when the caller knows it, stays a constant in an exported graph."""
+    half = x.shape[-1] // 2 if half is None else half
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _ReshapeTail(torch.autograd.Function):
+    """``x.reshape(*x.shape[:keep], *tail)``, exported as one ``Reshape`` with a constant shape
+    (``0`` keeps a dimension): the dynamic batch and token axes need no shape arithmetic."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: int, tail: tuple[int, ...]) -> torch.Tensor:
+        return x.reshape(*x.shape[:keep], *tail)
+
+    @staticmethod
+    def symbolic(g, x, keep: int, tail: tuple[int, ...]):
+        dims = [0] * keep + list(tail)
+        if -1 not in dims:  # the exporter's shape inference wants a -1 beside any 0: infer the last kept dim
+            dims[keep - 1] = -1
+        return g.op("Reshape", x, g.op("Constant", value_t=torch.tensor(dims, dtype=torch.int64)))
+
+
+def reshape_tail(x: torch.Tensor, keep: int, *tail: int) -> torch.Tensor:
+    """Keep the first ``keep`` dimensions of ``x`` and reshape the rest to ``tail`` (one ``-1`` allowed)."""
+    if torch.onnx.is_in_onnx_export():
+        return _ReshapeTail.apply(x, keep, tail)
+    return x.reshape(*x.shape[:keep], *tail)
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -122,18 +146,21 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              groups: int) -> torch.Tensor:
-    """Grouped-query attention: q [B,heads,T,hd], keys/values [B,kv_heads,S,hd]."""
+              groups: int, heads: int, hd: int) -> torch.Tensor:
+    """Grouped-query attention: q [B,heads,T,hd], keys/values [B,kv_heads,S,hd].
+
+    ``heads`` and ``hd`` come from the config, so exported graphs hold them as constants.
+    """
+    scale = hd ** -0.5  # the default scale would be computed from a shape in the graph
     if groups > 1 and torch.onnx.is_in_onnx_export():
         # ONNX (opset 18) has no grouped attention: fold each group's query heads into the rows
         # of its K/V head, so the past is read once instead of repeated per query head.
-        b, heads, t, hd = q.shape
-        q = q.reshape(b, heads // groups, groups * t, hd)
+        q = reshape_tail(q, 1, heads // groups, -1, hd)  # [B, kv_heads, groups * T, hd]
         if mask is not None:
-            s = mask.shape[-1]
-            mask = mask[:, :, None].expand(b, 1, groups, t, s).reshape(b, 1, groups * t, s)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(b, heads, t, hd)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1)
+            mask = mask.repeat(1, 1, groups, 1)  # row g * T + t is the mask of token t
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        return reshape_tail(out, 1, heads, -1, hd)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, scale=scale)
 
 
 class DecoderLayer(nn.Module):
@@ -155,21 +182,22 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, past_k, past_v, mask):
         """x [B,T,H]; past_k/v [B,S,kvh,hd] gathered from the pool; returns (x, k, v) with k/v [B,T,kvh,hd]."""
         cfg = self.cfg
-        b, t, _ = x.shape
         qkv = _linear(self.input_norm(x), self.qkv_t, self.qkv_bias)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = reshape_tail(q, 2, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = reshape_tail(k, 2, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = reshape_tail(v, 2, cfg.num_kv_heads, cfg.head_dim)
+        half = cfg.head_dim // 2
+        q = q * cos + rotate_half(q, half) * sin
+        k = k * cos + rotate_half(k, half) * sin
         new_k = k.transpose(1, 2)
         keys = torch.cat((past_k, new_k), dim=1).transpose(1, 2)
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
-        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads)
-        attn = attn.transpose(1, 2).reshape(b, t, cfg.q_size)
+        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads, cfg.num_heads, cfg.head_dim)
+        attn = reshape_tail(attn.transpose(1, 2), 2, cfg.q_size)
         x = x + _linear(attn, self.o_t, self.o_bias)
-        gate, up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias).chunk(2, dim=-1)
+        gate_up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias)
+        gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
         x = x + _linear(F.silu(gate) * up, self.down_t, self.down_bias)
         return x, new_k, v
 
