@@ -175,6 +175,17 @@ def test_the_graph_reads_the_pools_only_through_gathers(checkpoint, engines):
         assert all(c.op_type == "Gather" for view in views for c in consumers[view.output[0]])
 
 
+def test_the_layers_hold_no_shape_arithmetic(checkpoint, engines):
+    """Every reshape inside a layer has a constant shape: no Shape op runs per layer per step."""
+    folder = build_engines(load_model(checkpoint("smolvlm")), BuildSpec.custom("export"), engines,
+                           progress=False).folder
+    nodes = [n for n in onnx.load(str(folder / DECODER_FILE)).graph.node if n.op_type != "Constant"]
+    in_layers = [n for n in nodes if "/layers." in n.name]
+    assert in_layers and not [n.name for n in in_layers if n.op_type == "Shape"]
+    layers = len({n.name.split("/layers.")[1].split("/")[0] for n in in_layers})
+    assert len(in_layers) / layers < 90, f"{len(in_layers) / layers:.0f} nodes a layer"
+
+
 # --------------------------------------------------------------------------- manifest: skip, stale, corrupt
 
 
