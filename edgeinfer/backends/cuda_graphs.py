@@ -137,18 +137,20 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return super().step(inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens)
         key = (batch, width, position_ids.dim())
         g = self._graphs.get(key) or self._capture(key, inputs_embeds, position_ids, k_pool, v_pool)
-        self._load(g, inputs_embeds, position_ids, block_tables, context_lens)
+        g.embeds[:b].copy_(inputs_embeds)
+        self._load(g, position_ids, block_tables, context_lens)
         g.graph.replay()
         return g.logits[:b], g.new_k[:, :b], g.new_v[:, :b]
 
-    def _load(self, g: _Graph, embeds, positions, tables, context_lens) -> None:
+    def _load(self, g: _Graph | _BurstGraph, positions, tables, context_lens) -> None:
+        """Copy a step's index inputs into a graph's static buffers; padding rows get context 0."""
         b, width = tables.shape
-        g.embeds[:b].copy_(embeds)
-        g.positions[..., :b, :].copy_(positions.to(g.positions.device))
+        device = g.tables.device
+        g.positions[..., :b, :].copy_(positions.to(device, non_blocking=True))
         g.tables.zero_()
-        g.tables[:b, :width].copy_(tables.to(g.tables.device))
+        g.tables[:b, :width].copy_(tables.to(device, non_blocking=True))
         g.context_lens.zero_()
-        g.context_lens[:b].copy_(context_lens.to(g.context_lens.device))
+        g.context_lens[:b].copy_(context_lens.to(device, non_blocking=True))
 
     def _warm_up(self, run, device) -> None:
         """Run ``run`` twice on a side stream before a capture (compiling the layers the first time);
@@ -208,12 +210,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         device = g.tokens.device
         g.tokens.zero_()
         g.tokens[:b].copy_(tokens.to(device, non_blocking=True))
-        g.positions.zero_()
-        g.positions[..., :b, :].copy_(position_ids.to(device, non_blocking=True))
-        g.tables.zero_()
-        g.tables[:b, :block_tables.shape[1]].copy_(block_tables.to(device, non_blocking=True))
-        g.context_lens.zero_()
-        g.context_lens[:b].copy_(context_lens.to(device, non_blocking=True))
+        g.positions.zero_()  # padding rows: a burst advances them only where valid
+        self._load(g, position_ids, block_tables, context_lens)
         g.valid.zero_()
         g.valid[:b] = 1
         out = torch.empty(b, steps, dtype=torch.long, device=device)

@@ -370,9 +370,8 @@ class Engine:
                     if seq.status is Status.FINISHED:
                         break  # the rest of the burst is dropped
             return list(seqs)
-        last = torch.tensor([s.generated[-1] for s in seqs])
+        last, positions = _decode_inputs(seqs)
         embeds = self.decoder_engine.embed(last)[:, None]
-        positions = torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
         logits = self._forward(embeds, positions, list(seqs), [s.num_cached for s in seqs])
         self._counters["decode_steps"] += 1
         for seq, token in zip(seqs, self._choose_tokens(seqs, logits)):
@@ -396,12 +395,9 @@ class Engine:
         return max(1, min(self.config.decode_burst, room, left))
 
     def _burst(self, seqs: Seq[Sequence], steps: int) -> list[list[int]] | None:
-        width = max(len(s.block_table.blocks) for s in seqs)
-        tables = torch.tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs])
-        positions = torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
-        tokens = self.decoder_engine.decode_burst(
-            torch.tensor([s.generated[-1] for s in seqs]), positions, self.kv.k, self.kv.v, tables,
-            torch.tensor([s.num_cached for s in seqs]), steps)
+        last, positions = _decode_inputs(seqs)
+        tokens = self.decoder_engine.decode_burst(last, positions, self.kv.k, self.kv.v, _block_tables(seqs),
+                                                  torch.tensor([s.num_cached for s in seqs]), steps)
         if tokens is None:
             return None
         self._counters["decode_steps"] += steps
@@ -418,11 +414,8 @@ class Engine:
     def _forward(self, embeds, positions, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
         """Run the decoder engine and write the new K/V at each sequence's slots."""
         t = embeds.shape[1]
-        width = max(len(s.block_table.blocks) for s in seqs)
-        tables = torch.tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs])
-        context_lens = torch.tensor(context)
         logits, new_k, new_v = self.decoder_engine.step(
-            embeds, positions, self.kv.k, self.kv.v, tables, context_lens)
+            embeds, positions, self.kv.k, self.kv.v, _block_tables(seqs), torch.tensor(context))
         slots = torch.tensor([slot for s, c in zip(seqs, context) for slot in s.block_table.slots(c, t)])
         self.kv.write(slots, new_k, new_v)
         for s in seqs:
@@ -517,6 +510,18 @@ class Engine:
                  "spilled_blocks": seq.spilled_blocks, "restored_blocks": seq.restored_blocks}
         reason = seq.finish_reason.value if seq.finish_reason else "running"
         return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache)
+
+
+def _block_tables(seqs: Seq[Sequence]) -> torch.Tensor:
+    """[B, widest table] block ids, shorter tables padded with block 0 (masked by context_lens)."""
+    width = max(len(s.block_table.blocks) for s in seqs)
+    return torch.tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs])
+
+
+def _decode_inputs(seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's last token id and its position, the input of the next decode step."""
+    last = torch.tensor([s.generated[-1] for s in seqs])
+    return last, torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
 
 
 def pool_blocks(config: EngineConfig, cfg) -> int:
