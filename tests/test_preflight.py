@@ -169,6 +169,7 @@ def test_huge_header_is_refused_without_decoding(corpus, name, pixels, on_oversi
     before = psutil.Process().memory_info().rss
     error = rejection(corpus[name], on_oversize=on_oversize)
     grown = psutil.Process().memory_info().rss - before
+    print(f"{name} ({on_oversize}): RSS grew {grown / MIB:.2f} MiB")
     assert error.reason == "decompression_bomb"
     assert error.measured == pixels and error.limit == RULES.decode_cap
     assert error.override == f"--set images.max_pixels={-(-pixels // 4)}"
