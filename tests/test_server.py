@@ -250,6 +250,10 @@ def test_batch_answers_each_item(client, question, reference):
     data = response.json()["data"]
     assert [d["choices"][0]["message"]["content"] for d in (data[0], data[2])] == [reference, reference]
     assert "base64" in data[1]["error"]["message"]
+    # A batch item's error is the body the single endpoint sends for the same request.
+    alone = client.post("/v1/chat/completions", json=bad)
+    set_fields = {k: v for k, v in data[1]["error"].items() if v is not None}
+    assert set_fields == {k: v for k, v in alone.json()["error"].items() if v is not None}
 
 
 def test_probes_and_models(served, client):

@@ -32,7 +32,7 @@ from edgeinfer.errors import EdgeInferError, PreflightError
 from edgeinfer.preflight import ImageRules, OnOversize, PreparedImage, prepare_image, read_image_source
 from edgeinfer.server import chat
 from edgeinfer.server.errors import (
-    AuthenticationError, BodyTooLarge, InvalidParam, ModelNotReady, error_body, error_response,
+    AuthenticationError, BodyTooLarge, InvalidParam, ModelNotReady, error_payload, error_response,
     install_error_handlers,
 )
 from edgeinfer.server.images import ImageRef, ImageSourcePolicy, prepare_refs
@@ -296,13 +296,10 @@ api = APIRouter(dependencies=[Depends(require_api_key)], responses=ERROR_RESPONS
 async def chat_completions(body: ChatCompletionRequest, request: Request, runtime: RuntimeDep, engine: EngineDep,
                            metrics: MetricsDep) -> Any:
     settings = runtime.settings
-    chat.check_unsupported(body, settings.served_model)
-    parsed = chat.parse_chat(body, settings.default_max_tokens)
     # Preflight before admission: a malformed request gets its 4xx however busy the server is.
-    prepared = await preflight_refs(runtime, metrics, parsed.images, body.on_oversize)
-    handle = engine.submit(chat.generation_request(parsed, prepared, settings.server.request_timeout_s))
+    generation, reports = await _prepare_item(body, runtime, metrics)
+    handle = engine.submit(generation)
     await unless_disconnected(request, handle.admitted(), [handle])
-    reports = [p.report for p in prepared]
     done, failed = _observe(request, metrics)
     if body.stream:
         meta = chat.StreamMeta(chat.new_id(), settings.served_model, int(time.time()), reports,
@@ -354,8 +351,7 @@ def _item_error(outcome: Any) -> Any:
         return None
     if not isinstance(outcome, EdgeInferError):
         raise outcome  # a bug: answered 500 by the error handler
-    return ErrorResponse.model_validate(error_body(outcome.message, outcome.http_status, code=outcome.code,
-                                                   param=getattr(outcome, "param", None)))
+    return ErrorResponse.model_validate(error_payload(outcome))
 
 
 @api.post("/v1/vqa", response_model=VQAResponse, summary="One image and one question, as a multipart form")

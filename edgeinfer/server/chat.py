@@ -12,7 +12,7 @@ from edgeinfer.engine.async_engine import Completion, GenerationRequest, Request
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.preflight import ImageReport, PreparedImage
-from edgeinfer.server.errors import InvalidParam, ModelNotFound, error_body
+from edgeinfer.server.errors import InvalidParam, ModelNotFound, error_payload
 from edgeinfer.server.images import ImageRef
 from edgeinfer.server.schemas import (
     AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Choice, ChunkChoice,
@@ -157,7 +157,7 @@ async def sse_stream(handle: RequestHandle, meta: StreamMeta, on_done: Callable[
         except EdgeInferError as error:
             settled = True
             on_error(error)
-            yield sse(error_body(error.message, error.http_status, code=error.code))
+            yield sse(error_payload(error))
             yield sse("[DONE]")
             return
         completion = handle.completion

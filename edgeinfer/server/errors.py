@@ -76,17 +76,21 @@ def error_body(message: str, status: int, *, code: str | None, param: str | None
     return {"error": error}
 
 
-def error_response(error: BaseException) -> JSONResponse:
-    """The response for any exception; untyped ones are logged and told apart from the client's fault."""
+def error_payload(error: BaseException) -> dict[str, Any]:
+    """OpenAI's error JSON for any exception, wherever it is sent (a response, a batch item, an SSE
+    event); untyped ones are logged and told apart from the client's fault."""
     status = http_status_for(error)
     if isinstance(error, EdgeInferError):
-        body = error_body(error.message, status, code=_code(error), param=_param(error),
+        return error_body(error.message, status, code=_code(error), param=_param(error),
                           detail=error.to_dict() if isinstance(error, PreflightError) else None)
-    else:
-        log.error("unhandled %s", type(error).__name__, exc_info=error)
-        body = error_body(f"internal server error ({type(error).__name__}); see the server log", status,
-                          code="internal_error")
-    return JSONResponse(body, status_code=status, headers=_headers(error, status))
+    log.error("unhandled %s", type(error).__name__, exc_info=error)
+    return error_body(f"internal server error ({type(error).__name__}); see the server log", status,
+                      code="internal_error")
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    status = http_status_for(error)
+    return JSONResponse(error_payload(error), status_code=status, headers=_headers(error, status))
 
 
 def _code(error: EdgeInferError) -> str:
