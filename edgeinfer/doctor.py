@@ -329,12 +329,56 @@ def check_model_files(model_dir: Path) -> list[Check]:
 # --------------------------------------------------------------------------- engines
 
 
-def file_sha256(path: Path) -> str:
+HASH_CACHE = ".sha256-cache.json"  # beside built engines: {file: [size, mtime_ns, sha256]}
+
+
+def file_sha256(path: Path, *, remember: bool = False) -> str:
+    """sha256 of a file. With ``remember`` (engine folders), the digest is kept in the folder's
+    ``.sha256-cache.json`` under the file's size and modification time, so multi-GB engines
+    are read once rather than at every start; any write to the file invalidates it."""
+    stat = path.stat()
+    key = [stat.st_size, stat.st_mtime_ns]
+    store = path.parent / HASH_CACHE
+    entries: dict[str, Any] = {}
+    if remember:
+        loaded = _read_json(store)
+        entries = loaded if isinstance(loaded, dict) else {}
+        hit = entries.get(path.name)
+        if isinstance(hit, list) and len(hit) == 3 and hit[:2] == key:
+            return hit[2]
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
+    if remember:
+        entries[path.name] = [*key, digest.hexdigest()]
+        try:
+            temporary = store.with_suffix(".tmp")
+            temporary.write_text(json.dumps(entries))
+            temporary.replace(store)
+        except OSError:
+            pass  # a read-only folder: hash again next time
     return digest.hexdigest()
+
+
+def changed_files(folder: Path, digests: dict[str, str]) -> list[tuple[str, str]]:
+    """(name, "missing" | "changed") for each file of ``digests`` that is absent from ``folder``
+    or whose sha256 differs."""
+    out = []
+    for name, digest in digests.items():
+        path = folder / name
+        if not path.is_file():
+            out.append((name, "missing"))
+        elif file_sha256(path, remember=True) != digest:
+            out.append((name, "changed"))
+    return out
+
+
+def file_problems(folder: Path, digests: dict[str, str]) -> list[str]:
+    """``changed_files`` as the build's reasons: one line a file, naming its path."""
+    return [f"{folder / name}: missing" if what == "missing"
+            else f"{folder / name}: corrupt or changed (sha256 differs from the manifest)"
+            for name, what in changed_files(folder, digests)]
 
 
 def _profile_fingerprint_of(name: str) -> str | None:
@@ -355,10 +399,7 @@ def stale_reasons(manifest: dict[str, Any], folder: Path, *, tensorrt: str | Non
     current = _profile_fingerprint_of(str(manifest.get("profile", "")))
     if built.get("profile") and built["profile"] != current:
         reasons.append(f"profile {manifest.get('profile')!r} changed")
-    for name, digest in (built.get("onnx") or {}).items():
-        path = folder / name
-        if not path.is_file() or file_sha256(path) != digest:
-            reasons.append(f"{name} changed")
+    reasons += [f"{name} changed" for name, _ in changed_files(folder, built.get("onnx") or {})]
     return reasons
 
 

@@ -226,3 +226,18 @@ def test_doctor_exits_non_zero_on_a_stale_engine(tmp_path: Path) -> None:
                                  "--engines", str(tmp_path / "engines"), "--profile", "cpu"])
     assert result.exit_code == 1
     assert "edgeinfer build --model" in result.stdout
+
+
+def test_remembered_digests_follow_every_write(tmp_path: Path) -> None:
+    import hashlib
+    import os
+
+    from edgeinfer.doctor import HASH_CACHE, file_sha256
+
+    path = tmp_path / "decoder.onnx"
+    path.write_bytes(b"a" * 1000)
+    assert file_sha256(path, remember=True) == hashlib.sha256(b"a" * 1000).hexdigest()
+    assert (tmp_path / HASH_CACHE).is_file()
+    path.write_bytes(b"b" * 1000)  # same size, new modification time
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))
+    assert file_sha256(path, remember=True) == hashlib.sha256(b"b" * 1000).hexdigest()

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgeinfer.doctor import file_sha256  # the same hash doctor checks manifests with
+from edgeinfer.doctor import file_problems, file_sha256  # the same hashes doctor checks manifests with
 from edgeinfer.errors import EngineBuildError
 from edgeinfer.models.decoder import Decoder
 
@@ -643,13 +643,7 @@ def stale_reasons(manifest: dict[str, Any], folder: Path, spec: BuildSpec, model
                        f"this edgeinfer exports revision {EXPORT_REVISION}")
     if manifest.get("opset") != spec.opset:
         reasons.append(f"{folder / MANIFEST}: opset {manifest.get('opset')} -> {spec.opset}")
-    for name, digest in (manifest.get("files") or {}).items():
-        path = folder / name
-        if not path.is_file():
-            reasons.append(f"{path}: missing")
-        elif file_sha256(path) != digest:
-            reasons.append(f"{path}: corrupt or changed (sha256 differs from the manifest)")
-    return reasons
+    return reasons + file_problems(folder, manifest.get("files") or {})
 
 
 def engine_problems(folder: Path, spec: BuildSpec, model_fp: str) -> list[str]:
@@ -808,7 +802,7 @@ def _require_close(name: str, diff: float, scale: float, path: Path) -> None:
 def _manifest(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSpec, engines: dict,
               checks: dict) -> dict[str, Any]:
     files = [n for f in (VISION_FILE, DECODER_FILE) for n in graph_files(work, f)]
-    hashes = {name: file_sha256(work / name) for name in files}
+    hashes = {name: file_sha256(work / name, remember=True) for name in files}
     cfg = model.decoder.cfg
     return {
         "schema": MANIFEST_SCHEMA,

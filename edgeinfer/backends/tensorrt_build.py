@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeinfer.doctor import file_sha256
+from edgeinfer.doctor import file_problems, file_sha256
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
 
 TRT_SCHEMA = 1
@@ -444,12 +444,7 @@ def stale_engine_reasons(manifest: Mapping[str, Any] | None, folder: Path, expec
         reasons.append("built from other ONNX graphs (ONNX hash changed)")
     if built.get("pool_blocks") != expected.pool_blocks:
         reasons.append(f"built for a KV pool of {built.get('pool_blocks')} blocks, this one has {expected.pool_blocks}")
-    for name, digest in (section.get("plans") or {}).items():
-        path = folder / name
-        if not path.is_file():
-            reasons.append(f"{path}: missing")
-        elif file_sha256(path) != digest:
-            reasons.append(f"{path}: corrupt or changed (sha256 differs from the manifest)")
+    reasons += file_problems(folder, section.get("plans") or {})
     if not section.get("plans"):
         reasons.append(f"{folder}: the manifest lists no TensorRT plan")
     return reasons
@@ -671,7 +666,7 @@ def build_tensorrt_engines(model_dir: str | Path, profile, root: str | Path | No
             started = datetime.datetime.now()
             build_engine(engine, folder / engine.plan_file)
             seconds[engine.name] = round((datetime.datetime.now() - started).total_seconds(), 1)
-            plans[engine.plan_file] = file_sha256(folder / engine.plan_file)
+            plans[engine.plan_file] = file_sha256(folder / engine.plan_file, remember=True)
             bar.done()
         bar.step("writing the manifest")
         manifest["tensorrt"] = tensorrt_section(plan, expected, plans, seconds)
