@@ -219,16 +219,17 @@ def _vision_engine(model, folder: Path, manifest: dict, providers: Sequence[str]
     return OrtVisionEngine(make_session(folder / entry["file"], providers, threads), graph)
 
 
-def release_replaced_weights(model, manifest: dict) -> None:
-    """Free the torch weights the ORT sessions replace, keeping what the host still runs:
-    the embedding table, and the vision encoder's own direct parameters (LLaVA-NeXT's row
-    newline). For ``Engine.load``, which owns the model it loaded; the modules stay in place
-    on the meta device, so configs and attributes still read."""
+def release_replaced_weights(model, vision: bool) -> None:
+    """Free the torch weights a built engine replaces (the decoder's, and the vision tower's
+    where ``vision``), keeping what the host still runs: the embedding table, and the vision
+    encoder's own direct parameters (LLaVA-NeXT's row newline). For loaders that own the
+    model they loaded; the modules stay in place on the meta device, so configs and
+    attributes still read."""
     decoder = model.decoder
     decoder.layers.to("meta")
     decoder.norm.to("meta")
     if decoder.embed is not None:  # untied: the head is in the graph, the table is separate
         decoder.lm_head_t = torch.nn.Parameter(decoder.lm_head_t.to("meta"), requires_grad=False)
-    if manifest["engines"]["vision"].get("runtime") == "onnxruntime":
+    if vision:
         for child in model.vision.children():
             child.to("meta")

@@ -428,13 +428,20 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
     device = torch.device(config.device if ":" in config.device else "cuda:0")
     decoder = model.decoder
     table = decoder.lm_head_t.t() if decoder.embed is None else decoder.embed
+    table = table.detach().to(device, config.torch_dtype)
+    graph = vision_graph_for(model)
+    trt_vision = "vision" in engines and graph is not None
+    # The torch weights the plans replace go before the plans are read: on an 8 GB board both
+    # at once may not fit.
+    from edgeinfer.backends.onnxruntime_backend import release_replaced_weights
+
+    release_replaced_weights(model, vision=trt_vision)
     decoder_runner = _runner(runtime, folder / DECODER_PLAN, engines["decoder"])
     graphs = DecodeGraphPlan.for_engine(decoder_runner.limits, config.cuda_graphs)
-    decoder_engine = TrtDecoderEngine(decoder_runner, table.detach().to(device, config.torch_dtype), graphs)
+    decoder_engine = TrtDecoderEngine(decoder_runner, table, graphs)
     # What the K/V depends on beyond the checkpoint (precision, plan): the prefix cache keys on it.
     decoder_engine.build_identity = json.dumps(engines["decoder"], sort_keys=True, default=str)
-    graph = vision_graph_for(model)
-    if "vision" in engines and graph is not None:
+    if trt_vision:
         vision = TrtVisionEngine(_runner(runtime, folder / VISION_PLAN, engines["vision"]), graph, device,
                                  config.unified_memory, config.torch_dtype)
     else:

@@ -214,15 +214,15 @@ class Engine:
             from edgeinfer.backends.onnxruntime_backend import release_replaced_weights
 
             built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
-            release_replaced_weights(model, built.manifest)  # this load's own model: ORT holds those weights now
+            # This load's own model: ORT holds those weights now.
+            release_replaced_weights(model, vision=built.manifest["engines"]["vision"].get("runtime") == "onnxruntime")
         engines = None
         if backend == "tensorrt":
-            from edgeinfer.backends.onnxruntime_backend import release_replaced_weights
             from edgeinfer.backends.tensorrt_backend import open_engines as open_tensorrt
 
-            opened = open_tensorrt(model, device_profile, config)  # refuses stale engines, never builds
+            # Refuses stale engines, never builds; frees the torch weights the engines replace.
+            opened = open_tensorrt(model, device_profile, config)
             engines = (opened.decoder, opened.vision)
-            release_replaced_weights(model, opened.manifest)  # TensorRT holds the graphs' weights now
         engine = cls(model, config, backend, engines=engines)
         engine.profile = device_profile
         return engine
