@@ -199,7 +199,7 @@ def open_engines(model, config, root: str | Path | None = None,
     if announce:
         print(f"onnxruntime: {folder} ({manifest.get('precision')}) on {', '.join(chosen)}", file=sys.stderr)
     decoder = model.decoder
-    table = decoder.lm_head_t.t() if decoder.embed is None else decoder.embed
+    table = decoder.embed_table
     session = make_session(folder / manifest["engines"]["decoder"]["file"], chosen, config.threads)
     decoder_engine = OrtDecoderEngine(session, table.detach(), decoder.cfg.num_layers, decoder.cfg.vocab_size)
     # What the K/V depends on beyond the checkpoint: an INT8 build's K/V is not an fp32 build's.

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from edgeinfer.cli.profiles import JsonOption, ProfileOption, SetOption, errors_to_exit_codes
+from edgeinfer.demo import DEMO_MODEL_DIR
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 
 
 class BuildBackend(str, Enum):
@@ -47,7 +47,7 @@ def build(*,
     """Export the vision and decoder engines to ONNX, check them against torch, write the manifest;
     with --backend tensorrt, also build the TensorRT engines from those graphs."""
     with errors_to_exit_codes():
-        result = _build(backend, model or DEMO_MODEL, profile, set_ or [], precision, out, force)
+        result = _build(backend, model or DEMO_MODEL_DIR, profile, set_ or [], precision, out, force)
     if json_:
         typer.echo(json.dumps({"folder": str(result.folder), "skipped": result.skipped,
                                "reasons": list(result.reasons), "manifest": result.manifest}, indent=2))

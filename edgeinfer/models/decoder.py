@@ -216,9 +216,13 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
 
+    @property
+    def embed_table(self) -> torch.Tensor:
+        """[vocab, hidden] token embeddings (the transposed head, for tied checkpoints)."""
+        return self.lm_head_t.t() if self.embed is None else self.embed
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.lm_head_t.t() if self.embed is None else self.embed
-        return F.embedding(ids, table)
+        return F.embedding(ids, self.embed_table)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [B, 1, T, head_dim] for [B,T] positions, or [3,B,T] with M-RoPE."""
