@@ -324,7 +324,8 @@ class KVManager:
 
     # --- running sequences -----------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
-        return n <= self.pool.num_blank + self.spill.reclaimable()
+        # Blank blocks answer the common case without counting what spills would free.
+        return n <= self.pool.num_blank or n <= self.pool.num_blank + self.spill.reclaimable()
 
     def allocate_for(self, seq: KVSequence, n: int) -> None:
         """``n`` more blocks at the end of ``seq``'s table; raises CapacityError when there is no room."""

@@ -180,19 +180,21 @@ class SpillManager:
                     raise CapacityError(f"KV pool has {self.pool.num_blank} free blocks, {n} needed")
                 self.wait(spills[0])
                 continue
-            for entry in victims:
-                if entry.host is not None or entry.disk is not None:
-                    self.drop(entry, Tier.DEVICE)
-            dirty = [e for e in victims if e.device is not None]
-            if dirty:
-                self.spill(dirty, urgent=True, lose_unplaced=True)
+            if self.spill(victims, urgent=True, lose_unplaced=True):
                 for move in [m for m in self.moves.values() if m.src is Tier.DEVICE and m.job.urgent]:
                     self.wait(move)
 
     def spill(self, entries: list[Entry], urgent: bool, lose_unplaced: bool, only: Tier | None = None) -> int:
-        """Store idle device entries to the host (or the disk) and drop them from the device when
-        done. Entries with nowhere to go are dropped now (``lose_unplaced``: their room is needed)
+        """Store idle device entries to the host (or the disk, or ``only`` there) and drop them from
+        the device when done; an entry that already has a copy there is dropped now. Entries with nowhere to go are dropped now (``lose_unplaced``: their room is needed)
         or stay idle on the device. Returns how many are being stored."""
+        lower = (only,) if only else (Tier.HOST, Tier.DISK)
+        for entry in entries:  # a copy below already: the device copy just goes
+            if any(entry.where(tier) is not None for tier in lower):
+                self.drop(entry, Tier.DEVICE)
+        entries = [e for e in entries if e.device is not None]
+        if not entries:
+            return 0
         self.withdraw(entries, Tier.DEVICE)
         to_host, to_disk = self._destinations(entries, only)
         for tier, items in ((Tier.HOST, to_host), (Tier.DISK, to_disk)):
@@ -384,19 +386,15 @@ class SpillManager:
         """Above the high watermark of device blocks holding content, spill idle ones down to the low
         one (without a lower tier, idle blocks wait to be reclaimed). Returns the entries moved."""
         policy = self.policies[Tier.DEVICE]
-        if not len(policy) or not self.has_lower_tier:
-            return []
+        high = self.config.high_watermark * self.pool.num_blocks
+        if not len(policy) or not self.has_lower_tier or self.pool.num_blocks - self.pool.num_blank <= high:
+            return []  # the last test bounds ``used`` from above without counting the pins (every step)
         used = self.pool.num_blocks - self.pool.num_blank - self.pinned_only()
-        if used <= self.config.high_watermark * self.pool.num_blocks:
+        if used <= high:
             return []
         excess = used - math.floor(self.config.low_watermark * self.pool.num_blocks)
         victims = policy.evict(min(excess, len(policy)), self.step)
-        for entry in victims:
-            if entry.host is not None or entry.disk is not None:
-                self.drop(entry, Tier.DEVICE)
-        dirty = [e for e in victims if e.device is not None]
-        if dirty:
-            self.spill(dirty, urgent=False, lose_unplaced=False)
+        self.spill(victims, urgent=False, lose_unplaced=False)
         return victims
 
     def _relieve_host(self) -> None:
@@ -446,12 +444,7 @@ class SpillManager:
         if tier is Tier.DEVICE or self.store_of(tier) is None:
             raise ValueError(f"there is no {to!r} tier to spill to")
         policy = self.policies[Tier.DEVICE]
-        victims = policy.evict(len(policy), self.step)
-        for entry in victims:
-            if entry.where(tier) is not None:
-                self.drop(entry, Tier.DEVICE)
-        moved = self.spill([e for e in victims if e.device is not None], urgent=True, lose_unplaced=False,
-                           only=tier)
+        moved = self.spill(policy.evict(len(policy), self.step), urgent=True, lose_unplaced=False, only=tier)
         self.drain()
         if tier is Tier.DISK and self.host is not None:
             moved += self._demote_host()
