@@ -183,7 +183,6 @@ class RequestHandle:
         # Engine thread only:
         self.seq: Sequence | None = None
         self.submitted_at: float | None = None
-        self.first_token_at: float | None = None
         self.finished = False
         self.trimmer = _Trimmer()
 
@@ -446,8 +445,6 @@ class AsyncEngine:
             handle = self._active.get(seq.seq_id)
             if handle is None:
                 continue
-            if handle.first_token_at is None:
-                handle.first_token_at = now
             delta = handle.trimmer.feed(self.engine.text_delta(seq))
             if delta:
                 handle.emit(_Delta(delta))
@@ -464,7 +461,7 @@ class AsyncEngine:
         assert seq is not None
         result = self.engine.result(seq)
         del self._active[seq.seq_id]
-        first = handle.first_token_at
+        first = seq.timings.first_token  # perf_counter, as ``arrived``
         n = len(result.token_ids)
         stats = RequestStats(
             queued_s=(handle.submitted_at or now) - handle.arrived,
