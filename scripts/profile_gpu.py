@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgeinfer.bench.gpu import QUESTION, bench_image  # noqa: E402
+from edgeinfer.bench.common import bench_image  # noqa: E402
+from edgeinfer.bench.gpu import QUESTION  # noqa: E402
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgeinfer.bench.common import bench_image
 QUESTION = "Can you describe this image?"
 # Worker kinds of our ONNX Runtime backend -> the decoder precision each builds (on the cpu profile).
 ONNX_KINDS = {"onnxruntime": "fp32", "onnxruntime-int8": "int8"}
@@ -32,13 +33,6 @@ class BenchSpec:
     threads: int = 2
     dtype: str = "float32"
     device: str = "cpu"
-
-
-def bench_image(size: int):
-    import numpy as np
-    from PIL import Image
-
-    return Image.fromarray(np.random.RandomState(0).randint(0, 256, (size, size, 3), dtype=np.uint8))
 
 
 def peak_rss_mb() -> float:

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from edgeinfer.bench.common import bench_image, sync
 from edgeinfer.bench.generate import _Clock  # the token clock is shared with the CPU benchmark
 
 QUESTION = "Describe this image."
@@ -44,21 +45,6 @@ class GpuBenchSpec:
         return ["--model", str(self.model), "--image-size", f"{self.image_size[0]}x{self.image_size[1]}",
                 "--batch-sizes", ",".join(map(str, self.batch_sizes)), "--new-tokens", str(self.new_tokens),
                 "--repeats", str(self.repeats), "--dtype", self.dtype, "--device", self.device]
-
-
-def bench_image(size: tuple[int, int]):
-    import numpy as np
-    from PIL import Image
-
-    w, h = size
-    return Image.fromarray(np.random.RandomState(0).randint(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth_gbs(device: str, mib: int = 1024) -> float:

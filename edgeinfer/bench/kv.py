@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from edgeinfer.bench.common import bench_image, sync
 PARTS = ("resume", "overhead", "round_robin", "peer", "drift", "demo")
 
 
@@ -108,13 +109,6 @@ def max_logit_drift(ref_logits: dict, logits: dict, ref_tokens: list[list[int]],
 
 
 # --- workloads ----------------------------------------------------------------------------------
-def bench_image(size: int, seed: int = 0):
-    import numpy as np
-    from PIL import Image
-
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size, size, 3), dtype=np.uint8))
-
-
 def _words(tokenizer) -> list[str]:
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and w.islower() and 2 < len(w) < 9)
     return words or ["the", "cat", "sat", "on", "a", "mat"]
@@ -158,13 +152,6 @@ def _sampling(tokens: int):
     from edgeinfer.engine import SamplingParams
 
     return SamplingParams(max_new_tokens=tokens, min_new_tokens=tokens)
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 class Harness:
@@ -342,7 +329,7 @@ def run_round_robin(engine, sessions: list[list], questions: list[list[str]], im
             generated += len(result.token_ids)
             failed += result.finish_reason not in ("length", "stop")
             conversations[i] = turns[i] + [{"role": "assistant", "content": result.text}]
-    _sync(str(engine.config.device))
+    sync(str(engine.config.device))
     wall = time.perf_counter() - started
     return {"wall_s": wall, "tokens_per_s": generated / wall, "generated": generated, "failed": failed,
             "tokens": tokens, "counters": engine.counters, "metrics": engine.kv_metrics()}
@@ -431,7 +418,7 @@ def bench_peer(h: Harness, sessions: list[list], questions: list[list[str]]) -> 
             generated += len(new)
             text = prompts.adapter.tokenizer.decode(new, skip_special_tokens=True).strip()
             conversations[i] = turn + [{"role": "assistant", "content": text}]
-    _sync(spec.device)
+    sync(spec.device)
     wall = time.perf_counter() - started
     del model
     gc.collect()
