@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.errors import CapacityError
 from edgeinfer.kv.manager import KVManager
-from edgeinfer.kv.pool import BlockPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +46,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-
-    @property
-    def pool(self) -> BlockPool:
-        return self.kv.pool
 
     def add(self, seq: Sequence) -> None:
         need = self.kv.blocks_for(seq.prompt_len + 1)

@@ -49,7 +49,6 @@ class SpillWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._current: Job | None = None  # the job the thread is running
-        self.busy_s = 0.0  # seconds spent executing jobs, on either thread
 
     def compute_event(self):
         """An event on the current (compute) stream for a job to wait on; None on CPU."""
@@ -69,10 +68,6 @@ class SpillWorker:
                 self._thread.start()
             self._cond.notify()
         return job
-
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._queues[True]) + len(self._queues[False])
 
     def finished(self) -> list[Job]:
         """Jobs done since the last call, in the order they finished."""
@@ -154,7 +149,6 @@ class SpillWorker:
             job.error = error
         job.seconds = time.perf_counter() - started
         with self._cond:
-            self.busy_s += job.seconds
             job.state = "done"
             self._finished.append(job)
         job.done.set()
