@@ -658,6 +658,7 @@ def build_tensorrt_engines(model_dir: str | Path, profile, root: str | Path | No
     check_build_memory(plan)
     # Until both engines are built, the manifest vouches for none: a failed build leaves no engine to load.
     manifest.pop("tensorrt", None)
+    manifest["fingerprint"] |= {"tensorrt": None, "sm": None, "gpu": None}  # what doctor reads of the build
     write_manifest(folder, manifest)
     plans, seconds = {}, {}
     with Steps(len(plan.engines) + 1, f"tensorrt {folder.parent.name}/{profile.name}", progress) as bar:
