@@ -9,6 +9,11 @@ blocks under a mask so no shape depends on the context length.
 
 Prefill (T > 1) runs eagerly: its shapes change with every prompt.
 
+Where Triton is installed, a batch-1 step's layers are the fused kernels of
+:mod:`edgeinfer.backends.triton_decode` (six per layer, attention reading the pool in place);
+larger batches, and machines without Triton, run layers compiled by ``torch.compile`` over
+the past gathered into whole blocks.
+
 Greedy decoding can go further (``decode_burst``): a second graph takes token ids rather
 than embeddings, writes its K/V into the pool itself and feeds its argmax back as the next
 input, so several steps replay back to back with one copy to the host at the end. The
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.backends import triton_decode
 from edgeinfer.backends.torch_backend import TorchDecoderEngine
 from edgeinfer.models.decoder import Decoder, DecoderLayer, gather_past, whole_block_slots_and_mask
 
@@ -102,7 +108,8 @@ class _Graph:
 class CudaGraphDecoderEngine(TorchDecoderEngine):
     """The torch decoder engine with decode steps captured in CUDA graphs."""
 
-    def __init__(self, decoder: Decoder, max_batch_size: int, max_blocks: int, compile_layers: bool = True) -> None:
+    def __init__(self, decoder: Decoder, max_batch_size: int, max_blocks: int, compile_layers: bool = True,
+                 fused: bool = True) -> None:
         super().__init__(decoder)
         self.batch_buckets = buckets(max_batch_size)
         self.width_buckets = buckets(max_blocks, start=8)
@@ -116,11 +123,37 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             # One compiled code object serves every (batch, width) bucket of every engine in
             # the process; the default limit of 8 variants would be hit by a few buckets.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        self._layer_fn = torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True) if compile_layers else None
         self.compile_error: str | None = None
-        self.weight_layout = choose_weight_layout(decoder) if self.device.type == "cuda" else None
+        # Why the fused Triton step is not used (None: it is).
+        self.fused_off = "turned off" if not fused else triton_decode.available(self.device)
+        self._fused = None
+        if self.fused_off is None:
+            try:
+                self._fused = triton_decode.FusedDecode(decoder)
+            except ValueError as exc:
+                self.fused_off = str(exc)
+        if self._fused is not None:
+            _relayout(decoder, out_major=True)  # the kernels read whole rows of [out, in]
+            self.weight_layout = {"chosen": "out_in", "kernels": "triton at batch 1"}
+        else:
+            self.weight_layout = choose_weight_layout(decoder) if self.device.type == "cuda" else None
+        self._layer_fn = torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True) if compile_layers else None
 
-    def _static_step(self, embeds, positions, k_pool, v_pool, tables, context_lens):
+    @property
+    def kernel_report(self) -> dict:
+        """The fused step's tile choices and speeds per product, or why it is off."""
+        if self._fused is None:
+            return {"fused": False, "reason": self.fused_off}
+        return {"fused": True, "products": self._fused.report}
+
+    def _static_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, valid=None):
+        """One token per row on static shapes. With ``valid`` (fused step only) the new K/V are
+        written into the pools at each valid row's slot ``context_lens`` and come back as None."""
+        if self._fused is not None and embeds.shape[0] <= triton_decode.MAX_BATCH:
+            cos, sin = self.decoder.rope(positions, embeds.dtype)
+            b = embeds.shape[0]
+            return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
+                                      context_lens, valid)
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], 1)
 
         def read_past(i: int):
@@ -153,22 +186,29 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         g.context_lens[:b].copy_(context_lens.to(device, non_blocking=True))
 
     def _warm_up(self, run, device) -> None:
-        """Run ``run`` twice on a side stream before a capture (compiling the layers the first time);
-        a compiler failure falls back to eager layers, with a warning."""
+        """Run ``run`` twice on a side stream before a capture (timing the fused kernels' tiles or
+        compiling the layers the first time). A failure of either falls back, with a warning: the
+        fused kernels to the compiled layers, the compiled layers to eager ones."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            try:
-                for _ in range(2):
-                    run()
-            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager layers
-                if self._layer_fn is None:
-                    raise
-                self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
-                warnings.warn(f"compiled decoder layers failed, capturing eager layers: {self.compile_error}")
-                self._layer_fn = None
-                for _ in range(2):
-                    run()
+            while True:
+                try:
+                    for _ in range(2):
+                        run()
+                    break
+                except Exception as exc:  # noqa: BLE001 - any kernel or compiler failure has a fallback
+                    reason = f"{type(exc).__name__}: {exc}"[:500]
+                    if self._fused is not None:
+                        self.fused_off = reason
+                        self._fused = None
+                        warnings.warn(f"fused decode kernels failed, using compiled layers: {reason}")
+                    elif self._layer_fn is not None:
+                        self.compile_error = reason
+                        self._layer_fn = None
+                        warnings.warn(f"compiled decoder layers failed, capturing eager layers: {reason}")
+                    else:
+                        raise
         torch.cuda.current_stream(device).wait_stream(side)
 
     def _capture(self, key, embeds, positions, k_pool, v_pool) -> _Graph:
@@ -226,6 +266,12 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         ``write=False`` (the warm-up before capture) leaves the pools alone.
         """
         embeds = self.decoder.embed_tokens(tokens)[:, None]
+        if self._fused is not None and tokens.shape[0] <= triton_decode.MAX_BATCH:  # attention writes the K/V
+            logits, _, _ = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens,
+                                             valid if write else torch.zeros_like(valid))
+            if write:
+                self._advance(logits, tokens, positions, context_lens, valid)
+            return
         logits, new_k, new_v = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens)
         block_size = k_pool.shape[2]
         # Padding rows write row 0's values at row 0's slot: duplicates of one write, never a
@@ -238,6 +284,11 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return
         k_pool.view(layers, -1, *k_pool.shape[3:]).index_copy_(1, slots, new_k[:, rows, 0].to(k_pool.dtype))
         v_pool.view(layers, -1, *v_pool.shape[3:]).index_copy_(1, slots, new_v[:, rows, 0].to(v_pool.dtype))
+        self._advance(logits, tokens, positions, context_lens, valid)
+
+    @staticmethod
+    def _advance(logits, tokens, positions, context_lens, valid) -> None:
+        """The argmax becomes the next input; valid rows move one position on."""
         tokens.copy_(logits.float().argmax(-1))
         positions.add_(valid.view(tokens.shape[0], 1))
         context_lens.add_(valid)

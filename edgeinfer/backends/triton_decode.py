@@ -1,0 +1,437 @@
+"""A decode step at small batch in six Triton kernels per layer.
+
+At batch 1 a decode step reads every weight once and does almost no arithmetic, so it
+runs as fast as its matrix-vector products stream memory and as slowly as the small
+kernels between them. cuBLAS reaches 1.2 TB/s on the 6 MB q|k|v product of a 2B model
+and the compiled layer still launches some twenty kernels (norms, RoPE, the past's
+gather and concatenation, the mask, attention). Here a layer is:
+
+1. RMSNorm fused into the q|k|v product (plus its bias);
+2. attention over the paged pool, split along the context (flash decoding): RoPE of the
+   query and the new key applied on the fly, the past read through the block table where
+   it lies, the new token's K/V taken from the product and written to the pool (bursts)
+   or returned (single steps);
+3. the merge of the splits;
+4. the o product plus the residual;
+5. RMSNorm fused into the gate|up product;
+6. SiLU(gate)·up fused into the down product, plus the residual.
+
+Every product reads its weight ``[out, in]`` row-major, a tile of whole rows per program,
+and keeps the rounding points of the eager layer (bf16 after each product, norm and
+product-sum), so it gives the eager layer's tokens within the dtype's tolerance. The
+tile sizes are chosen once per matrix shape by timing a few candidates on the device.
+
+Triton is optional: on a machine without it (CPUs, most Jetson wheels) the compiled or
+eager layers run instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:  # noqa: SIM105 - the import decides whether this path exists at all
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
+    triton = None
+
+
+def available(device: torch.device) -> str | None:
+    """None when the fused step can run on ``device``, else the reason it cannot."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if triton is None:
+        return "triton is not installed"
+    return None
+
+
+# The batches the fused step serves: its products stream each weight once per row tile and
+# beat cuBLAS at one row; at four rows and more cuBLAS's tensor-core tiles win by far.
+MAX_BATCH = 1
+
+NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(X, W, BIAS, RES, NORM_W, Y, N, K, stride_x, stride_r, stride_y, eps,
+                     MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+        """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs."""
+        dt = Y.dtype.element_ty
+        pid = tl.program_id(0)
+        rn = pid * BN + tl.arange(0, BN)
+        rm = tl.arange(0, MP)
+        n_ok = rn < N
+        rows = rn.to(tl.int64) * K
+        if PROLOGUE == 1:  # RMSNorm over each row of X
+            ss = tl.zeros([MP], tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                xv = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=rk[None, :] < K, other=0.0)
+                xv = xv.to(tl.float32)
+                ss += tl.sum(xv * xv, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([MP, BN], tl.float32)
+        wide = tl.zeros([BN, BK], tl.float32)  # one row: products summed across K only at the end
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            k_ok = rk[None, :] < K
+            if PROLOGUE == 2:  # X holds gate | up, each K wide
+                g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
+                u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
+                act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+                xv = (act * u).to(dt)
+            else:
+                xv = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0)
+                if PROLOGUE == 1:
+                    nw = tl.load(NORM_W + rk, mask=rk < K, other=0.0).to(tl.float32)
+                    xn = (xv.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+                    xv = (xn * nw[None, :]).to(dt)
+            w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+            if USE_DOT:
+                if IEEE:
+                    acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(xv, tl.trans(w))
+            elif MP == 1:
+                wide += w.to(tl.float32) * xv.to(tl.float32)
+            else:
+                acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if MP == 1 and not USE_DOT:
+            acc = tl.sum(wide, axis=1)[None, :]
+        y = acc.to(dt)
+        if HAS_BIAS:
+            b = tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) + b[None, :]).to(dt)
+        if HAS_RES:
+            r = tl.load(RES + rm[:, None] * stride_r + rn[None, :], mask=n_ok[None, :], other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=n_ok[None, :])
+
+    @triton.jit
+    def _rope(x, partner, sign, c, s, dt: tl.constexpr):
+        """x * cos + rotate_half(x) * sin, with ``partner`` = x at the rotated index; rounded as the eager layer."""
+        return ((x * c).to(dt).to(tl.float32) + (sign * partner * s).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART,
+                          stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, scale,
+                          KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
+                          HDP: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                          SPLITS: tl.constexpr, WRITE_POOL: tl.constexpr, IEEE: tl.constexpr):
+        """One (row, KV head, split): the group's query heads against positions
+        [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls."""
+        HALF: tl.constexpr = HD // 2
+        dt = KP.dtype.element_ty
+        m = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        ctx = tl.load(CTX + m).to(tl.int32)
+        rg = tl.arange(0, GP)
+        rd = tl.arange(0, HDP)
+        d_ok = rd < HD
+        partner = tl.where(rd < HALF, rd + HALF, rd - HALF)
+        sign = tl.where(rd < HALF, -1.0, 1.0)
+        q_ok = (rg[:, None] < G) & d_ok[None, :]
+        heads = kvh * G + rg
+        row = QKV + m * stride_qkv
+        c = tl.load(COS + m * stride_cs + rd, mask=d_ok, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + m * stride_cs + rd, mask=d_ok, other=0.0).to(tl.float32)
+        q = tl.load(row + heads[:, None] * HD + rd[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        qp = tl.load(row + heads[:, None] * HD + partner[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        q = _rope(q, qp, sign[None, :], c[None, :], sn[None, :], dt)
+
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HDP], tl.float32)
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, ctx)
+        rt = tl.arange(0, TILE)
+        for t0 in range(start, end, TILE):
+            p = t0 + rt
+            p_ok = p < end
+            block = tl.load(TABLES + m * stride_tab + p // BS, mask=p_ok, other=0)
+            base = block * stride_kb + (p % BS) * stride_ks + kvh * HD
+            kv_ok = p_ok[:, None] & d_ok[None, :]
+            k = tl.load(KP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where(p_ok[None, :], sc * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            v = tl.load(VP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(dt), v)
+            m_i = m_new
+
+        if ctx // CHUNK == s:  # the new token is at position ctx
+            kb = row + G * KVH * HD + kvh * HD
+            vb = row + (G + 1) * KVH * HD + kvh * HD
+            kn = tl.load(kb + rd, mask=d_ok, other=0.0).to(tl.float32)
+            knp = tl.load(kb + partner, mask=d_ok, other=0.0).to(tl.float32)
+            kn = _rope(kn, knp, sign, c, sn, dt)
+            vn = tl.load(vb + rd, mask=d_ok, other=0.0)
+            sc_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
+            m_new = tl.maximum(m_i, sc_n)
+            alpha = tl.exp(m_i - m_new)
+            pn = tl.exp(sc_n - m_new)
+            l_i = l_i * alpha + pn
+            acc = acc * alpha[:, None] + pn.to(dt).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
+            m_i = m_new
+            if WRITE_POOL:
+                if tl.load(VALID + m) != 0:
+                    block = tl.load(TABLES + m * stride_tab + ctx // BS)
+                    at = block * stride_kb + (ctx % BS) * stride_ks + kvh * HD
+                    tl.store(KP + at + rd, kn, mask=d_ok)
+                    tl.store(VP + at + rd, vn, mask=d_ok)
+            else:
+                out = (m * KVH + kvh) * HD
+                tl.store(KOUT + out + rd, kn, mask=d_ok)
+                tl.store(VOUT + out + rd, vn, mask=d_ok)
+
+        part = (m * KVH * G + heads) * SPLITS + s  # [GP]
+        g1 = rg < G
+        tl.store(MPART + part, m_i, mask=g1)
+        tl.store(LPART + part, l_i, mask=g1)
+        tl.store(OPART + part[:, None] * HD + rd[None, :], acc, mask=q_ok)
+
+    @triton.jit
+    def _merge_kernel(OPART, MPART, LPART, OUT, stride_out,
+                      H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+        """Softmax-weighted sum of one (row, head)'s splits."""
+        m = tl.program_id(0)
+        h = tl.program_id(1)
+        rs = tl.arange(0, SP)
+        rd = tl.arange(0, HDP)
+        s_ok = rs < SPLITS
+        base = (m * H + h) * SPLITS
+        mi = tl.load(MPART + base + rs, mask=s_ok, other=float("-inf"))
+        li = tl.load(LPART + base + rs, mask=s_ok, other=0.0)
+        top = tl.max(mi, axis=0)
+        w = tl.where(s_ok & (mi > float("-inf")), tl.exp(mi - top), 0.0)
+        o = tl.load(OPART + (base + rs[:, None]) * HD + rd[None, :], mask=s_ok[:, None] & (rd[None, :] < HD), other=0.0)
+        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * li, axis=0)
+        tl.store(OUT + m * stride_out + h * HD + rd, out.to(OUT.dtype.element_ty), mask=rd < HD)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+
+
+# Candidates timed per product at load (``FusedDecode.tune``): long K tiles for wide rows,
+# narrow N tiles where there are few outputs (more programs in flight).
+GEMV_CANDIDATES = (GemvConfig(2, 512, 2, 3), GemvConfig(4, 256, 2, 3), GemvConfig(4, 512, 4, 3),
+                   GemvConfig(8, 256, 4, 3), GemvConfig(8, 512, 4, 2), GemvConfig(16, 128, 4, 3),
+                   GemvConfig(16, 256, 8, 2), GemvConfig(32, 128, 8, 2), GemvConfig(4, 1024, 8, 2),
+                   GemvConfig(8, 128, 2, 4), GemvConfig(16, 512, 8, 3), GemvConfig(8, 1024, 8, 2),
+                   GemvConfig(2, 1024, 4, 2))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
+         config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] (or [M, 2K] with ``silu_mul``), ``w`` [N, K].
+
+    ``f`` is RMSNorm with ``norm_weight`` or SiLU(gate)·up with ``silu_mul``; M is padded to a
+    power of two inside the kernel's tile (rows past M compute nothing anyone reads).
+    """
+    m = x.shape[0]
+    n, k = w.shape
+    mp = _pow2(m)
+    cfg = config or GemvConfig(8, 256, 4, 3)
+    use_dot = mp >= 16 and cfg.bn >= 16
+    bk = cfg.bk if use_dot or mp == 1 else max(32, min(cfg.bk, 4096 // (mp * cfg.bn)))
+    if x.shape[0] != mp:  # rows the kernel reads must exist
+        x = torch.nn.functional.pad(x, (0, 0, 0, mp - m))
+        residual = None if residual is None else torch.nn.functional.pad(residual, (0, 0, 0, mp - m))
+    y = out if out is not None else torch.empty(mp, n, dtype=x.dtype, device=x.device)
+    prologue = SILU_MUL if silu_mul else RMSNORM if norm_weight is not None else NONE
+    dummy = w
+    _gemv_kernel[(triton.cdiv(n, cfg.bn),)](
+        x, w, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        norm_weight if norm_weight is not None else dummy, y, n, k, x.stride(0),
+        residual.stride(0) if residual is not None else 0, y.stride(0), eps,
+        MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return y[:m]
+
+
+ATTENTION_CHUNK = 32  # context positions per split: ~1k positions give 32 splits per KV head
+ATTENTION_TILE = 32
+
+
+def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                    v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, *, heads: int,
+                    kv_heads: int, head_dim: int, valid: torch.Tensor | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention of one new token per row over its past in the pool and itself.
+
+    ``qkv`` [M, (heads + 2 kv_heads) · head_dim] straight from the product (RoPE not yet
+    applied); ``cos``/``sin`` [M, head_dim]; ``k_pool``/``v_pool`` one layer's
+    [blocks, block_size, kv_heads, head_dim]; ``tables`` [M, width]; ``context_lens`` [M].
+    With ``valid`` [M] the new K/V go into the pool at slot ``context_lens`` of each valid
+    row; with ``new_kv`` (two [M, kv_heads, head_dim] tensors) they are returned there
+    instead. Returns [M, heads · head_dim].
+    """
+    if (valid is None) == (new_kv is None):
+        raise ValueError("pass exactly one of valid (write the pool) and new_kv (return K/V)")
+    if k_pool.stride(3) != 1 or k_pool.stride(2) != head_dim or k_pool.dtype != qkv.dtype:
+        raise ValueError("the pool must be [blocks, block_size, kv_heads, head_dim], contiguous per token, "
+                         f"in the model's dtype ({qkv.dtype}); got {k_pool.dtype} with strides {k_pool.stride()}")
+    m = qkv.shape[0]
+    groups = heads // kv_heads
+    block_size = k_pool.shape[1]
+    splits = triton.cdiv(tables.shape[1] * block_size, ATTENTION_CHUNK)
+    parts_o = torch.empty(m, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
+    parts_m = torch.empty(m, heads, splits, dtype=torch.float32, device=qkv.device)
+    parts_l = torch.empty_like(parts_m)
+    k_out, v_out = new_kv if new_kv is not None else (k_pool, v_pool)
+    ieee = qkv.dtype == torch.float32
+    _attention_kernel[(m, kv_heads, splits)](
+        qkv, cos, sin, k_pool, v_pool, tables, context_lens, valid if valid is not None else context_lens,
+        k_out, v_out, parts_o, parts_m, parts_l,
+        qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), head_dim ** -0.5,
+        KVH=kv_heads, G=groups, GP=max(16, _pow2(groups)), HD=head_dim, HDP=max(16, _pow2(head_dim)), BS=block_size,
+        CHUNK=ATTENTION_CHUNK, TILE=ATTENTION_TILE, SPLITS=splits, WRITE_POOL=valid is not None, IEEE=ieee,
+        num_warps=4, num_stages=2)
+    out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    _merge_kernel[(m, heads)](parts_o, parts_m, parts_l, out, out.stride(0), H=heads, HD=head_dim,
+                              HDP=max(16, _pow2(head_dim)), SPLITS=splits, SP=_pow2(splits), num_warps=4)
+    return out
+
+
+def graph_time_us(calls: list, repeats: int = 5) -> float:
+    """Device microseconds per call of ``calls`` (functions), replayed from one CUDA graph so that
+    launches cost what they cost in the decode step's graph."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (repeats * len(calls)) * 1e3
+
+
+class FusedDecode:
+    """The decoder's layers as the six kernels above; weights must be stored ``[out, in]`` row-major
+    (``cuda_graphs._relayout(decoder, out_major=True)``)."""
+
+    def __init__(self, decoder) -> None:
+        cfg = decoder.cfg
+        if cfg.head_dim % 2 or cfg.head_dim > 256:
+            raise ValueError(f"head_dim={cfg.head_dim} is odd or over 256")
+        self.decoder = decoder
+        self.cfg = cfg
+        self.configs: dict[str, GemvConfig] = {}
+        self.report: dict[str, dict] = {}
+
+    @staticmethod
+    def weight(p: torch.Tensor) -> torch.Tensor:
+        """The ``[out, in]`` row-major matrix behind an ``[in, out]`` parameter."""
+        w = p.t()
+        if not w.is_contiguous():
+            raise ValueError("the fused decode step needs weights stored [out, in] row-major")
+        return w
+
+    def _products(self) -> dict[str, tuple[list[torch.Tensor], dict]]:
+        """Each product's weights over all layers, and what it fuses (for timing)."""
+        layers, d = self.decoder.layers, self.decoder
+        first = layers[0]
+        return {
+            "qkv": ([self.weight(l.qkv_t) for l in layers],
+                    {"bias": first.qkv_bias, "norm_weight": first.input_norm.weight, "eps": first.input_norm.eps}),
+            "o": ([self.weight(l.o_t) for l in layers], {"bias": first.o_bias, "residual": True}),
+            "gate_up": ([self.weight(l.gate_up_t) for l in layers],
+                        {"bias": first.gate_up_bias, "norm_weight": first.post_attention_norm.weight,
+                         "eps": first.post_attention_norm.eps}),
+            "down": ([self.weight(l.down_t) for l in layers], {"bias": first.down_bias, "residual": True,
+                                                              "silu_mul": True}),
+            "lm_head": ([self.weight(d.lm_head_t)], {"norm_weight": d.norm.weight, "eps": d.norm.eps}),
+        }
+
+    def tune(self) -> None:
+        """Time every candidate tile on every product at batch 1, going through all layers' weights
+        (as a step does: from memory, not from the L2 cache), and keep the fastest; cuBLAS is timed
+        beside it for the report."""
+        for name, (weights, kw) in self._products().items():
+            n, k = weights[0].shape
+            ref = weights[0]
+            x = torch.randn(1, 2 * k if kw.get("silu_mul") else k, dtype=ref.dtype, device=ref.device)
+            kw = dict(kw)
+            if kw.pop("residual", False):
+                kw["residual"] = torch.randn(1, n, dtype=ref.dtype, device=ref.device)
+            outs = [torch.empty(1, n, dtype=ref.dtype, device=ref.device) for _ in weights]
+            times = {}
+            for c in GEMV_CANDIDATES:
+                calls = [lambda w=w, o=o, c=c: gemv(x, w, config=c, out=o, **kw) for w, o in zip(weights, outs)]
+                times[c] = graph_time_us(calls)
+            best = min(times, key=times.get)
+            self.configs[name] = best
+            xk = x[:, :k]
+            cublas = graph_time_us([lambda w=w: torch.mm(xk, w.t()) for w in weights])
+            mb = ref.numel() * ref.element_size() / 1e6
+            self.report[name] = {"shape": [n, k], "config": [best.bn, best.bk, best.warps, best.stages],
+                                 "us": round(times[best], 2), "gb_s": round(mb / times[best] * 1e3, 1),
+                                 "cublas_us": round(cublas, 2), "cublas_gb_s": round(mb / cublas * 1e3, 1),
+                                 "candidates_us": {f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s": round(t, 2)
+                                                   for c, t in times.items()}}
+
+    def _gemv(self, name, x, w, **kw):
+        if not self.configs:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the fused decode kernels must be tuned before a capture")
+            self.tune()
+        return gemv(x, w, config=self.configs[name], **kw)
+
+    def layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+               v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
+               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x [M, hidden] -> last-norm'd logits [M, vocab], and the new K/V [layers, M, 1, kvh, hd]
+        (None when ``valid`` is given: then they were written into the pools)."""
+        cfg = self.cfg
+        m = x.shape[0]
+        new_k = new_v = None
+        if valid is None:
+            new_k = torch.empty(cfg.num_layers, m, 1, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
+            new_v = torch.empty_like(new_k)
+        for i, layer in enumerate(self.decoder.layers):
+            qkv = self._gemv("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias,
+                             norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
+            attn = paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, context_lens, heads=cfg.num_heads,
+                                   kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, valid=valid,
+                                   new_kv=None if valid is not None else (new_k[i], new_v[i]))
+            x = self._gemv("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
+            gate_up = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
+                                 norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps)
+            x = self._gemv("down", gate_up, self.weight(layer.down_t), bias=layer.down_bias, residual=x,
+                           silu_mul=True)
+        norm = self.decoder.norm
+        logits = self._gemv("lm_head", x, self.weight(self.decoder.lm_head_t), norm_weight=norm.weight, eps=norm.eps)
+        return logits, new_k, new_v
+

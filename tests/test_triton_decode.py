@@ -1,0 +1,111 @@
+"""The fused Triton decode kernels against plain torch on the same inputs. Needs a GPU and Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edgeinfer.backends import triton_decode
+from edgeinfer.models.decoder import RMSNorm, rotate_half
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch.cuda.is_available() is false"),
+    pytest.mark.skipif(triton_decode.triton is None, reason="needs Triton (`import triton` failed)"),
+]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _close(got, want, dtype):
+    scale = want.float().abs().max().clamp(min=1.0)
+    err = ((got.float() - want.float()).abs().max() / scale).item()
+    assert err <= TOL[dtype], f"relative error {err:.2e} over {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(96, 64), (2048, 1536), (1536, 8960)])
+def test_gemv_with_norm_bias_and_residual(dtype, m, n, k):
+    torch.manual_seed(m * n + k)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    bias, residual = torch.randn(n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
+    norm = RMSNorm(k, 1e-6).to("cuda", dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    for config in triton_decode.GEMV_CANDIDATES:
+        _close(triton_decode.gemv(x, w, config=config), x @ w.t(), dtype)
+        got = triton_decode.gemv(x, w, bias=bias, residual=residual, norm_weight=norm.weight, eps=norm.eps,
+                                 config=config)
+        _close(got, residual + ((norm(x) @ w.t()) + bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_silu_mul_prologue(dtype):
+    torch.manual_seed(0)
+    m, n, k = 2, 576, 1536
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    residual = torch.randn(m, n, device="cuda", dtype=dtype)
+    want = residual + (F.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.t()
+    _close(triton_decode.gemv(gate_up, w, residual=residual, silu_mul=True), want, dtype)
+
+
+def _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_heads, hd):
+    """RoPE, the past gathered from the pool plus the new token, grouped attention: one row at a time."""
+    out, new_k, new_v = [], [], []
+    bs = k_pool.shape[1]
+    for row in range(qkv.shape[0]):
+        q, k, v = qkv[row].split((heads * hd, kv_heads * hd, kv_heads * hd))
+        q, k, v = q.view(heads, hd), k.view(kv_heads, hd), v.view(kv_heads, hd)
+        q = q * cos[row] + rotate_half(q) * sin[row]
+        k = k * cos[row] + rotate_half(k) * sin[row]
+        n = int(lens[row])
+        slots = [int(tables[row, p // bs]) * bs + p % bs for p in range(n)]
+        keys = torch.cat((k_pool.view(-1, kv_heads, hd)[slots], k[None]))  # [n + 1, kvh, hd]
+        values = torch.cat((v_pool.view(-1, kv_heads, hd)[slots], v[None]))
+        o = F.scaled_dot_product_attention(q[:, None].float(), keys.transpose(0, 1).float(),
+                                           values.transpose(0, 1).float(), enable_gqa=True)
+        out.append(o.reshape(-1))
+        new_k.append(k)
+        new_v.append(v)
+    return torch.stack(out), torch.stack(new_k), torch.stack(new_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(12, 2, 128), (9, 3, 64), (4, 4, 32)])
+def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd):
+    torch.manual_seed(heads + hd)
+    blocks, bs, width = 96, 16, 12
+    lens = torch.tensor([0, 1, 15, 16, 77, 191], device="cuda")  # empty, one token, block edges, full table
+    m = len(lens)
+    k_pool = torch.randn(blocks, bs, kv_heads, hd, device="cuda", dtype=dtype)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.stack([torch.randperm(blocks, device="cuda")[:width] for _ in range(m)])
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * hd, device="cuda", dtype=dtype)
+    angle = torch.rand(m, hd // 2, device="cuda") * 6
+    cos, sin = torch.cat((angle.cos(), angle.cos()), -1).to(dtype), torch.cat((angle.sin(), angle.sin()), -1).to(dtype)
+    want, want_k, want_v = _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_heads, hd)
+
+    new_k = torch.empty(m, kv_heads, hd, device="cuda", dtype=dtype)
+    new_v = torch.empty_like(new_k)
+    got = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads, kv_heads=kv_heads,
+                                        head_dim=hd, new_kv=(new_k, new_v))
+    _close(got, want, dtype)
+    _close(new_k, want_k, dtype)
+    assert torch.equal(new_v, want_v)
+
+    # Writing into the pool: valid rows' slot `lens` gets the new K/V, padding rows write nothing.
+    valid = torch.tensor([1, 1, 1, 1, 0, 1], device="cuda")
+    before = k_pool.clone()
+    got_pool = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads,
+                                             kv_heads=kv_heads, head_dim=hd, valid=valid)
+    assert torch.equal(got_pool, got)
+    changed = (k_pool != before).flatten(2).any(-1).nonzero().tolist()
+    expected = sorted([int(tables[r, int(lens[r]) // bs]), int(lens[r]) % bs] for r in range(m) if valid[r])
+    assert sorted(changed) == expected
+    for r in range(m):
+        if valid[r]:
+            block, slot = int(tables[r, int(lens[r]) // bs]), int(lens[r]) % bs
+            assert torch.equal(k_pool[block, slot], new_k[r])
+            assert torch.equal(v_pool[block, slot], new_v[r])
