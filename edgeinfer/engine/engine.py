@@ -8,6 +8,7 @@ sequence; ``step`` runs one prefill chunk or one batched decode step; ``generate
 from __future__ import annotations
 
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from edgeinfer.kv.manager import KVManager, KVManagerConfig
 from edgeinfer.kv.metrics import KVMetrics
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
 from edgeinfer.models.loader import LoadedModel, load_model
-from edgeinfer.profiles import ImageLimits
+from edgeinfer.profiles import ImageLimits, parse_size
 from edgeinfer.preflight import ImageRules, check_cost, content_hash, estimate_cost
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -53,7 +54,11 @@ class EngineConfig:
     available_floor_mb: int = 0
     cuda_graphs: bool = False
     # Greedy decode steps replayed back to back between trips to the host (CUDA graphs only).
-    decode_burst: int = 8
+    decode_burst: int = 16
+    # CUDA graphs: the decode step as fused Triton kernels where Triton is installed.
+    fused_decode: bool = True
+    # Image sizes (width, height) the torch vision tower is compiled for at load (CUDA only).
+    vision_compile_sizes: tuple[tuple[int, int], ...] = ()
     profile_name: str = "custom"
     # KV tiers (profile: kv.* and memory.*). Sizes 0 turn a tier off; a bare config has none.
     host_precision: str = "full"
@@ -98,6 +103,7 @@ class EngineConfig:
             threads=profile.runtime.threads,
             available_floor_mb=profile.memory.available_floor_mb,
             cuda_graphs=profile.runtime.cuda_graphs,
+            vision_compile_sizes=tuple(parse_size(v) for v in profile.runtime.vision_compile_sizes),
             profile_name=profile.name,
             host_precision=profile.kv.host_precision,
             host_tier_mb=profile.memory.host_tier_mb,
@@ -129,6 +135,7 @@ class GenerationResult:
 @dataclass
 class _TextState:
     text: str = ""
+    decoded: int = 0  # tokens ``text`` was decoded from
     emitted: int = 0
     stopped: bool = False
 
@@ -168,6 +175,22 @@ class Engine:
         self._text: dict[int, _TextState] = {}
         self._counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0,
                           "decode_bursts": 0}
+        self.vision_compile_error: str | None = None
+        if config.vision_compile_sizes and config.device.startswith("cuda") and hasattr(self.vision_engine,
+                                                                                         "compile_for"):
+            self._compile_vision(config.vision_compile_sizes)
+
+    def _compile_vision(self, sizes: Seq[tuple[int, int]]) -> None:
+        """Compile the vision tower for pictures of ``sizes``, as the preprocessor shapes them; a
+        compiler failure leaves the tower eager, with a warning."""
+        from PIL import Image
+
+        inputs = [self.adapter.process_image(Image.new("RGB", size)).tensors for size in sizes]
+        try:
+            self.vision_engine.compile_for(inputs)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager tower
+            self.vision_compile_error = f"{type(exc).__name__}: {exc}"[:500]
+            warnings.warn(f"compiling the vision tower failed, it runs eagerly: {self.vision_compile_error}")
 
     @property
     def counters(self) -> dict[str, int]:
@@ -245,7 +268,8 @@ class Engine:
                 from edgeinfer.backends.cuda_graphs import CudaGraphDecoderEngine
 
                 max_blocks = -(-self.config.max_context // self.config.block_size)
-                return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks), vision
+                return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks,
+                                              fused=self.config.fused_decode), vision
             return TorchDecoderEngine(self.model.decoder), vision
         if backend == "onnxruntime":
             from edgeinfer.backends.onnxruntime_backend import open_engines
@@ -383,16 +407,23 @@ class Engine:
 
         Only where the decoder engine can burst, every row is greedy and past its
         ``min_new_tokens``, no request waits to join, and within the blocks each sequence
-        already holds, so the scheduler's accounting never runs behind.
+        holds, so the scheduler's accounting never runs behind. A sequence whose table ends
+        sooner gets blank blocks for a whole burst first, where the pool has them spare
+        (never by spilling or preempting anyone).
         """
-        if self.config.decode_burst <= 1 or not hasattr(self.decoder_engine, "decode_burst") or self.scheduler.waiting:
+        burst = self.config.decode_burst
+        if burst <= 1 or not hasattr(self.decoder_engine, "decode_burst") or self.scheduler.waiting:
             return 1
         if any(not s.sampling.greedy or (len(s.generated) < s.sampling.min_new_tokens and s.stop_token_ids)
                for s in seqs):
             return 1
+        for s in seqs:
+            need = s.block_table.blocks_needed(min(burst, s.sampling.max_new_tokens - len(s.generated)))
+            if need and need <= self.pool.num_blank:
+                self.kv_manager.allocate_for(s, need)
         room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached for s in seqs)
         left = max(s.sampling.max_new_tokens - len(s.generated) for s in seqs)
-        return max(1, min(self.config.decode_burst, room, left))
+        return max(1, min(burst, room, left))
 
     def _burst(self, seqs: Seq[Sequence], steps: int) -> list[list[int]] | None:
         last, positions = _decode_inputs(seqs)
@@ -441,11 +472,12 @@ class Engine:
         if seq.timings.first_token is None:
             seq.timings.first_token = time.perf_counter()
         state = self._text[seq.seq_id]
-        state.text = self.adapter.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        if params.stop:  # only stop strings need the text at every token
+            self._decoded(seq)
         reason = None
         if token in seq.stop_token_ids:
             reason = FinishReason.STOP
-        elif any(s in state.text for s in params.stop) and len(seq.generated) >= params.min_new_tokens:
+        elif params.stop and any(s in state.text for s in params.stop) and len(seq.generated) >= params.min_new_tokens:
             cut = min(state.text.find(s) for s in params.stop if s in state.text)
             state.text, state.stopped, reason = state.text[:cut], True, FinishReason.STOP
         elif len(seq.generated) >= params.max_new_tokens:
@@ -454,10 +486,19 @@ class Engine:
             self.scheduler.finish(seq, reason)
             seq.timings.finished = time.perf_counter()
 
+    def _decoded(self, seq: Sequence) -> _TextState:
+        """``seq``'s text state, decoded up to its last token (once per new token, on demand: a
+        decode of the whole answer at every token would cost more than a GPU decode step)."""
+        state = self._text[seq.seq_id]
+        if not state.stopped and state.decoded != len(seq.generated):
+            state.text = self.adapter.tokenizer.decode(seq.generated, skip_special_tokens=True)
+            state.decoded = len(seq.generated)
+        return state
+
     # --- one request at a time -------------------------------------------------------------
     def text_delta(self, seq: Sequence) -> str:
         """New text of ``seq`` since the last call, holding back what a stop string could still cut."""
-        state = self._text[seq.seq_id]
+        state = self._decoded(seq)
         safe = len(state.text)
         if seq.status is not Status.FINISHED:
             safe -= max((len(s) - 1 for s in seq.sampling.stop), default=0)
@@ -497,7 +538,8 @@ class Engine:
         return [self.result(s) for s in seqs]
 
     def result(self, seq: Sequence) -> GenerationResult:
-        state = self._text.pop(seq.seq_id, _TextState())
+        state = self._decoded(seq) if seq.seq_id in self._text else _TextState()
+        self._text.pop(seq.seq_id, None)
         t = seq.timings
         timings = {
             "vision_s": t.vision_s, "prefill_s": t.prefill_s, "ttft_s": t.ttft_s,
