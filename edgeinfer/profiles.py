@@ -105,6 +105,14 @@ def _matches(value: object, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """``"1024x768"`` -> (1024, 768)."""
+    width, sep, height = text.lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise ValueError(f"{text!r} is not WIDTHxHEIGHT in pixels, e.g. '1024x768'")
+    return int(width), int(height)
+
+
 def _check_types(section: object) -> None:
     """Every field holds its declared type; ints given for floats become floats."""
     for name, hint in _hints(type(section)).items():
@@ -274,9 +282,16 @@ class RuntimeConfig:
     prefill_chunk_tokens: int
     threads: int | None = None
     cuda_graphs: bool = False
+    # Picture sizes ("WIDTHxHEIGHT", e.g. the cameras') the vision tower is compiled for at load.
+    vision_compile_sizes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_types(self)
+        for size in self.vision_compile_sizes:
+            try:
+                parse_size(size)
+            except ValueError as exc:
+                _require(False, "vision_compile_sizes", str(exc))
         _require_positive(self, "max_batch_size", "max_context_tokens", "prefill_chunk_tokens")
         _require(self.prefill_chunk_tokens <= self.max_context_tokens, "prefill_chunk_tokens",
                  f"{self.prefill_chunk_tokens} is over max_context_tokens {self.max_context_tokens}")

@@ -154,6 +154,10 @@ BROKEN = [
     ("chunk over context", _set("runtime.prefill_chunk_tokens", 8192), "runtime.prefill_chunk_tokens",
      "over max_context_tokens"),
     ("cuda graphs on cpu", _set("runtime.cuda_graphs", True), "runtime.cuda_graphs", "need device 'cuda'"),
+    ("vision size not WxH", _set("runtime.vision_compile_sizes", ["1024x768", "big"]),
+     "runtime.vision_compile_sizes", "'big' is not WIDTHxHEIGHT"),
+    ("vision sizes not a list", _set("runtime.vision_compile_sizes", "1024x768"), "runtime.vision_compile_sizes",
+     "expected"),
     ("cpu profile on cuda", _set("runtime.device", "cuda"), "runtime.device", "must run on 'cpu'"),
     ("shape out of order", _set("build.vision_side", {"min": 448, "opt": 224, "max": 1024}),
      "build.vision_side.opt", "must be >= min"),
@@ -406,3 +410,13 @@ def test_cli_profile_env_is_honoured_by_commands_that_take_it(tmp_path: Path) ->
                                  "--engines", str(tmp_path / "e")], env={PROFILE_ENV: "orin-nano-4gb"})
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["profile"]["detail"].startswith("orin-nano-4gb (from $EDGEINFER_PROFILE)")
+
+
+def test_vision_compile_sizes_reach_the_engine_config(tmp_path: Path) -> None:
+    from edgeinfer.engine import EngineConfig
+
+    data = cpu_data()
+    data["runtime"]["vision_compile_sizes"] = ["1024x768", "640X480"]
+    profile = validate_profile_file(write_profile(tmp_path, data))
+    assert profile.runtime.vision_compile_sizes == ("1024x768", "640X480")
+    assert EngineConfig.from_profile(profile).vision_compile_sizes == ((1024, 768), (640, 480))

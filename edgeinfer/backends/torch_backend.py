@@ -25,11 +25,37 @@ class TorchDecoderEngine:
                             move(context_lens))
 
 
+def input_signature(tensors: dict[str, torch.Tensor]) -> tuple:
+    """Shapes of a vision input, plus the values of small integer tensors (image grids) that
+    steer the tower's code: what a compiled tower specialises on."""
+    return tuple((name, tuple(t.shape), tuple(t.flatten().tolist()) if not t.is_floating_point() and t.numel() <= 64
+                  else None) for name, t in sorted(tensors.items()))
+
+
 class TorchVisionEngine:
+    """The family's vision module. ``compile_for`` compiles it for a few input shapes ahead of
+    time (a profile's camera sizes); other shapes run eagerly, so no request ever waits on the
+    compiler."""
+
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self._compiled = None
+        self.compiled_signatures: set[tuple] = set()
+
+    @torch.inference_mode()
+    def compile_for(self, inputs: list[dict[str, torch.Tensor]]) -> None:
+        """Compile and warm the tower for each of ``inputs``' signatures (twice: compile, then run)."""
+        self._compiled = self._compiled or torch.compile(self.module, dynamic=False)
+        for tensors in inputs:
+            for _ in range(2):
+                self._run(self._compiled, tensors)
+            self.compiled_signatures.add(input_signature(tensors))
+
+    def _run(self, module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = next(self.module.parameters()).device
+        return module(**{k: v.to(device, non_blocking=True) for k, v in tensors.items()})
 
     @torch.inference_mode()
     def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        device = next(self.module.parameters()).device
-        return self.module(**{k: v.to(device) for k, v in tensors.items()})
+        compiled = self._compiled is not None and input_signature(tensors) in self.compiled_signatures
+        return self._run(self._compiled if compiled else self.module, tensors)
