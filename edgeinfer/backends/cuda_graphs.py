@@ -127,6 +127,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         # Why the fused Triton step is not used (None: it is).
         self.fused_off = "turned off" if not fused else triton_decode.available(self.device)
         self._fused = None
+        self.fused_replays = 0  # decode steps replayed through the fused kernels
         if self.fused_off is None:
             try:
                 self._fused = triton_decode.FusedDecode(decoder)
@@ -144,12 +145,16 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """The fused step's tile choices and speeds per product, or why it is off."""
         if self._fused is None:
             return {"fused": False, "reason": self.fused_off}
-        return {"fused": True, "products": self._fused.report}
+        return {"fused": True, "max_batch": triton_decode.MAX_BATCH, "fused_replays": self.fused_replays,
+                "products": self._fused.report}
+
+    def _uses_fused(self, batch: int) -> bool:
+        return self._fused is not None and batch <= triton_decode.MAX_BATCH
 
     def _static_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, valid=None):
         """One token per row on static shapes. With ``valid`` (fused step only) the new K/V are
         written into the pools at each valid row's slot ``context_lens`` and come back as None."""
-        if self._fused is not None and embeds.shape[0] <= triton_decode.MAX_BATCH:
+        if self._uses_fused(embeds.shape[0]):
             cos, sin = self.decoder.rope(positions, embeds.dtype)
             b = embeds.shape[0]
             return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
@@ -173,6 +178,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         g.embeds[:b].copy_(inputs_embeds)
         self._load(g, position_ids, block_tables, context_lens)
         g.graph.replay()
+        self.fused_replays += self._uses_fused(batch)
         return g.logits[:b], g.new_k[:, :b], g.new_v[:, :b]
 
     def _load(self, g: _Graph | _BurstGraph, positions, tables, context_lens) -> None:
@@ -258,6 +264,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         for i in range(steps):
             g.replay()
             out[:, i].copy_(g.tokens[:b])
+        self.fused_replays += steps * self._uses_fused(batch)
         return out
 
     def _burst_step(self, tokens, positions, k_pool, v_pool, tables, context_lens, valid, write: bool = True) -> None:
@@ -266,7 +273,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         ``write=False`` (the warm-up before capture) leaves the pools alone.
         """
         embeds = self.decoder.embed_tokens(tokens)[:, None]
-        if self._fused is not None and tokens.shape[0] <= triton_decode.MAX_BATCH:  # attention writes the K/V
+        if self._uses_fused(tokens.shape[0]):  # the attention kernel writes the new K/V itself
             logits, _, _ = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens,
                                              valid if write else torch.zeros_like(valid))
             if write:

@@ -27,6 +27,7 @@ eager layers run instead.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +39,17 @@ except ImportError:  # pragma: no cover - CPU builds of torch come without Trito
     triton = None
 
 
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): the kernels run in numpy, for checks."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available(device: torch.device) -> str | None:
     """None when the fused step can run on ``device``, else the reason it cannot."""
-    if device.type != "cuda":
-        return "not a CUDA device"
     if triton is None:
         return "triton is not installed"
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return "not a CUDA device"
     return None
 
 
@@ -404,9 +410,12 @@ class FusedDecode:
 
     def _gemv(self, name, x, w, **kw):
         if not self.configs:
-            if torch.cuda.is_current_stream_capturing():
+            if x.device.type != "cuda":  # the interpreter: nothing to time
+                self.configs = dict.fromkeys(self._products(), GEMV_CANDIDATES[0])
+            elif torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the fused decode kernels must be tuned before a capture")
-            self.tune()
+            else:
+                self.tune()
         return gemv(x, w, config=self.configs[name], **kw)
 
     def layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
