@@ -5,8 +5,10 @@
 
 Decode is split into the engine's time per token (wall time, host included, greedy
 bursts as the engine runs them) and the single-step CUDA graph's replay alone (device
-time, replays back to back), so the difference is what the host adds per token. The vision tower is timed eager and compiled for the image's
-shape. Prints a JSON object; nothing here is a pass/fail check.
+time, replays back to back), so the difference is what the host adds per token. The vision
+tower is compiled for the image's size at load (as a profile's ``vision_compile_sizes`` do)
+and timed compiled and eager; the decode step's and the tower's kernels are listed with
+``torch.profiler``. Prints a JSON object; nothing here is a pass/fail check.
 """
 
 from __future__ import annotations
@@ -42,6 +44,30 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def kernel_table(fn, top: int = 25) -> dict:
+    """Device kernels of ``fn()`` (``torch.profiler``, CUDA activity): count and time per kernel name,
+    the total kernel time and the wall time around it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(e.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time
+    total = sum(v[1] for v in kernels.values())
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"wall_ms": wall * 1e3, "kernel_ms": total / 1e3, "kernels": sum(v[0] for v in kernels.values()),
+            "top": [{"name": n, "count": c, "ms": round(t / 1e3, 4)} for n, (c, t) in rows]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -53,7 +79,8 @@ def main() -> None:
     w, h = (int(v) for v in args.image_size.split("x"))
     image = bench_image((w, h))
     config = EngineConfig(dtype=args.dtype, device="cuda", max_batch_size=16, block_size=16, kv_budget_mb=1024,
-                          max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True)
+                          max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True,
+                          vision_compile_sizes=((w, h),))
     engine = Engine.load(args.model, config=config)
     params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
     for _ in range(2):  # warm-up: graphs captured, layers compiled
@@ -67,20 +94,27 @@ def main() -> None:
     out["preprocess_s"] = timed(lambda: adapter.process_image(image), 5)
     out["vision_tokens"] = processed.num_tokens
     tower = engine.vision_engine
-    out["vision_eager_s"] = timed(lambda: tower.encode(processed.tensors), 5)
-    compiled = torch.compile(tower.module, dynamic=False)
-    try:
-        device = next(tower.module.parameters()).device
-        tensors = {k: v.to(device) for k, v in processed.tensors.items()}
-        with torch.inference_mode():
-            compiled(**tensors)
-            out["vision_compiled_s"] = timed(lambda: compiled(**tensors), 5)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic: report, go on
-        out["vision_compiled_error"] = f"{type(exc).__name__}: {exc}"[:400]
+    out["vision_s"] = timed(lambda: tower.encode(processed.tensors), 5)  # compiled for this size at load
+    out["vision_compiled"] = bool(getattr(tower, "compiled_signatures", None))
+    out["vision_eager_s"] = timed(lambda: tower._run(tower.module, processed.tensors), 5)
+    out["vision_kernels"] = kernel_table(lambda: tower.encode(processed.tensors))
 
-    # One request, step by step.
+    # One request, step by step; where the host's time goes in submit (preprocessing, hashing, prompt).
     engine._vision_cache.clear()
+    from torch._dynamo.utils import counters
+
+    graphs_before = dict(counters["stats"])
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    profiler.enable()
     seq = engine.submit(QUESTION, [image], params)
+    profiler.disable()
+    out["submit_s"] = time.perf_counter() - t0
+    out["dynamo_stats_during_submit"] = {k: v - graphs_before.get(k, 0) for k, v in counters["stats"].items()}
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("cumtime").print_stats(20)
+    out["submit_profile_top"] = stream.getvalue().splitlines()[:45]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while not seq.generated:
@@ -100,6 +134,7 @@ def main() -> None:
     out["decode_step_wall_ms"] = (time.perf_counter() - t0) / (len(seq.generated) - before) * 1e3
     out["decode_bursts"] = engine.counters["decode_bursts"]
     out["weight_layout"] = getattr(engine.decoder_engine, "weight_layout", None)
+    out["decode_kernels"] = getattr(engine.decoder_engine, "kernel_report", None)
     out["compile_error"] = getattr(engine.decoder_engine, "compile_error", None)
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
@@ -118,6 +153,12 @@ def main() -> None:
         torch.cuda.synchronize()
         out["graph_replay_ms"] = start.elapsed_time(end) / 100
         out["host_added_ms"] = out["decode_step_wall_ms"] - out["graph_replay_ms"]
+    bursts = getattr(engine.decoder_engine, "_bursts", {})
+    burst = next((g for (batch, _, _), g in bursts.items() if batch == 1), None)
+    if burst is not None and hasattr(burst.replay, "__self__"):
+        # Replays of the greedy graph write into the pool at this sequence's next slots,
+        # which its table covers; the sequence is not used afterwards.
+        out["burst_step_kernels"] = kernel_table(burst.replay, top=40)
     decoder = engine.model.decoder
     out["text_weight_bytes"] = sum(p.numel() * p.element_size() for n, p in decoder.named_parameters() if n != "embed")
     text = json.dumps(out, indent=1)

@@ -120,6 +120,9 @@ def run_ours(spec: GpuBenchSpec) -> dict:
             "cuda_graph_captures": getattr(engine.decoder_engine, "captures", 0),
             "decode_steps": engine.counters["decode_steps"], "decode_bursts": engine.counters["decode_bursts"],
             "weight_layout": getattr(engine.decoder_engine, "weight_layout", None),
+            "decode_kernels": getattr(engine.decoder_engine, "kernel_report", None),
+            "vision_compiled": bool(getattr(engine.vision_engine, "compiled_signatures", None)),
+            "vision_compile_error": engine.vision_compile_error,
             "compile_error": getattr(engine.decoder_engine, "compile_error", None)}
 
 
