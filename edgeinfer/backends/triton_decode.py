@@ -1,10 +1,10 @@
-"""A decode step at small batch in six Triton kernels per layer.
+"""A batch-1 decode step in six Triton kernels per layer.
 
 At batch 1 a decode step reads every weight once and does almost no arithmetic, so it
 runs as fast as its matrix-vector products stream memory and as slowly as the small
-kernels between them. cuBLAS reaches 1.2 TB/s on the 6 MB q|k|v product of a 2B model
-and the compiled layer still launches some twenty kernels (norms, RoPE, the past's
-gather and concatenation, the mask, attention). Here a layer is:
+kernels between them. A compiled layer launches some twenty kernels around its four
+cuBLAS products (norms, RoPE, the past's gather and concatenation, the mask, attention);
+on an H200 they took as long as the products. Here a layer is:
 
 1. RMSNorm fused into the q|k|v product (plus its bias);
 2. attention over the paged pool, split along the context (flash decoding): RoPE of the
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # noqa: SIM105 - the import decides whether this path exists at all
+try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
@@ -345,8 +345,8 @@ def graph_time_us(calls: list, repeats: int = 5) -> float:
 
 
 class FusedDecode:
-    """The decoder's layers as the six kernels above; weights must be stored ``[out, in]`` row-major
-    (``cuda_graphs._relayout(decoder, out_major=True)``)."""
+    """The decoder's layers as the six kernels above, for ``MAX_BATCH`` rows or fewer; weights must
+    be stored ``[out, in]`` row-major (``cuda_graphs._relayout(decoder, out_major=True)``)."""
 
     def __init__(self, decoder) -> None:
         cfg = decoder.cfg
@@ -370,14 +370,14 @@ class FusedDecode:
         layers, d = self.decoder.layers, self.decoder
         first = layers[0]
         return {
-            "qkv": ([self.weight(l.qkv_t) for l in layers],
+            "qkv": ([self.weight(layer.qkv_t) for layer in layers],
                     {"bias": first.qkv_bias, "norm_weight": first.input_norm.weight, "eps": first.input_norm.eps}),
-            "o": ([self.weight(l.o_t) for l in layers], {"bias": first.o_bias, "residual": True}),
-            "gate_up": ([self.weight(l.gate_up_t) for l in layers],
+            "o": ([self.weight(layer.o_t) for layer in layers], {"bias": first.o_bias, "residual": True}),
+            "gate_up": ([self.weight(layer.gate_up_t) for layer in layers],
                         {"bias": first.gate_up_bias, "norm_weight": first.post_attention_norm.weight,
                          "eps": first.post_attention_norm.eps}),
-            "down": ([self.weight(l.down_t) for l in layers], {"bias": first.down_bias, "residual": True,
-                                                              "silu_mul": True}),
+            "down": ([self.weight(layer.down_t) for layer in layers],
+                     {"bias": first.down_bias, "residual": True, "silu_mul": True}),
             "lm_head": ([self.weight(d.lm_head_t)], {"norm_weight": d.norm.weight, "eps": d.norm.eps}),
         }
 
