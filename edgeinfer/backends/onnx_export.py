@@ -9,10 +9,11 @@ The decoder graph is the decoder engine contract of the design: ``inputs_embeds`
 ``logits`` of the last position and ``new_k`` / ``new_v`` out. Embedding lookup stays
 on the host (the graph starts at ``inputs_embeds``, where image embeddings are merged).
 Unlike :meth:`Decoder.forward`, which slices the past to the longest context, the graph
-reads every block of the table and masks the slots past ``context_lens``, so no shape
-depends on an input's values. It reads whole blocks with one gather per layer and pool,
-``pool[layer, block_tables]``: a per-layer slice ``pool[layer]`` would be a Gather that
-copies a whole layer of the pool every step.
+reads every block of the table and masks the slots past each token's position, so no
+shape depends on an input's values. It reads the table's blocks with one gather per layer
+and pool (a per-layer slice ``pool[layer]`` would be a Gather that copies a whole layer of
+the pool every step), and runs the decoder's weights through :class:`GraphLayer`, an
+arrangement of ``DecoderLayer.forward`` in about half the nodes.
 
 The vision graph of each family holds the heavy part of its tower; what depends on the
 image grid as Python values is computed on the host by :class:`VisionGraph`:
@@ -58,7 +59,7 @@ from edgeinfer.models.decoder import Decoder
 OPSET = 18
 MANIFEST_SCHEMA = 1
 # Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
-EXPORT_REVISION = 3
+EXPORT_REVISION = 4
 MANIFEST = "manifest.json"
 DECODER_FILE = "decoder.onnx"
 VISION_FILE = "vision.onnx"
@@ -174,49 +175,149 @@ def library_versions() -> dict[str, str]:
 # --------------------------------------------------------------------------- the decoder graph
 
 
-def read_blocks(flat_pool: torch.Tensor, layer: int, blocks: torch.Tensor, block_tables: torch.Tensor,
-                kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The past of ``layer``, [B, W*bs, kvh, hd], from the pool viewed as [layers*blocks, bs, kvh, hd].
+def past_rows(block_tables: torch.Tensor, blocks, block_size, kv_heads: int, layers: int) -> list[torch.Tensor]:
+    """Per layer, the rows [1, B, W*bs*kvh] of its past in a pool viewed as [layers*blocks*bs*kvh, hd].
 
-    One gather of rows ``layer * blocks + table`` (``pool[layer]`` would copy the whole
-    layer first), then one reshape with a constant shape: four nodes a layer.
+    Row ``s * kvh + h`` of a sequence's past is slot ``s`` of K/V head ``h``: one Gather of
+    these rows reads a layer's past as the rows :class:`GraphLayer` attends to, copying
+    only the blocks of the table (``pool[layer]`` would copy the whole layer first). Each
+    layer's rows are the previous layer's plus one layer of the pool: one Add a layer.
     """
-    from edgeinfer.models.decoder import reshape_tail
+    per_block = block_size * kv_heads
+    slots = torch.arange(per_block, device=block_tables.device)
+    rows = [(block_tables[..., None] * per_block + slots).flatten(1)[None]]
+    layer = blocks * per_block
+    for _ in range(layers - 1):
+        rows.append(rows[-1] + layer)
+    return rows
 
-    picked = flat_pool[block_tables + layer * blocks]  # [B, W, bs, kvh, hd]
-    return reshape_tail(picked, 1, -1, kv_heads, head_dim)
+
+def folded_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size, tokens, heads: int,
+                kv_heads: int) -> torch.Tensor:
+    """Additive mask [B, T*heads, W*bs*kvh] of the folded attention of :class:`GraphLayer`.
+
+    Query row ``t * heads + h`` (new token ``t``, query head ``h``) may see key row
+    ``s * kvh + j`` when slot ``s`` is at most the token's own position, ``context + t``,
+    and ``j`` is the K/V head of ``h``. Built once for every layer.
+    """
+    device = block_tables.device
+    rows = torch.arange(tokens * heads, device=device)
+    row_token, row_head = rows // heads, (rows % heads) // (heads // kv_heads)
+    keys = torch.arange(block_tables.shape[1] * block_size * kv_heads, device=device)
+    seen = (keys // kv_heads)[None, None, :] <= (context_lens[:, None] + row_token[None, :])[..., None]
+    ok = seen & ((keys % kv_heads)[None, :] == row_head[:, None])[None]
+    return torch.where(ok, 0.0, float("-inf"))
 
 
-def padded_past_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                     new_tokens: int) -> torch.Tensor:
-    """[B, 1, T, W*bs + T]: past slots below each row's context length, causal among the new tokens."""
-    b = block_tables.shape[0]
-    past = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)
-    past_ok = past[None, :] < context_lens[:, None]
-    new = torch.arange(new_tokens, device=block_tables.device)
-    causal = new[None, :] <= new[:, None]
-    mask = torch.cat((past_ok[:, None, :].expand(b, new_tokens, -1), causal.expand(b, -1, -1)), dim=-1)
-    return mask[:, None]
+def new_rows(context_lens: torch.Tensor, tokens, kv_heads: int) -> torch.Tensor:
+    """ScatterND indices [1, B, T*kvh, 3] of the new tokens' K/V rows in a layer's past rows:
+    new token ``t`` sits at slot ``context + t`` of its sequence's table."""
+    batch = context_lens.shape[0]
+    offsets = torch.arange(tokens * kv_heads, device=context_lens.device)
+    rows = context_lens[:, None] * kv_heads + offsets  # [B, T*kvh]
+    seqs = torch.arange(batch, device=context_lens.device)[:, None].expand_as(rows)
+    return torch.stack((torch.zeros_like(rows), seqs, rows), dim=-1)[None]
+
+
+class _PutRows(torch.autograd.Function):
+    """``past`` with the rows at ``index`` (from :func:`new_rows`) replaced by ``rows``,
+    exported as one ScatterND, which ONNX Runtime runs in place on the gathered past."""
+
+    @staticmethod
+    def forward(ctx, past: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        out = past.clone()
+        out[index[..., 0], index[..., 1], index[..., 2]] = rows
+        return out
+
+    @staticmethod
+    def symbolic(g, past, index, rows):
+        return g.op("ScatterND", past, index, rows)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, 1, T, hd] -> tables [B, T, heads + 2*kvh, hd] over the q|k|v heads of a layer.
+
+    ``x * cos + x[..., rotation] * sin`` is RoPE on the q and k heads (``rotate_half``'s
+    sign is in ``sin``), scales q by the attention scale, and leaves the v heads as they are.
+    """
+    half = head_dim // 2
+    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    scale = [head_dim ** -0.5] * heads + [1.0] * kv_heads + [0.0] * kv_heads
+    per_head = torch.tensor(scale, dtype=cos.dtype, device=cos.device)[:, None]
+    keep_v = torch.tensor([0.0] * (heads + kv_heads) + [1.0] * kv_heads, dtype=cos.dtype, device=cos.device)[:, None]
+    return cos * per_head + keep_v, sin * per_head
+
+
+class GraphLayer(nn.Module):
+    """A decoder layer as the graph runs it: the arithmetic of ``DecoderLayer.forward`` with
+    its own weights, in about half the nodes, because ONNX Runtime pays per node and per copy.
+
+    Activations carry a leading axis of 1, ``[1, B, T, ...]``, so that the layers' new K/V
+    concatenate into the ``[layers, B, T, kvh, hd]`` outputs without a node a layer. RoPE,
+    the attention scale and the q/k/v split take one pass over the heads of the fused
+    projection (:func:`rope_tables`). Attention folds the query heads into rows
+    ``[1, B, T*heads, hd]`` against the table's K/V rows ``[1, B, W*bs*kvh, hd]`` straight
+    from the gather (:func:`past_rows`): the past is never transposed nor concatenated,
+    the new tokens' rows are written over their own (not yet filled) slots of the table
+    (:class:`_PutRows`), and a query row's products with the other K/V heads' rows (a few
+    thousand multiply-adds) are masked out by :func:`folded_mask`.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        half = layer.cfg.head_dim // 2
+        self.rotation = list(range(half, 2 * half)) + list(range(half))
+
+    def forward(self, x, cos, sin, past_k, past_v, mask, index):
+        """x [1,B,T,H]; cos/sin from :func:`rope_tables`; past_k/v [1,B,W*bs*kvh,hd]; mask from
+        :func:`folded_mask`; index from :func:`new_rows`. Returns (x, k, v), k/v [1,B,T,kvh,hd]."""
+        from edgeinfer.models.decoder import _linear, reshape_tail
+
+        layer, cfg = self.layer, self.layer.cfg
+        heads = reshape_tail(_linear(layer.input_norm(x), layer.qkv_t, layer.qkv_bias), 3,
+                             cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        heads = heads * cos + heads[..., torch.tensor(self.rotation)] * sin
+        q, k, v = heads.split((cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), dim=3)
+        q = reshape_tail(q, 2, -1, cfg.head_dim)
+        keys = _PutRows.apply(past_k, index, reshape_tail(k, 2, -1, cfg.head_dim))
+        values = _PutRows.apply(past_v, index, reshape_tail(v, 2, -1, cfg.head_dim))
+        probs = torch.softmax(q @ keys.transpose(2, 3) + mask, dim=-1)
+        attn = reshape_tail(probs @ values, 2, -1, cfg.q_size)
+        x = x + _linear(attn, layer.o_t, layer.o_bias)
+        gate_up = _linear(layer.post_attention_norm(x), layer.gate_up_t, layer.gate_up_bias)
+        gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
+        x = x + _linear(F.silu(gate) * up, layer.down_t, layer.down_bias)
+        return x, k, v
 
 
 class DecoderGraph(nn.Module):
-    """The decoder engine step with value-independent shapes; runs the decoder's own layers."""
+    """The decoder engine step with value-independent shapes, over :class:`GraphLayer` views
+    of the decoder's layers, then the decoder's own final norm and head."""
 
     def __init__(self, decoder: Decoder) -> None:
         super().__init__()
         self.decoder = decoder
+        self.layers = nn.ModuleList(GraphLayer(layer) for layer in decoder.layers)
 
     def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
-        mask = padded_past_mask(block_tables, context_lens, k_pool.shape[2], inputs_embeds.shape[1])
-
-        cfg, blocks = self.decoder.cfg, k_pool.shape[1]
-        flat_k, flat_v = k_pool.flatten(0, 1), v_pool.flatten(0, 1)  # views: the pools are not copied
-
-        def read_past(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return (read_blocks(flat_k, i, blocks, block_tables, cfg.num_kv_heads, cfg.head_dim),
-                    read_blocks(flat_v, i, blocks, block_tables, cfg.num_kv_heads, cfg.head_dim))
-
-        return self.decoder.run_layers(inputs_embeds, position_ids, read_past, mask)
+        decoder, cfg = self.decoder, self.decoder.cfg
+        heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tokens = inputs_embeds.shape[1]
+        mask = folded_mask(block_tables, context_lens, k_pool.shape[2], tokens, heads, kv_heads)
+        index = new_rows(context_lens, tokens, kv_heads)
+        cos, sin = rope_tables(*decoder.rope(position_ids, inputs_embeds.dtype), heads, kv_heads, hd)
+        rows = past_rows(block_tables, k_pool.shape[1], k_pool.shape[2], kv_heads, cfg.num_layers)
+        flat_k, flat_v = k_pool.reshape(-1, hd), v_pool.reshape(-1, hd)  # views: the pools are not copied
+        x, new_k, new_v = inputs_embeds[None], [], []
+        for layer, past in zip(self.layers, rows):
+            x, k, v = layer(x, cos, sin, flat_k[past], flat_v[past], mask, index)
+            new_k.append(k)
+            new_v.append(v)
+        logits = decoder.norm(x[0, :, -1]) @ decoder.lm_head_t
+        return logits, torch.cat(new_k), torch.cat(new_v)
 
 
 def decoder_axes(mrope: bool) -> dict[str, dict[int, str]]:

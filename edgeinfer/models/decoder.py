@@ -257,8 +257,9 @@ class Decoder(nn.Module):
         (k, v) ``[B,S,kvh,hd]``, under ``mask`` ``[B,1,T,S+T]`` (None: attend to all of it).
         ``layer_fn(layer, *inputs)`` replaces a layer's call (a compiled forward on GPUs).
 
-        ``forward`` reads the exact past; the ONNX export (``edgeinfer.backends.onnx_export``)
-        reads whole blocks and masks, so that no shape depends on the values of its inputs.
+        ``forward`` reads the exact past; the CUDA graphs' compiled layers read whole blocks
+        under a mask, so that no shape depends on the values of their inputs. (The ONNX graph
+        arranges the same arithmetic its own way: ``onnx_export.GraphLayer``.)
         """
         cos, sin = self.rope(position_ids, inputs_embeds.dtype)
         x = inputs_embeds
