@@ -76,6 +76,7 @@ class Environment:
     tensorrt: str | None
     onnxruntime: str | None
     ort_providers: tuple[str, ...] = field(default_factory=tuple)
+    triton: str | None = None
 
 
 def _distribution_version(*names: str) -> str | None:
@@ -120,7 +121,8 @@ def probe_environment() -> Environment:
     return Environment(
         python=tuple(sys.version_info[:3]), torch=torch_version, torch_cuda=torch_cuda,
         cuda_available=available, cuda_device=device, transformers=_distribution_version("transformers"),
-        tensorrt=tensorrt, onnxruntime=ort_version, ort_providers=providers)
+        tensorrt=tensorrt, onnxruntime=ort_version, ort_providers=providers,
+        triton=_distribution_version("triton", "pytorch-triton") or _module_version("triton"))
 
 
 def _major(version: str) -> int:
@@ -176,6 +178,18 @@ def check_tensorrt(env: Environment, device: DeviceInfo) -> Check:
         return _pass("tensorrt", "not installed (not used on CPU)")
     fix = "sudo apt install python3-libnvinfer" if device.kind == "jetson" else "pip install 'edgeinfer[tensorrt]'"
     return _warn("tensorrt", "not installed; engines run on ONNX Runtime or PyTorch", fix)
+
+
+def check_triton(env: Environment, device: DeviceInfo) -> Check:
+    """Triton runs the fused batch-1 decode kernels and torch.compile's GPU code; without it a
+    CUDA-graph decode step runs eager layers."""
+    if env.triton is not None:
+        return _pass("triton", f"{env.triton}; batch-1 decode runs fused kernels")
+    if device.kind == "cpu":
+        return _pass("triton", "not installed (not used on CPU)")
+    if device.kind == "jetson":  # JetPack's PyTorch comes without it, and no wheel is assured
+        return _pass("triton", "not installed; CUDA-graph decode steps run eager layers")
+    return _warn("triton", "not installed; CUDA-graph decode steps run eager layers", "pip install triton")
 
 
 def check_onnxruntime(env: Environment, device: DeviceInfo) -> Check:
@@ -439,7 +453,8 @@ def run_checks(*, root: str | Path = "/", model_dir: Path | None = None, engines
     device = device or detect_device(root)
     reason, chosen, error = _load(profile, overrides, root)
     checks = [check_python(env), check_torch(env, device), check_transformers(env),
-              check_cuda(env, device, chosen), check_tensorrt(env, device), check_onnxruntime(env, device)]
+              check_cuda(env, device, chosen), check_tensorrt(env, device), check_triton(env, device),
+              check_onnxruntime(env, device)]
     if device.kind == "jetson":
         checks += [check_jetpack(env, device), check_power_mode(root), check_clocks(root)]
     checks += [check_swap(root, device), check_profile(reason, chosen, error), check_memory(device, chosen)]

@@ -93,6 +93,14 @@ def test_gpu_box_with_cpu_only_torch_fails_cuda(tmp_path: Path) -> None:
     assert "jetpack" not in checks and "power mode" not in checks
 
 
+@pytest.mark.parametrize(("triton", "status"), [(None, "warn"), ("3.6.0", "pass")])
+def test_gpu_box_says_whether_the_fused_decode_kernels_can_run(tmp_path: Path, triton, status: str) -> None:
+    device = detect_device(make_dgpu(tmp_path), cuda_probe=lambda: CudaProbe("NVIDIA H200", "9.0", 143_000))
+    checks = by_name(run_checks(root=tmp_path, env=jetson_env(triton=triton), device=device,
+                                engines_dir=tmp_path / "e"))
+    assert checks["triton"] == (status, "pip install triton" if triton is None else None)
+
+
 def test_small_gpu_warns_against_the_profile(tmp_path: Path) -> None:
     device = detect_device(make_dgpu(tmp_path), cuda_probe=lambda: CudaProbe("NVIDIA T1000", "7.5", 8_000))
     checks = by_name(run_checks(root=tmp_path, env=jetson_env(), device=device, engines_dir=tmp_path / "e"))
