@@ -160,7 +160,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
             mask = mask.repeat(1, 1, groups, 1)  # row g * T + t is the mask of token t
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return reshape_tail(out, 1, heads, -1, hd)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, scale=scale)
+    # No mask over more than one new token and no past: plain causal attention, which takes
+    # the fused (flash) kernels where an explicit mask would not.
+    causal = mask is None and q.shape[2] > 1 and keys.shape[2] == q.shape[2]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, scale=scale,
+                                          is_causal=causal)
 
 
 class DecoderLayer(nn.Module):
@@ -254,7 +258,7 @@ class Decoder(nn.Module):
 
     def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None):
         """The layers and the head over a past that ``read_past(i)`` returns for layer ``i`` as
-        (k, v) ``[B,S,kvh,hd]``, under ``mask`` ``[B,1,T,S+T]`` (None: attend to all of it).
+        (k, v) ``[B,S,kvh,hd]``, under ``mask`` ``[B,1,T,S+T]`` (None: all of the past, and the new tokens causally).
         ``layer_fn(layer, *inputs)`` replaces a layer's call (a compiled forward on GPUs).
 
         ``forward`` reads the exact past; the CUDA graphs' compiled layers read whole blocks
@@ -279,15 +283,16 @@ def past_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, 
                         new_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Flat pool slots of every past token, [B, S] with S = max(context_lens), and the mask.
 
-    The mask is None when every row's past is full length and only one token is new,
-    the common batch-1 decode step, so attention takes its unmasked path.
+    The mask is None when every row's past is full length and only one token is new (the
+    common batch-1 decode step), or when no row has a past (a prompt's first chunk: plain
+    causal attention), so attention takes its unmasked, fused path.
     """
     b = block_tables.shape[0]
     past = int(context_lens.max()) if b else 0
     offsets = torch.arange(past, device=block_tables.device)
     slots = block_tables.gather(1, (offsets // block_size).expand(b, past)) * block_size + offsets % block_size
     uniform = bool((context_lens == past).all())
-    if uniform and new_tokens == 1:
+    if uniform and (new_tokens == 1 or past == 0):  # one token, or a first chunk: causal by itself
         return slots, None
     past_ok = offsets[None, :] < context_lens[:, None]  # [B, S]
     causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=block_tables.device).tril()
