@@ -169,7 +169,9 @@ class Engine:
         self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                           config.torch_dtype, config.device)
         self.kv_manager = KVManager(self.pool, self.kv, config.kv_manager_config(), self._fingerprint())
-        self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context)
+        bursts = config.decode_burst if hasattr(self.decoder_engine, "decode_burst") else 1
+        self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context,
+                                   lookahead=bursts)
         self.stop_ids = frozenset(self.adapter.stop_token_ids())
         self._vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._text: dict[int, _TextState] = {}
@@ -407,9 +409,8 @@ class Engine:
 
         Only where the decoder engine can burst, every row is greedy and past its
         ``min_new_tokens``, no request waits to join, and within the blocks each sequence
-        holds, so the scheduler's accounting never runs behind. A sequence whose table ends
-        sooner gets blank blocks for a whole burst first, where the pool has them spare
-        (never by spilling or preempting anyone).
+        holds (the scheduler gives greedy rows room for a whole burst where it can), so the
+        scheduler's accounting never runs behind.
         """
         burst = self.config.decode_burst
         if burst <= 1 or not hasattr(self.decoder_engine, "decode_burst") or self.scheduler.waiting:
@@ -417,10 +418,6 @@ class Engine:
         if any(not s.sampling.greedy or (len(s.generated) < s.sampling.min_new_tokens and s.stop_token_ids)
                for s in seqs):
             return 1
-        for s in seqs:
-            need = s.block_table.blocks_needed(min(burst, s.sampling.max_new_tokens - len(s.generated)))
-            if need and need <= self.pool.num_blank:
-                self.kv_manager.allocate_for(s, need)
         room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached for s in seqs)
         left = max(s.sampling.max_new_tokens - len(s.generated) for s in seqs)
         return max(1, min(burst, room, left))

@@ -8,6 +8,9 @@ is the newest): the KV manager spills it whole and restores it when it is admitt
 The oldest sequence is never preempted, so it always finishes.
 The sequence at the head of the queue is placed as soon as there is room, even while
 the batch is full, so the blocks it had spilled come back while others decode.
+With ``lookahead`` > 1 (an engine that decodes greedy rows in bursts), a greedy sequence
+is given room for that many tokens where blank blocks are spare and nobody waits; never
+by spilling or preempting anyone.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ class DecodeWork:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batch_size: int, prefill_chunk: int, max_context: int) -> None:
+    def __init__(self, kv: KVManager, max_batch_size: int, prefill_chunk: int, max_context: int,
+                 lookahead: int = 1) -> None:
         self.kv = kv
+        self.lookahead = lookahead
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
@@ -114,6 +119,11 @@ class Scheduler:
             need = seq.block_table.blocks_needed(1)
             if need:
                 self._make_room(seq, need)
+            if self.lookahead > 1 and seq.sampling.greedy and not self.waiting and seq in self.running:
+                ahead = min(self.lookahead, seq.sampling.max_new_tokens - len(seq.generated))
+                spare = seq.block_table.blocks_needed(ahead)
+                if spare and self.kv.has_blank(spare):
+                    self.kv.allocate_for(seq, spare)
         return DecodeWork(tuple(self.running))
 
     def _make_room(self, seq: Sequence, need: int) -> bool:

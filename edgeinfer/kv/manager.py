@@ -327,6 +327,10 @@ class KVManager:
         # Blank blocks answer the common case without counting what spills would free.
         return n <= self.pool.num_blank or n <= self.pool.num_blank + self.spill.reclaimable()
 
+    def has_blank(self, n: int) -> bool:
+        """``n`` blocks can be handed out without dropping or spilling anything."""
+        return n <= self.pool.num_blank
+
     def allocate_for(self, seq: KVSequence, n: int) -> None:
         """``n`` more blocks at the end of ``seq``'s table; raises CapacityError when there is no room."""
         if n:
