@@ -111,9 +111,8 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor, half: int | None = None) -> torch.Tensor:
-    """``half``, when the caller knows it, stays a constant in an exported graph."""
-    half = x.shape[-1] // 2 if half is None else half
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
@@ -146,25 +145,14 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              groups: int, heads: int, hd: int) -> torch.Tensor:
+              groups: int) -> torch.Tensor:
     """Grouped-query attention: q [B,heads,T,hd], keys/values [B,kv_heads,S,hd].
 
-    ``heads`` and ``hd`` come from the config, so exported graphs hold them as constants.
+    With no mask, one new token attends to all of the past; more new tokens with no past
+    attend causally, which takes the fused (flash) kernels where an explicit mask would not.
     """
-    scale = hd ** -0.5  # the default scale would be computed from a shape in the graph
-    if groups > 1 and torch.onnx.is_in_onnx_export():
-        # ONNX (opset 18) has no grouped attention: fold each group's query heads into the rows
-        # of its K/V head, so the past is read once instead of repeated per query head.
-        q = reshape_tail(q, 1, heads // groups, -1, hd)  # [B, kv_heads, groups * T, hd]
-        if mask is not None:
-            mask = mask.repeat(1, 1, groups, 1)  # row g * T + t is the mask of token t
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        return reshape_tail(out, 1, heads, -1, hd)
-    # No mask over more than one new token and no past: plain causal attention, which takes
-    # the fused (flash) kernels where an explicit mask would not.
     causal = mask is None and q.shape[2] > 1 and keys.shape[2] == q.shape[2]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, scale=scale,
-                                          is_causal=causal)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, is_causal=causal)
 
 
 class DecoderLayer(nn.Module):
@@ -191,13 +179,12 @@ class DecoderLayer(nn.Module):
         q = reshape_tail(q, 2, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = reshape_tail(k, 2, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = reshape_tail(v, 2, cfg.num_kv_heads, cfg.head_dim)
-        half = cfg.head_dim // 2
-        q = q * cos + rotate_half(q, half) * sin
-        k = k * cos + rotate_half(k, half) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         new_k = k.transpose(1, 2)
         keys = torch.cat((past_k, new_k), dim=1).transpose(1, 2)
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
-        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads, cfg.num_heads, cfg.head_dim)
+        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads)
         attn = reshape_tail(attn.transpose(1, 2), 2, cfg.q_size)
         x = x + _linear(attn, self.o_t, self.o_bias)
         gate_up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias)
