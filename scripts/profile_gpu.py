@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgeinfer.bench.common import bench_image  # noqa: E402
 from edgeinfer.bench.gpu import QUESTION  # noqa: E402
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from edgeinfer.profiles import parse_size  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -76,7 +77,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    w, h = (int(v) for v in args.image_size.split("x"))
+    w, h = parse_size(args.image_size)
     image = bench_image((w, h))
     config = EngineConfig(dtype=args.dtype, device="cuda", max_batch_size=16, block_size=16, kv_budget_mb=1024,
                           max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True,

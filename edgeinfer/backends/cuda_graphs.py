@@ -135,7 +135,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 self.fused_off = str(exc)
         if self._fused is not None:
             _relayout(decoder, out_major=True)  # the kernels read whole rows of [out, in]
-            self.weight_layout = {"chosen": "out_in", "kernels": "triton at batch 1"}
+            self.weight_layout = {"chosen": "out_in"}
         else:
             self.weight_layout = choose_weight_layout(decoder) if self.device.type == "cuda" else None
         self._layer_fn = torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True) if compile_layers else None

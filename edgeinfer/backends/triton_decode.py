@@ -261,7 +261,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None, 
     m = x.shape[0]
     n, k = w.shape
     mp = _pow2(m)
-    cfg = config or GemvConfig(8, 256, 4, 3)
+    cfg = config or GEMV_CANDIDATES[0]
     use_dot = mp >= 16 and cfg.bn >= 16
     bk = cfg.bk if use_dot or mp == 1 else max(32, min(cfg.bk, 4096 // (mp * cfg.bn)))
     if x.shape[0] != mp:  # rows the kernel reads must exist

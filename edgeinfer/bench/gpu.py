@@ -25,6 +25,7 @@ from pathlib import Path
 
 from edgeinfer.bench.common import bench_image, sync
 from edgeinfer.bench.generate import _Clock  # the token clock is shared with the CPU benchmark
+from edgeinfer.profiles import parse_size
 
 QUESTION = "Describe this image."
 KINDS = ("ours", "transformers-dynamic", "transformers-static")
@@ -290,7 +291,7 @@ def parse_args(argv=None):
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
-    w, h = (int(v) for v in args.image_size.split("x"))
+    w, h = parse_size(args.image_size)
     spec = GpuBenchSpec(args.model, (w, h), tuple(int(b) for b in args.batch_sizes.split(",")), args.new_tokens,
                         args.repeats, args.dtype, args.device, tuple(args.kinds.split(",")))
     return args, spec
