@@ -54,7 +54,7 @@ from torch import nn
 
 from edgeinfer.doctor import file_problems, file_sha256  # the same hashes doctor checks manifests with
 from edgeinfer.errors import EngineBuildError
-from edgeinfer.models.decoder import Decoder
+from edgeinfer.models.decoder import Decoder, _linear, reshape_tail
 
 OPSET = 18
 MANIFEST_SCHEMA = 1
@@ -274,8 +274,6 @@ class GraphLayer(nn.Module):
     def forward(self, x, cos, sin, past_k, past_v, mask, index):
         """x [1,B,T,H]; cos/sin from :func:`rope_tables`; past_k/v [1,B,W*bs*kvh,hd]; mask from
         :func:`folded_mask`; index from :func:`new_rows`. Returns (x, k, v), k/v [1,B,T,kvh,hd]."""
-        from edgeinfer.models.decoder import _linear, reshape_tail
-
         layer, cfg = self.layer, self.layer.cfg
         heads = reshape_tail(_linear(layer.input_norm(x), layer.qkv_t, layer.qkv_bias), 3,
                              cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
