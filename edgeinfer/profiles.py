@@ -282,6 +282,8 @@ class RuntimeConfig:
     prefill_chunk_tokens: int
     threads: int | None = None
     cuda_graphs: bool = False
+    # Prompt-length buckets whose prefill graphs are kept (cuda_graphs only; 0: prompts run eagerly).
+    prefill_graphs: int = 8
     # Picture sizes ("WIDTHxHEIGHT", e.g. the cameras') the vision tower is compiled for at load.
     vision_compile_sizes: tuple[str, ...] = ()
 
@@ -296,6 +298,7 @@ class RuntimeConfig:
         _require(self.prefill_chunk_tokens <= self.max_context_tokens, "prefill_chunk_tokens",
                  f"{self.prefill_chunk_tokens} is over max_context_tokens {self.max_context_tokens}")
         _require(self.threads is None or self.threads >= 1, "threads", f"must be >= 1 or null, got {self.threads}")
+        _require(self.prefill_graphs >= 0, "prefill_graphs", f"must be >= 0, got {self.prefill_graphs}")
         _require(not self.cuda_graphs or self.device == "cuda", "cuda_graphs",
                  "CUDA graphs need device 'cuda'")
 

@@ -178,7 +178,9 @@ def bursting_engine(path, **config):
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # 1-D positions and M-RoPE
 def test_decode_bursts_give_the_step_by_step_tokens(checkpoint, family):
     path = checkpoint(family)
-    lengths = [32, 7, 19]  # three rows in a bucket of four; two finish inside a burst
+    # Three rows in a bucket of four; two finish inside a burst, one of them inside a burst that
+    # was queued before the one ahead of it was read.
+    lengths = [64, 60, 19]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
     questions = QUESTIONS[:3]
 
@@ -189,6 +191,7 @@ def test_decode_bursts_give_the_step_by_step_tokens(checkpoint, family):
     results = engine.run_until_done([engine.submit(q, im, p) for (q, im), p in zip(questions, params)])
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert engine.counters["decode_bursts"] > 0 and engine.counters["decode_steps"] > engine.counters["decode_bursts"]
+    assert engine.counters["decode_bursts_ahead"] > 0
     assert engine.pool.num_free == engine.pool.num_blocks  # every block back
 
 
@@ -202,12 +205,48 @@ def test_a_stop_token_inside_a_burst_ends_the_answer_there(checkpoint):
     engine = bursting_engine(path, block_size=64)
     result = engine.generate(question, images, SamplingParams(max_new_tokens=24, stop_token_ids=(stop,)))
     assert result.token_ids == cut and result.finish_reason == "stop"
-    assert engine.counters["decode_bursts"] > 0
+    # The second burst was queued before the first was read; the stop in the first drops all of it.
+    assert engine.counters["decode_bursts"] == 2 and engine.counters["decode_bursts_ahead"] == 1
     if engine.decoder_engine.kernel_report["fused"]:  # Triton's CPU interpreter (TRITON_INTERPRET=1)
         assert engine.decoder_engine.fused_replays > 0
     # A follow-up in the same engine (the dropped tail of the burst left no trace) matches a fresh engine.
     again = engine.generate(question, images, SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
     assert again == free
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])
+def test_prompt_chunks_padded_to_their_bucket_give_the_exact_tokens(checkpoint, family):
+    """Prompt chunks run on the prefill graphs' static shapes (padded to a length bucket; eagerly
+    off the GPU): first chunks with no past, later chunks and a cached image's follow-up over
+    whole blocks under a mask. The padding must change no token."""
+    path = checkpoint(family)
+    question, images = QUESTIONS[0]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [question, question + " and why ?"]  # the second reuses the first's image blocks
+    plain = engine_for(path, prefill_chunk=24)
+    expected = [plain.generate(q, images, params).token_ids for q in prompts]
+    engine = bursting_engine(path, prefill_chunk=24)
+    assert [engine.generate(q, images, params).token_ids for q in prompts] == expected
+    graphs = engine.decoder_engine
+    assert graphs.prefill_replays >= 3  # two chunks of the first prompt, one of the follow-up
+    assert {width > 0 for _, width, _ in graphs._prefills} == {False, True}, list(graphs._prefills)
+
+
+def test_a_request_cancelled_with_a_burst_in_flight_leaves_no_trace(checkpoint):
+    path = checkpoint("smolvlm")
+    question, images = QUESTIONS[0]
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    expected = engine_for(path).generate(question, images, params).token_ids
+    engine = bursting_engine(path)
+    seq = engine.submit(question, images, params)
+    while len(seq.generated) < 17:  # the first token, then a burst of 16 read with the next one queued
+        engine.step()
+    assert engine.counters["decode_bursts_ahead"] == 1
+    engine.cancel(seq)
+    assert engine.has_work()  # the queued burst is still to be read
+    assert engine.step() == [] and not engine.has_work()
+    assert len(seq.generated) == 17 and engine.pool.num_free == engine.pool.num_blocks
+    assert engine.generate(question, images, params).token_ids == expected
 
 
 def test_sampled_rows_never_burst(checkpoint):

@@ -148,6 +148,7 @@ BROKEN = [
     ("high watermark over one", _set("memory.high_watermark", 1.5), "memory.high_watermark", "(0, 1]"),
     ("floor over plannable", _set("memory.available_floor_mb", 7000), "memory.available_floor_mb", "not below"),
     ("negative tier", _set("memory.disk_tier_mb", -1), "memory.disk_tier_mb", ">= 0"),
+    ("negative prefill graphs", _set("runtime.prefill_graphs", -1), "runtime.prefill_graphs", ">= 0"),
     ("block size not power of two", _set("kv.block_size", 24), "kv.block_size", "power of two"),
     ("zero device blocks", _set("kv.device_blocks", 0), "kv.device_blocks", "> 0 or null"),
     ("policy name", _set("kv.policy", "LRU K"), "kv.policy", "policy name"),

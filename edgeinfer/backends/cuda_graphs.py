@@ -7,7 +7,15 @@ the graph's static buffers, padding rows get ``context_lens = 0`` (they attend t
 themselves only and their outputs are dropped), and the past is read through whole
 blocks under a mask so no shape depends on the context length.
 
-Prefill (T > 1) runs eagerly: its shapes change with every prompt.
+A prompt chunk (batch 1, T > 1) replays from a graph too, one per length bucket (``T``
+padded up to 16, 32, ... 256, then to a multiple of 256) and past: none, the first chunk
+of a fresh prompt, attended causally; or whole blocks under a mask. The padding tokens
+come after the real ones, so causal attention keeps them out of every real token's
+result; their K/V are dropped and the logits are those of the last real token. Eagerly,
+a chunk of a thousand tokens through a 2B decoder is a thousand kernel launches, and
+the host's time launching them was three times the device's running them. At most
+``prefill_graphs`` such graphs are kept, the least recently used dropped first; a length
+seen for the first time is captured then, which costs about three eager chunks once.
 
 Where Triton is installed, a batch-1 step's layers are the fused kernels of
 :mod:`edgeinfer.backends.triton_decode` (six per layer, attention reading the pool in place);
@@ -18,12 +26,16 @@ Greedy decoding can go further (``decode_burst``): a second graph takes token id
 than embeddings, writes its K/V into the pool itself and feeds its argmax back as the next
 input, so several steps replay back to back with one copy to the host at the end. The
 host's share of a step (scheduling, index tensors, the token's round trip) is then paid
-once per burst, not once per token.
+once per burst, not once per token. That copy does not block: ``continue_burst`` queues
+the next burst of the same rows from where the last one stopped (its ids, positions and
+context lengths are still in the graph's buffers) before the host reads the last one's
+ids, so the device runs on while the host takes its turn.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +56,14 @@ def buckets(limit: int, start: int = 1) -> list[int]:
 
 def bucket_for(value: int, choices: list[int]) -> int | None:
     return next((c for c in choices if c >= value), None)
+
+
+def prefill_bucket(tokens: int) -> int:
+    """A prompt chunk's padded length: the next power of two from 16 to 256, then the next
+    multiple of 256 (at most an eighth more tokens than the chunk has, past 2,048)."""
+    if tokens <= 256:
+        return max(16, 1 << (tokens - 1).bit_length())
+    return -(-tokens // 256) * 256
 
 
 def _matrices(decoder: Decoder) -> list[torch.nn.Parameter]:
@@ -93,6 +113,25 @@ class _BurstGraph:
     valid: torch.Tensor  # [batch] 1 for real rows, 0 for padding
 
 
+class BurstTokens:
+    """A burst's ids [B, steps] on their way to the host: copied without blocking into pinned
+    memory behind the burst, so the host can queue more work first; ``rows()`` waits for them."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self._event = None
+        self._host = ids
+        if ids.is_cuda:
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def rows(self) -> list[list[int]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -105,16 +144,31 @@ class _Graph:
     new_v: torch.Tensor
 
 
+@dataclass
+class _PrefillGraph:
+    replay: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None  # -> logits, new_k, new_v
+    embeds: torch.Tensor  # [1, bucket, hidden]
+    positions: torch.Tensor
+    tables: torch.Tensor
+    context_lens: torch.Tensor
+    last: torch.Tensor  # [1] index of the chunk's last real token
+
+
 class CudaGraphDecoderEngine(TorchDecoderEngine):
     """The torch decoder engine with decode steps captured in CUDA graphs."""
 
     def __init__(self, decoder: Decoder, max_batch_size: int, max_blocks: int, compile_layers: bool = True,
-                 fused: bool = True) -> None:
+                 fused: bool = True, prefill_graphs: int = 8) -> None:
         super().__init__(decoder)
         self.batch_buckets = buckets(max_batch_size)
         self.width_buckets = buckets(max_blocks, start=8)
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.prefill_graphs = prefill_graphs
+        self._prefills: OrderedDict[tuple[int, int, int], _PrefillGraph] = OrderedDict()
+        self.prefill_error: str | None = None  # why prompt chunks run eagerly, after a failed capture
+        self.prefill_replays = 0
         self._bursts: dict[tuple[int, int, int], _BurstGraph] = {}
+        self._last_burst: tuple[tuple[int, int, int], int] | None = None  # its graph's key and rows
         self._pool = None  # graphs share one memory pool
         self.captures = 0
         # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
@@ -171,6 +225,10 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         b, t, _ = inputs_embeds.shape
         batch = bucket_for(b, self.batch_buckets)
         width = bucket_for(block_tables.shape[1], self.width_buckets)
+        if t > 1 and b == 1 and width is not None and self.prefill_graphs > 0:
+            out = self._prefill(inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, width)
+            if out is not None:
+                return out
         if t != 1 or batch is None or width is None or not inputs_embeds.is_cuda:
             return super().step(inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens)
         key = (batch, width, position_ids.dim())
@@ -236,15 +294,91 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._graphs[key] = g
         return g
 
+    # --- prompt chunks -------------------------------------------------------------------------
+    def _prefill_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, last, past: bool):
+        """A batch-1 chunk on static shapes: no past (causal, no mask) or whole blocks under a mask."""
+        if not past:
+            empty = k_pool.new_empty(1, 0, *k_pool.shape[3:])
+            return self.decoder.run_layers(embeds, positions, lambda i: (empty, empty), None, last=last)
+        slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], embeds.shape[1])
+
+        def read_past(i: int):
+            return gather_past(k_pool[i], slots), gather_past(v_pool[i], slots)
+
+        return self.decoder.run_layers(embeds, positions, read_past, mask, last=last)
+
+    def _prefill(self, embeds, positions, k_pool, v_pool, tables, context_lens, width):
+        """Replay (capturing first if new) the graph of this chunk's bucket; None when capture failed."""
+        t = embeds.shape[1]
+        past = bool(context_lens[0] > 0)  # a host tensor: no device sync
+        key = (prefill_bucket(t), width if past else 0, positions.dim())
+        g = self._prefills.get(key)
+        if g is None:
+            if self.prefill_error is not None:
+                return None
+            g = self._capture_prefill(key, embeds, k_pool, v_pool)
+            if g is None:
+                return None
+            self._prefills[key] = g
+            while len(self._prefills) > self.prefill_graphs:
+                self._prefills.popitem(last=False)
+        self._prefills.move_to_end(key)
+        device = g.tables.device
+        g.embeds[:, :t].copy_(embeds)
+        g.positions[..., :t].copy_(positions.to(device, non_blocking=True))
+        g.last.fill_(t - 1)
+        if past:
+            g.tables.zero_()
+            g.tables[:, :tables.shape[1]].copy_(tables.to(device, non_blocking=True))
+            g.context_lens.copy_(context_lens.to(device, non_blocking=True))
+        logits, new_k, new_v = g.replay()
+        self.prefill_replays += 1
+        return logits, new_k[:, :, :t], new_v[:, :, :t]
+
+    def _capture_prefill(self, key, embeds, k_pool, v_pool) -> _PrefillGraph | None:
+        tokens, width, rank = key
+        device = embeds.device
+        buffers = _PrefillGraph(
+            replay=None,
+            embeds=torch.zeros(1, tokens, embeds.shape[-1], dtype=embeds.dtype, device=device),
+            # Padding positions stay as they are; they only steer the padding's own rows.
+            positions=torch.zeros((3, 1, tokens) if rank == 3 else (1, tokens), dtype=torch.long, device=device),
+            tables=torch.zeros(1, max(width, 1), dtype=torch.long, device=device),
+            context_lens=torch.zeros(1, dtype=torch.long, device=device),
+            last=torch.zeros(1, dtype=torch.long, device=device))
+        b = buffers
+        args = (b.embeds, b.positions, k_pool, v_pool, b.tables, b.context_lens, b.last, width > 0)
+        if not k_pool.is_cuda:  # no graphs off the GPU: the same padded step, run eagerly (tests run it there)
+            b.replay = lambda: self._prefill_step(*args)
+            return b
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # the warm-up reads block 0 of the pool and writes nothing
+                for _ in range(2):
+                    self._prefill_step(*args)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = self._prefill_step(*args)
+        except Exception as exc:  # noqa: BLE001 - a chunk that cannot be captured runs eagerly
+            self.prefill_error = f"{type(exc).__name__}: {exc}"[:500]
+            warnings.warn(f"prompt chunks run eagerly, capturing one failed: {self.prefill_error}")
+            return None
+        self._pool = graph.pool()
+        self.captures += 1
+        b.replay = lambda: (graph.replay(), outputs)[1]
+        return b
+
     # --- greedy bursts ------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_burst(self, tokens, position_ids, k_pool, v_pool, block_tables, context_lens,
-                     steps: int) -> torch.Tensor | None:
+                     steps: int) -> BurstTokens | None:
         """``steps`` greedy decode steps from input ids ``tokens`` [B], K/V written into the pools.
 
         The block tables must already hold a slot for every step's token. Returns the chosen
-        ids [B, steps] on the device, or None when no graph covers this batch (the caller
-        then decodes step by step).
+        ids [B, steps] on their way to the host, or None when no graph covers this batch (the
+        caller then decodes step by step).
         """
         b = tokens.shape[0]
         batch = bucket_for(b, self.batch_buckets)
@@ -260,12 +394,39 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._load(g, position_ids, block_tables, context_lens)
         g.valid.zero_()
         g.valid[:b] = 1
-        out = torch.empty(b, steps, dtype=torch.long, device=device)
+        return self._replay_burst(key, b, steps)
+
+    @torch.inference_mode()
+    def continue_burst(self, k_pool, v_pool, block_tables, steps: int) -> BurstTokens | None:
+        """``steps`` more greedy steps for the rows of the last burst, from where it stopped: its
+        last ids, positions and context lengths are still in the graph's buffers, so this may be
+        launched before that burst's ids are read. ``block_tables`` (the same rows) must hold a
+        slot for every token of both. None when there is no burst to continue."""
+        if self._last_burst is None:
+            return None
+        last_key, b = self._last_burst
+        width = bucket_for(block_tables.shape[1], self.width_buckets)
+        if width is None or block_tables.shape[0] != b:
+            return None
+        key = (last_key[0], width, last_key[2])
+        prev = self._bursts[last_key]
+        g = self._bursts.get(key) or self._capture_burst(key, k_pool, v_pool)
+        if g is not prev:  # a wider table: the state moves to that width's graph
+            for name in ("tokens", "positions", "context_lens", "valid"):
+                getattr(g, name).copy_(getattr(prev, name))
+        g.tables.zero_()
+        g.tables[:b, :block_tables.shape[1]].copy_(block_tables.to(g.tables.device, non_blocking=True))
+        return self._replay_burst(key, b, steps)
+
+    def _replay_burst(self, key, b: int, steps: int) -> BurstTokens:
+        g = self._bursts[key]
+        out = torch.empty(b, steps, dtype=torch.long, device=g.tokens.device)
         for i in range(steps):
             g.replay()
             out[:, i].copy_(g.tokens[:b])
-        self.fused_replays += steps * self._uses_fused(batch)
-        return out
+        self.fused_replays += steps * self._uses_fused(key[0])
+        self._last_burst = (key, b)
+        return BurstTokens(out)
 
     def _burst_step(self, tokens, positions, k_pool, v_pool, tables, context_lens, valid, write: bool = True) -> None:
         """One greedy step on static buffers: embed, layers, K/V into the pool, argmax back into ``tokens``.

@@ -57,6 +57,8 @@ class EngineConfig:
     decode_burst: int = 16
     # CUDA graphs: the decode step as fused Triton kernels where Triton is installed.
     fused_decode: bool = True
+    # CUDA graphs: prompt-length buckets whose batch-1 prefill graphs are kept (0: prefill eagerly).
+    prefill_graphs: int = 8
     # Image sizes (width, height) the torch vision tower is compiled for at load (CUDA only).
     vision_compile_sizes: tuple[tuple[int, int], ...] = ()
     profile_name: str = "custom"
@@ -103,6 +105,7 @@ class EngineConfig:
             threads=profile.runtime.threads,
             available_floor_mb=profile.memory.available_floor_mb,
             cuda_graphs=profile.runtime.cuda_graphs,
+            prefill_graphs=profile.runtime.prefill_graphs,
             vision_compile_sizes=tuple(parse_size(v) for v in profile.runtime.vision_compile_sizes),
             profile_name=profile.name,
             host_precision=profile.kv.host_precision,
@@ -130,6 +133,15 @@ class GenerationResult:
             "answer": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
             "usage": self.usage, "timings": self.timings, "cache": self.cache,
         }
+
+
+@dataclass
+class _Burst:
+    """Greedy steps queued on the device whose tokens the host has not read yet."""
+
+    seqs: tuple[Sequence, ...]
+    ids: Any  # the decoder engine's handle: ``rows()`` -> [B][steps] ids, waiting for them
+    steps: int
 
 
 @dataclass
@@ -175,8 +187,9 @@ class Engine:
         self.stop_ids = frozenset(self.adapter.stop_token_ids())
         self._vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._text: dict[int, _TextState] = {}
+        self._in_flight: _Burst | None = None  # a greedy burst whose tokens are not read yet
         self._counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0,
-                          "decode_bursts": 0}
+                          "decode_bursts": 0, "decode_bursts_ahead": 0}
         self.vision_compile_error: str | None = None
         if config.vision_compile_sizes and config.device.startswith("cuda") and hasattr(self.vision_engine,
                                                                                          "compile_for"):
@@ -271,7 +284,8 @@ class Engine:
 
                 max_blocks = -(-self.config.max_context // self.config.block_size)
                 return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks,
-                                              fused=self.config.fused_decode), vision
+                                              fused=self.config.fused_decode,
+                                              prefill_graphs=self.config.prefill_graphs), vision
             return TorchDecoderEngine(self.model.decoder), vision
         if backend == "onnxruntime":
             from edgeinfer.backends.onnxruntime_backend import open_engines
@@ -360,11 +374,13 @@ class Engine:
 
     # --- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one unit of work; returns the sequences that got a new token."""
+        if self._in_flight is not None:
+            return self._collect_burst()
         work = self.scheduler.schedule()
         if isinstance(work, PrefillWork):
             return self._run_prefill(work)
@@ -388,14 +404,9 @@ class Engine:
     def _run_decode(self, work: DecodeWork) -> list[Sequence]:
         seqs = work.seqs
         steps = self._burst_length(seqs)
-        if steps > 1 and (tokens := self._burst(seqs, steps)) is not None:
-            for seq, row in zip(seqs, tokens):
-                for token in row:
-                    seq.block_table.num_tokens += 1  # the K/V of the token before it is in the pool
-                    self._accept(seq, token)
-                    if seq.status is Status.FINISHED:
-                        break  # the rest of the burst is dropped
-            return list(seqs)
+        if steps > 1 and (ids := self._burst(seqs, steps)) is not None:
+            self._in_flight = _Burst(seqs, ids, steps)
+            return self._collect_burst()
         last, positions = _decode_inputs(seqs)
         embeds = self.decoder_engine.embed(last)[:, None]
         logits = self._forward(embeds, positions, list(seqs), [s.num_cached for s in seqs])
@@ -422,15 +433,63 @@ class Engine:
         left = max(s.sampling.max_new_tokens - len(s.generated) for s in seqs)
         return max(1, min(burst, room, left))
 
-    def _burst(self, seqs: Seq[Sequence], steps: int) -> list[list[int]] | None:
+    def _burst(self, seqs: Seq[Sequence], steps: int):
         last, positions = _decode_inputs(seqs)
-        tokens = self.decoder_engine.decode_burst(last, positions, self.kv.k, self.kv.v, _block_tables(seqs),
-                                                  torch.tensor([s.num_cached for s in seqs]), steps)
-        if tokens is None:
-            return None
+        ids = self.decoder_engine.decode_burst(last, positions, self.kv.k, self.kv.v, _block_tables(seqs),
+                                               torch.tensor([s.num_cached for s in seqs]), steps)
+        if ids is not None:
+            self._count_burst(steps)
+        return ids
+
+    def _count_burst(self, steps: int) -> None:
         self._counters["decode_steps"] += steps
         self._counters["decode_bursts"] += 1
-        return tokens.tolist()
+
+    def _collect_burst(self) -> list[Sequence]:
+        """Accept the tokens of the burst in flight, one by one as steps would, dropping those
+        after a finish; the next burst of the same rows is queued first where it may be, so the
+        device is not idle while the host reads these."""
+        done, self._in_flight = self._in_flight, None
+        self._in_flight = self._follow(done)
+        got = []
+        for seq, row in zip(done.seqs, done.ids.rows()):
+            for token in row:
+                if seq.status is Status.FINISHED:
+                    break  # the rest of this burst (all of it, when the one before finished the row) is dropped
+                seq.block_table.num_tokens += 1  # the K/V of the token before it is in the pool
+                self._accept(seq, token)
+                if not got or got[-1] is not seq:
+                    got.append(seq)
+        return got
+
+    def _follow(self, done: _Burst) -> _Burst | None:
+        """The next burst of ``done``'s rows, queued before ``done``'s tokens are read.
+
+        Only where those tokens can change nothing but a stop: the same rows run and nobody
+        waits to join, every row is still under its ``max_new_tokens`` and past its
+        ``min_new_tokens`` after ``done``, and blank blocks hold both bursts' tokens. A row
+        that stops inside ``done`` has the next burst's tokens dropped, as a burst drops those
+        after a stop inside it (its slots are past its length, and its freed blocks are
+        reused only by work queued behind).
+        """
+        follow = getattr(self.decoder_engine, "continue_burst", None)
+        seqs = done.seqs
+        if follow is None or self.scheduler.waiting or tuple(self.scheduler.running) != seqs:
+            return None
+        after = [len(s.generated) + done.steps for s in seqs]
+        left = [s.sampling.max_new_tokens - n for s, n in zip(seqs, after)]
+        if min(left) < 1 or any(n < s.sampling.min_new_tokens and s.stop_token_ids for s, n in zip(seqs, after)):
+            return None
+        steps = min(self.config.decode_burst, max(left))
+        for seq in seqs:
+            self.scheduler.reserve(seq, done.steps + steps)
+        room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached - done.steps for s in seqs)
+        steps = min(steps, room)
+        if steps < 2 or (ids := follow(self.kv.k, self.kv.v, _block_tables(seqs), steps)) is None:
+            return None
+        self._count_burst(steps)
+        self._counters["decode_bursts_ahead"] += 1
+        return _Burst(seqs, ids, steps)
 
     def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         if end <= seq.prompt_len:

@@ -119,12 +119,16 @@ class Scheduler:
             need = seq.block_table.blocks_needed(1)
             if need:
                 self._make_room(seq, need)
-            if self.lookahead > 1 and seq.sampling.greedy and not self.waiting and seq in self.running:
-                ahead = min(self.lookahead, seq.sampling.max_new_tokens - len(seq.generated))
-                spare = seq.block_table.blocks_needed(ahead)
-                if spare and self.kv.has_blank(spare):
-                    self.kv.allocate_for(seq, spare)
+            if self.lookahead > 1 and seq.sampling.greedy and seq in self.running:
+                self.reserve(seq, min(self.lookahead, seq.sampling.max_new_tokens - len(seq.generated)))
         return DecodeWork(tuple(self.running))
+
+    def reserve(self, seq: Sequence, tokens: int) -> None:
+        """Blank blocks so that ``seq`` holds room for ``tokens`` more tokens, where they are
+        spare and nobody waits: never by spilling or preempting anyone."""
+        spare = seq.block_table.blocks_needed(tokens)
+        if spare and not self.waiting and self.kv.has_blank(spare):
+            self.kv.allocate_for(seq, spare)
 
     def _make_room(self, seq: Sequence, need: int) -> bool:
         """``need`` more blocks for ``seq``, preempting newer sequences; False when ``seq`` is the newest

@@ -243,10 +243,11 @@ class Decoder(nn.Module):
 
         return self.run_layers(inputs_embeds, position_ids, read_past, mask)
 
-    def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None):
+    def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None, last=None):
         """The layers and the head over a past that ``read_past(i)`` returns for layer ``i`` as
         (k, v) ``[B,S,kvh,hd]``, under ``mask`` ``[B,1,T,S+T]`` (None: all of the past, and the new tokens causally).
         ``layer_fn(layer, *inputs)`` replaces a layer's call (a compiled forward on GPUs).
+        The logits are those of position ``last`` (``[B]``; None: the last position).
 
         ``forward`` reads the exact past; the CUDA graphs' compiled layers read whole blocks
         under a mask, so that no shape depends on the values of their inputs. (The ONNX graph
@@ -261,8 +262,8 @@ class Decoder(nn.Module):
             x, k, v = layer(*inputs) if layer_fn is None else layer_fn(layer, *inputs)
             new_k.append(k)
             new_v.append(v)
-        last = self.norm(x[:, -1])
-        logits = last @ self.lm_head_t
+        x = x[:, -1] if last is None else x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
+        logits = self.norm(x) @ self.lm_head_t
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 
