@@ -35,9 +35,26 @@ def test_cuda_fp32_with_graphs_matches_cpu(checkpoint, family):
     cuda, engine = tokens(path, device="cuda", cuda_graphs=True)
     assert engine.decoder_engine.captures > 0, "decode steps must run from CUDA graphs"
     assert engine.counters["decode_bursts"] > 0, "greedy rows must decode in bursts"
+    assert engine.decoder_engine.prefill_replays > 0, engine.decoder_engine.prefill_error
     if triton_decode.triton is not None:
         assert engine.decoder_engine.kernel_report["fused"], engine.decoder_engine.kernel_report
     assert cuda == cpu
+
+
+def test_qwen2_vl_tower_replays_from_a_cuda_graph(checkpoint):
+    path = checkpoint("qwen2_vl")
+    sizes = ((128, 96), (80, 128))
+    cpu, _ = tokens(path)
+    cuda, engine = tokens(path, device="cuda", cuda_graphs=True, vision_compile_sizes=sizes)
+    tower = engine.vision_engine
+    assert len(tower.captured_signatures) == 2, tower.capture_error
+    assert cuda == cpu
+    for seed, size in enumerate(sizes):
+        inputs = engine.adapter.process_image(noise_image(*size, seed=seed)).tensors
+        replayed = tower.encode(inputs)
+        torch.testing.assert_close(replayed, tower._run(tower.module, inputs), rtol=0, atol=1e-6)
+        assert tower.encode(engine.adapter.process_image(noise_image(*size, seed=9)).tensors).data_ptr() \
+            != replayed.data_ptr()  # each replay's output is the caller's own
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])

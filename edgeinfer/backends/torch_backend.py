@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from edgeinfer.models.decoder import Decoder
@@ -33,29 +35,81 @@ def input_signature(tensors: dict[str, torch.Tensor]) -> tuple:
 
 
 class TorchVisionEngine:
-    """The family's vision module. ``compile_for`` compiles it for a few input shapes ahead of
-    time (a profile's camera sizes); other shapes run eagerly, so no request ever waits on the
-    compiler."""
+    """The family's vision module. ``compile_for`` readies it for a few input shapes ahead of
+    time (a profile's camera sizes): on a GPU, a tower that says nothing in it waits on the
+    device (``graph_safe``) is captured in a CUDA graph per shape, so a picture costs one
+    replay instead of hundreds of launches; others are compiled. Other shapes run eagerly,
+    so no request ever waits on a compiler or a capture."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._compiled = None
         self.compiled_signatures: set[tuple] = set()
+        self._graphs: dict[tuple, tuple] = {}  # signature -> (graph, static inputs, output)
+        self._pool = None
+        self.capture_error: str | None = None  # why a graph-safe tower was compiled instead
+
+    @property
+    def captured_signatures(self) -> set[tuple]:
+        return set(self._graphs)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.module.parameters()).device
 
     @torch.inference_mode()
     def compile_for(self, inputs: list[dict[str, torch.Tensor]]) -> None:
-        """Compile and warm the tower for each of ``inputs``' signatures (twice: compile, then run)."""
-        self._compiled = self._compiled or torch.compile(self.module, dynamic=False)
+        """Capture (graph-safe towers on a GPU) or compile and warm the tower for each of
+        ``inputs``' signatures."""
         for tensors in inputs:
+            signature = input_signature(tensors)
+            if getattr(self.module, "graph_safe", False) and self._device.type == "cuda" and self.capture_error is None:
+                try:
+                    self._graphs[signature] = self._capture(tensors)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the compiled tower is the fallback
+                    self.capture_error = f"{type(exc).__name__}: {exc}"[:500]
+                    warnings.warn(f"capturing the vision tower failed, compiling it instead: {self.capture_error}")
+            self._compiled = self._compiled or torch.compile(self.module, dynamic=False)
             for _ in range(2):
                 self._run(self._compiled, tensors)
-            self.compiled_signatures.add(input_signature(tensors))
+            self.compiled_signatures.add(signature)
+
+    def _capture(self, tensors: dict[str, torch.Tensor]) -> tuple:
+        device = self._device
+        static = self._moved(tensors)
+        static = {k: v.clone() if v.device == device else v for k, v in static.items()}
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.module(**static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.module(**static)
+        self._pool = graph.pool()
+        return graph, static, out
+
+    def _moved(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        host = getattr(self.module, "host_inputs", ())
+        device = self._device
+        return {k: v if k in host else v.to(device, non_blocking=True) for k, v in tensors.items()}
 
     def _run(self, module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        device = next(self.module.parameters()).device
-        return module(**{k: v.to(device, non_blocking=True) for k, v in tensors.items()})
+        return module(**self._moved(tensors))
 
     @torch.inference_mode()
     def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        compiled = self._compiled is not None and input_signature(tensors) in self.compiled_signatures
+        signature = input_signature(tensors)
+        captured = self._graphs.get(signature)
+        if captured is not None:
+            graph, static, out = captured
+            host = getattr(self.module, "host_inputs", ())
+            for name, value in tensors.items():
+                if name not in host:  # host inputs are in the signature: equal by construction
+                    static[name].copy_(value, non_blocking=True)
+            graph.replay()
+            return out.clone()  # the next replay overwrites ``out``
+        compiled = self._compiled is not None and signature in self.compiled_signatures
         return self._run(self._compiled if compiled else self.module, tensors)

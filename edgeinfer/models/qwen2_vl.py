@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout, load_module_state
@@ -40,15 +41,69 @@ IMAGE_PAD = "<|image_pad|>"
 
 
 class QwenVisionEncoder(nn.Module):
-    """Flattened patches + ``image_grid_thw`` -> merged tokens ``[num_tokens, text_hidden]``."""
+    """Flattened patches + ``image_grid_thw`` -> merged tokens ``[num_tokens, text_hidden]``.
+
+    Qwen2-VL's tower runs block by block here, from its own layers: the rotary angles and
+    the images' boundaries follow from the grid, which stays on the host, so nothing in the
+    forward waits on the device and a CUDA graph can hold all of it (``graph_safe``).
+    Qwen2.5-VL's windowed tower runs as transformers wrote it.
+    """
 
     def __init__(self, visual: nn.Module) -> None:
         super().__init__()
         self.visual = visual
+        self.graph_safe = not hasattr(visual, "fullatt_block_indexes")
+        # Inputs the caller keeps on the host (their values steer the code, not the arithmetic).
+        self.host_inputs = ("image_grid_thw",) if self.graph_safe else ()
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
-        return self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+        visual = self.visual
+        pixel_values = pixel_values.to(visual.patch_embed.proj.weight.dtype)
+        if not self.graph_safe:
+            return visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+        grids = [tuple(int(v) for v in row) for row in image_grid_thw.tolist()]
+        x = visual.patch_embed(pixel_values)
+        cos, sin = self._rotary(grids, x.device)
+        segments = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends within itself
+        for block in visual.blocks:
+            x = x + _segment_attention(block.attn, block.norm1(x), cos, sin, segments)
+            x = x + block.mlp(block.norm2(x))
+        return visual.merger(x)
+
+    def _rotary(self, grids: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [patches, head_dim] of the tower's 2-D rotary embedding: a patch's row angles
+        then its column angles, twice, patches ordered merge block by merge block."""
+        m = int(self.visual.spatial_merge_size)
+        inv_freq = self.visual.rotary_pos_emb.inv_freq.to(device, torch.float32)
+        rows, cols = [], []
+        for t, h, w in grids:
+            hh = torch.arange(h, device=device)[:, None].expand(h, w)
+            ww = torch.arange(w, device=device)[None, :].expand(h, w)
+            for pos, out in ((hh, rows), (ww, cols)):
+                out.append(pos.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t))
+        angles = torch.cat((torch.cat(rows)[:, None] * inv_freq, torch.cat(cols)[:, None] * inv_freq), dim=-1)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def _segment_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       segments: list[int]) -> torch.Tensor:
+    """Qwen2-VL vision attention (``attn``'s weights), each segment of ``segments`` patches on its own."""
+    n = x.shape[0]
+    q, k, v = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = (_rotate(t, cos, sin) for t in (q, k))
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, head_dim]
+    out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs)
+                     for qs, ks, vs in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))], dim=2)
+    return attn.proj(out[0].transpose(0, 1).reshape(n, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in float32, as transformers applies it to the tower's q and k."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 def mrope_positions(token_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
