@@ -31,7 +31,7 @@ def main() -> None:
             points = sorted((int(b), v["roofline_tok_s"]) for b, v in roof.items())
             ax.plot(*zip(*points), linestyle="--", color="grey", label="bandwidth roofline")
         ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s",
-               title=f"{Path(report['spec']['model']).name} on {report['environment'].get('gpu', 'CPU')}")
+               title=f"{path.stem.removeprefix('gpu-')} on {report['environment'].get('gpu', 'CPU')}")
         ax.set_xticks([int(b) for b in report["spec"]["batch_sizes"]], [str(b) for b in report["spec"]["batch_sizes"]])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

@@ -6,8 +6,8 @@
 Decode is split into the engine's time per token (wall time, host included, greedy
 bursts as the engine runs them) and the single-step CUDA graph's replay alone (device
 time, replays back to back), so the difference is what the host adds per token. The vision
-tower is compiled for the image's size at load (as a profile's ``vision_compile_sizes`` do)
-and timed compiled and eager; the decode step's and the tower's kernels are listed with
+tower is readied for the image's size at load (as a profile's ``vision_compile_sizes`` do:
+captured in a CUDA graph, or compiled) and timed so and eagerly; the decode step's and the tower's kernels are listed with
 ``torch.profiler``. Prints a JSON object; nothing here is a pass/fail check.
 """
 
@@ -81,7 +81,7 @@ def main() -> None:
     image = bench_image((w, h))
     config = EngineConfig(dtype=args.dtype, device="cuda", max_batch_size=16, block_size=16, kv_budget_mb=1024,
                           max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True,
-                          vision_compile_sizes=((w, h),))
+                          vision_compile_sizes=((w, h),), prefix_cache=False)
     engine = Engine.load(args.model, config=config)
     params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
     for _ in range(2):  # warm-up: graphs captured, layers compiled
@@ -97,6 +97,7 @@ def main() -> None:
     tower = engine.vision_engine
     out["vision_s"] = timed(lambda: tower.encode(processed.tensors), 5)  # compiled for this size at load
     out["vision_compiled"] = bool(getattr(tower, "compiled_signatures", None))
+    out["vision_captured"] = bool(getattr(tower, "captured_signatures", None))
     out["vision_eager_s"] = timed(lambda: tower._run(tower.module, processed.tensors), 5)
     out["vision_kernels"] = kernel_table(lambda: tower.encode(processed.tensors))
 
