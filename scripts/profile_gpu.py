@@ -3,12 +3,14 @@
 
     python scripts/profile_gpu.py --model DIR [--image-size 1024x768] [--steps 64] --out profile.json
 
-Decode is split into the engine's time per token (wall time, host included, greedy
-bursts as the engine runs them) and the single-step CUDA graph's replay alone (device
-time, replays back to back), so the difference is what the host adds per token. The vision
-tower is readied for the image's size at load (as a profile's ``vision_compile_sizes`` do:
-captured in a CUDA graph, or compiled) and timed so and eagerly; the decode step's and the tower's kernels are listed with
-``torch.profiler``. Prints a JSON object; nothing here is a pass/fail check.
+Decode is the engine's time per token (wall time under cProfile, host included, greedy
+bursts as the engine runs them) and the kernels of one burst step (``burst_step_kernels``:
+device time per kernel). Where a single-step graph was captured (bursts off, or sampled
+rows), its replay alone is timed too (``graph_replay_ms``, replays back to back). The
+vision tower is readied for the image's size at load (as a profile's
+``vision_compile_sizes`` do: captured in a CUDA graph, or compiled) and timed so and
+eagerly, its kernels listed with ``torch.profiler``. Prints a JSON object; nothing here is
+a pass/fail check.
 """
 
 from __future__ import annotations
