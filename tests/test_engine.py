@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.engine.sequence import Status
@@ -98,6 +99,19 @@ def test_seeded_sampling_is_reproducible_and_varies(checkpoint):
     c = engine.generate(*QUESTIONS[1], replace(params, seed=4)).token_ids
     assert a == b
     assert a != c
+
+
+def test_the_sampled_distribution_keeps_top_k_and_the_token_that_crosses_top_p():
+    from edgeinfer.engine.sampling import filtered_probs
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = lambda **kw: (filtered_probs(logits, SamplingParams(temperature=1.0, **kw)) > 0).tolist()  # noqa: E731
+    assert kept() == [True] * 4
+    assert kept(top_k=2) == [True, True, False, False]
+    assert kept(top_p=0.6) == [True, True, False, False]  # 0.5 < 0.6: the second token crosses it
+    assert kept(top_p=0.45) == [True, False, False, False]
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
 
 
 def test_stream_concatenates_to_the_answer_and_stop_strings_cut(checkpoint):

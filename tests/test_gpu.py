@@ -41,6 +41,20 @@ def test_cuda_fp32_with_graphs_matches_cpu(checkpoint, family):
     assert cuda == cpu
 
 
+def test_seeded_sampling_on_cuda_gives_the_cpu_tokens(checkpoint):
+    """The distribution is computed on the device, the draw made on the CPU with the seed's generator."""
+    path = checkpoint("qwen2_vl")
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7)
+
+    def sampled(**config):
+        engine = Engine.load(path, config=EngineConfig(num_blocks=512, **config))
+        return [engine.generate(q, images, params).token_ids for q, images in REQUESTS[:2]]
+
+    cuda = sampled(device="cuda", cuda_graphs=True)
+    assert cuda == sampled()
+    assert len(set(map(tuple, cuda))) == 2
+
+
 def test_qwen2_vl_tower_replays_from_a_cuda_graph(checkpoint):
     path = checkpoint("qwen2_vl")
     sizes = ((128, 96), (80, 128))

@@ -21,7 +21,7 @@ from edgeinfer.backends.base import resolve_backend
 from edgeinfer.engine.prompt import (
     Message, expand_images, merge_embeddings, normalize_messages, render_chat, tokenize, user_message,
 )
-from edgeinfer.engine.sampling import SamplingParams, make_generator, sample_one
+from edgeinfer.engine.sampling import SamplingParams, draw, filtered_probs, make_generator
 from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.errors import BackendUnavailableError, LimitExceeded, RequestError
@@ -512,14 +512,15 @@ class Engine:
     def _choose_tokens(self, seqs: Seq[Sequence], logits: torch.Tensor) -> list[int]:
         """Next token of each row; greedy rows in one argmax (one device sync for the batch).
 
-        Sampled rows draw on the CPU from the request's seeded generator, so a seed gives
-        the same tokens on every device.
+        Sampled rows have their distribution (temperature, top-k, top-p) computed where the
+        logits are, and draw from it on the CPU with the request's seeded generator, so a seed
+        gives the same random numbers on every device.
         """
         for i, seq in enumerate(seqs):
             if len(seq.generated) < seq.sampling.min_new_tokens and seq.stop_token_ids:
                 logits[i, list(seq.stop_token_ids)] = float("-inf")
         greedy = logits.argmax(-1).tolist()
-        return [g if s.sampling.greedy else sample_one(logits[i].cpu(), s.sampling, s.generator)
+        return [g if s.sampling.greedy else draw(filtered_probs(logits[i], s.sampling), s.generator)
                 for i, (s, g) in enumerate(zip(seqs, greedy))]
 
     def _accept(self, seq: Sequence, token: int) -> None:

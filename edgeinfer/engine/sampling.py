@@ -48,10 +48,9 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return gen
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [vocab] (float32) -> token id."""
-    if params.greedy:
-        return int(torch.argmax(logits))
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, then top-k and top-p, on
+    whatever device ``logits`` [vocab] (float32) are on."""
     logits = logits / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -61,5 +60,10 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return logits.softmax(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` with the request's generator, on the CPU: the random numbers
+    of a seed are then the same whatever device computed the distribution."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
