@@ -212,7 +212,10 @@ class KVManager:
         if state.placed:
             return True
         plan = self._plan(state)
-        revived = sum(1 for e in plan.taken() if e.device is not None and self.pool.is_idle(e.device))
+        # Reused blocks that ``reclaimable`` counts (idle, or held only by a spill in flight) stop
+        # being reclaimable once this sequence takes them.
+        revived = sum(1 for e in plan.taken() if e.device is not None
+                      and (self.pool.is_idle(e.device) or self.spill.spill_only(e.device)))
         need = plan.new_blocks() + self._chunk_blocks(plan, seq, chunk) + spare
         return need <= self.pool.num_blank + self.spill.reclaimable() - revived
 

@@ -161,9 +161,14 @@ class SpillManager:
             self.stats.lost_blocks += entry.pins > 0
 
     # --- room ----------------------------------------------------------------------------------
+    def spill_only(self, block: int) -> bool:
+        """Only a spill in flight holds device ``block``: it is blank once the spill completes."""
+        pins = self.device_pins.get(block, 0)
+        return pins > 0 and self.pool.refcount(block) == pins
+
     def pinned_only(self) -> int:
         """Device blocks only a spill in flight holds: blank once it completes."""
-        return sum(1 for b, n in list(self.device_pins.items()) if self.pool.refcount(b) == n)
+        return sum(1 for b in list(self.device_pins) if self.spill_only(b))
 
     def reclaimable(self) -> int:
         return len(self.policies[Tier.DEVICE]) + self.pinned_only()
