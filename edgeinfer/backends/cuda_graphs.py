@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.backends import triton_decode
-from edgeinfer.backends.torch_backend import TorchDecoderEngine
-from edgeinfer.models.decoder import Decoder, DecoderLayer, gather_past, whole_block_slots_and_mask
+from edgeinfer.backends.torch_backend import TorchDecoderEngine, capture_graph, warm_up
+from edgeinfer.models.decoder import Decoder, DecoderLayer, past_reader, whole_block_slots_and_mask
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -146,7 +146,7 @@ class _Graph:
 
 @dataclass
 class _PrefillGraph:
-    replay: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None  # -> logits, new_k, new_v
+    replay: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # -> logits, new_k, new_v
     embeds: torch.Tensor  # [1, bucket, hidden]
     positions: torch.Tensor
     tables: torch.Tensor
@@ -214,11 +214,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
                                       context_lens, valid)
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], 1)
-
-        def read_past(i: int):
-            return gather_past(k_pool[i], slots), gather_past(v_pool[i], slots)
-
-        return self.decoder.run_layers(embeds, positions, read_past, mask, self._layer_fn)
+        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, self._layer_fn)
 
     @torch.inference_mode()
     def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
@@ -239,11 +235,11 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self.fused_replays += self._uses_fused(batch)
         return g.logits[:b], g.new_k[:, :b], g.new_v[:, :b]
 
-    def _load(self, g: _Graph | _BurstGraph, positions, tables, context_lens) -> None:
+    def _load(self, g: _Graph | _BurstGraph | _PrefillGraph, positions, tables, context_lens) -> None:
         """Copy a step's index inputs into a graph's static buffers; padding rows get context 0."""
         b, width = tables.shape
         device = g.tables.device
-        g.positions[..., :b, :].copy_(positions.to(device, non_blocking=True))
+        g.positions[..., :b, :positions.shape[-1]].copy_(positions.to(device, non_blocking=True))
         g.tables.zero_()
         g.tables[:b, :width].copy_(tables.to(device, non_blocking=True))
         g.context_lens.zero_()
@@ -253,27 +249,21 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """Run ``run`` twice on a side stream before a capture (timing the fused kernels' tiles or
         compiling the layers the first time). A failure of either falls back, with a warning: the
         fused kernels to the compiled layers, the compiled layers to eager ones."""
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            while True:
-                try:
-                    for _ in range(2):
-                        run()
-                    break
-                except Exception as exc:  # noqa: BLE001 - any kernel or compiler failure has a fallback
-                    reason = f"{type(exc).__name__}: {exc}"[:500]
-                    if self._fused is not None:
-                        self.fused_off = reason
-                        self._fused = None
-                        warnings.warn(f"fused decode kernels failed, using compiled layers: {reason}")
-                    elif self._layer_fn is not None:
-                        self.compile_error = reason
-                        self._layer_fn = None
-                        warnings.warn(f"compiled decoder layers failed, capturing eager layers: {reason}")
-                    else:
-                        raise
-        torch.cuda.current_stream(device).wait_stream(side)
+        while True:
+            try:
+                return warm_up(run, device)
+            except Exception as exc:  # noqa: BLE001 - any kernel or compiler failure has a fallback
+                reason = f"{type(exc).__name__}: {exc}"[:500]
+                if self._fused is not None:
+                    self.fused_off = reason
+                    self._fused = None
+                    warnings.warn(f"fused decode kernels failed, using compiled layers: {reason}")
+                elif self._layer_fn is not None:
+                    self.compile_error = reason
+                    self._layer_fn = None
+                    warnings.warn(f"compiled decoder layers failed, capturing eager layers: {reason}")
+                else:
+                    raise
 
     def _capture(self, key, embeds, positions, k_pool, v_pool) -> _Graph:
         batch, width, rank = key
@@ -285,9 +275,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         context_lens = torch.zeros(batch, dtype=torch.long, device=device)
         args = (static_embeds, static_positions, k_pool, v_pool, tables, context_lens)
         self._warm_up(lambda: self._static_step(*args), device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, new_k, new_v = self._static_step(*args)
+        graph, (logits, new_k, new_v) = capture_graph(lambda: self._static_step(*args), self._pool)
         self._pool = graph.pool()
         self.captures += 1
         g = _Graph(graph, static_embeds, static_positions, tables, context_lens, logits, new_k, new_v)
@@ -301,11 +289,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             empty = k_pool.new_empty(1, 0, *k_pool.shape[3:])
             return self.decoder.run_layers(embeds, positions, lambda i: (empty, empty), None, last=last)
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], embeds.shape[1])
-
-        def read_past(i: int):
-            return gather_past(k_pool[i], slots), gather_past(v_pool[i], slots)
-
-        return self.decoder.run_layers(embeds, positions, read_past, mask, last=last)
+        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, last=last)
 
     def _prefill(self, embeds, positions, k_pool, v_pool, tables, context_lens, width):
         """Replay (capturing first if new) the graph of this chunk's bucket; None when capture failed."""
@@ -323,14 +307,9 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             while len(self._prefills) > self.prefill_graphs:
                 self._prefills.popitem(last=False)
         self._prefills.move_to_end(key)
-        device = g.tables.device
         g.embeds[:, :t].copy_(embeds)
-        g.positions[..., :t].copy_(positions.to(device, non_blocking=True))
         g.last.fill_(t - 1)
-        if past:
-            g.tables.zero_()
-            g.tables[:, :tables.shape[1]].copy_(tables.to(device, non_blocking=True))
-            g.context_lens.copy_(context_lens.to(device, non_blocking=True))
+        self._load(g, positions, tables, context_lens)
         logits, new_k, new_v = g.replay()
         self.prefill_replays += 1
         return logits, new_k[:, :, :t], new_v[:, :, :t]
@@ -338,37 +317,31 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
     def _capture_prefill(self, key, embeds, k_pool, v_pool) -> _PrefillGraph | None:
         tokens, width, rank = key
         device = embeds.device
-        buffers = _PrefillGraph(
-            replay=None,
+        buffers = dict(
             embeds=torch.zeros(1, tokens, embeds.shape[-1], dtype=embeds.dtype, device=device),
             # Padding positions stay as they are; they only steer the padding's own rows.
             positions=torch.zeros((3, 1, tokens) if rank == 3 else (1, tokens), dtype=torch.long, device=device),
-            tables=torch.zeros(1, max(width, 1), dtype=torch.long, device=device),
+            # A chunk with no past reads no table; its buffer takes any table the engine passes.
+            tables=torch.zeros(1, width or self.width_buckets[-1], dtype=torch.long, device=device),
             context_lens=torch.zeros(1, dtype=torch.long, device=device),
             last=torch.zeros(1, dtype=torch.long, device=device))
-        b = buffers
-        args = (b.embeds, b.positions, k_pool, v_pool, b.tables, b.context_lens, b.last, width > 0)
+
+        def run():
+            return self._prefill_step(buffers["embeds"], buffers["positions"], k_pool, v_pool, buffers["tables"],
+                                      buffers["context_lens"], buffers["last"], past=width > 0)
+
         if not k_pool.is_cuda:  # no graphs off the GPU: the same padded step, run eagerly (tests run it there)
-            b.replay = lambda: self._prefill_step(*args)
-            return b
+            return _PrefillGraph(run, **buffers)
         try:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # the warm-up reads block 0 of the pool and writes nothing
-                for _ in range(2):
-                    self._prefill_step(*args)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                outputs = self._prefill_step(*args)
+            warm_up(run, device)  # reads block 0 of the pool and writes nothing
+            graph, outputs = capture_graph(run, self._pool)
         except Exception as exc:  # noqa: BLE001 - a chunk that cannot be captured runs eagerly
             self.prefill_error = f"{type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"prompt chunks run eagerly, capturing one failed: {self.prefill_error}")
             return None
         self._pool = graph.pool()
         self.captures += 1
-        b.replay = lambda: (graph.replay(), outputs)[1]
-        return b
+        return _PrefillGraph(lambda: (graph.replay(), outputs)[1], **buffers)
 
     # --- greedy bursts ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -477,9 +450,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         # Warm-up without writing: the pools hold other sequences' K/V. (The capture itself
         # only records; nothing runs until a replay.)
         self._warm_up(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:], write=False), device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._burst_step(tokens, positions, k_pool, v_pool, tables, context_lens, valid)
+        graph, _ = capture_graph(lambda: self._burst_step(tokens, positions, k_pool, v_pool, tables, context_lens,
+                                                          valid), self._pool)
         self._pool = graph.pool()
         self.captures += 1
         g = _BurstGraph(graph.replay, tokens, positions, tables, context_lens, valid)

@@ -55,6 +55,7 @@ from torch import nn
 from edgeinfer.doctor import file_problems, file_sha256  # the same hashes doctor checks manifests with
 from edgeinfer.errors import EngineBuildError
 from edgeinfer.models.decoder import Decoder, _linear, reshape_tail
+from edgeinfer.models.qwen2_vl import vision_attention
 
 OPSET = 18
 MANIFEST_SCHEMA = 1
@@ -429,17 +430,11 @@ def _segment_attention(self, hidden_states, cu_seqlens, position_embeddings=None
     transformers splits the sequence at ``cu_seqlens.tolist()``, which a trace would freeze;
     the mask keeps the segment boundaries an input of the graph.
     """
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
-
     n = hidden_states.shape[0]
-    q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-    cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
     segment = (torch.arange(n, device=hidden_states.device)[:, None] >= cu_seqlens[None, 1:]).sum(-1)
     mask = (segment[:, None] == segment[None, :])[None, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, scale=self.scaling)
-    return self.proj(out[0].transpose(0, 1).reshape(n, -1))
+    return vision_attention(self, hidden_states, *position_embeddings,
+                            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling))
 
 
 class QwenTower(nn.Module):

@@ -27,6 +27,26 @@ class TorchDecoderEngine:
                             move(context_lens))
 
 
+def warm_up(fn, device: torch.device, times: int = 2) -> None:
+    """Run ``fn`` on a side stream before a capture, so that its first-call work (allocations,
+    compilation, autotuning) is not what the graph records."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def capture_graph(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Record ``fn`` (warmed up) in a CUDA graph sharing the memory pool ``pool``; returns the
+    graph and ``fn``'s outputs, which each replay overwrites."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def input_signature(tensors: dict[str, torch.Tensor]) -> tuple:
     """Shapes of a vision input, plus the values of small integer tensors (image grids) that
     steer the tower's code: what a compiled tower specialises on."""
@@ -77,17 +97,9 @@ class TorchVisionEngine:
 
     def _capture(self, tensors: dict[str, torch.Tensor]) -> tuple:
         device = self._device
-        static = self._moved(tensors)
-        static = {k: v.clone() if v.device == device else v for k, v in static.items()}
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.module(**static)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.module(**static)
+        static = {k: v.clone() if v.device == device else v for k, v in self._moved(tensors).items()}
+        warm_up(lambda: self.module(**static), device)
+        graph, out = capture_graph(lambda: self.module(**static), self._pool)
         self._pool = graph.pool()
         return graph, static, out
 

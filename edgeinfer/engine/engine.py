@@ -415,8 +415,9 @@ class Engine:
             self._accept(seq, token)
         return list(seqs)
 
-    def _burst_length(self, seqs: Seq[Sequence]) -> int:
-        """How many greedy steps may run before the host looks again (1: step by step).
+    def _burst_length(self, seqs: Seq[Sequence], ahead: int = 0) -> int:
+        """How many greedy steps may run before the host looks again (1: step by step), after
+        ``ahead`` steps already queued on the device whose tokens the host has not read.
 
         Only where the decoder engine can burst, every row is greedy and past its
         ``min_new_tokens``, no request waits to join, and within the blocks each sequence
@@ -426,11 +427,12 @@ class Engine:
         burst = self.config.decode_burst
         if burst <= 1 or not hasattr(self.decoder_engine, "decode_burst") or self.scheduler.waiting:
             return 1
-        if any(not s.sampling.greedy or (len(s.generated) < s.sampling.min_new_tokens and s.stop_token_ids)
-               for s in seqs):
+        made = [len(s.generated) + ahead for s in seqs]
+        if any(not s.sampling.greedy or (n < s.sampling.min_new_tokens and s.stop_token_ids)
+               for s, n in zip(seqs, made)):
             return 1
-        room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached for s in seqs)
-        left = max(s.sampling.max_new_tokens - len(s.generated) for s in seqs)
+        room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached - ahead for s in seqs)
+        left = max(s.sampling.max_new_tokens - n for s, n in zip(seqs, made))
         return max(1, min(burst, room, left))
 
     def _burst(self, seqs: Seq[Sequence], steps: int):
@@ -474,17 +476,13 @@ class Engine:
         """
         follow = getattr(self.decoder_engine, "continue_burst", None)
         seqs = done.seqs
-        if follow is None or self.scheduler.waiting or tuple(self.scheduler.running) != seqs:
+        if follow is None or tuple(self.scheduler.running) != seqs or \
+                any(len(s.generated) + done.steps >= s.sampling.max_new_tokens for s in seqs):
             return None
-        after = [len(s.generated) + done.steps for s in seqs]
-        left = [s.sampling.max_new_tokens - n for s, n in zip(seqs, after)]
-        if min(left) < 1 or any(n < s.sampling.min_new_tokens and s.stop_token_ids for s, n in zip(seqs, after)):
-            return None
-        steps = min(self.config.decode_burst, max(left))
         for seq in seqs:
-            self.scheduler.reserve(seq, done.steps + steps)
-        room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached - done.steps for s in seqs)
-        steps = min(steps, room)
+            self.scheduler.reserve(seq, min(done.steps + self.config.decode_burst,
+                                            seq.sampling.max_new_tokens - len(seq.generated)))
+        steps = self._burst_length(seqs, ahead=done.steps)
         if steps < 2 or (ids := follow(self.kv.k, self.kv.v, _block_tables(seqs), steps)) is None:
             return None
         self._count_burst(steps)

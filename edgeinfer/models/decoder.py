@@ -237,11 +237,7 @@ class Decoder(nn.Module):
         position and new_k/new_v [layers, B, T, kv_heads, head_dim].
         """
         slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], inputs_embeds.shape[1])
-
-        def read_past(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return gather_past(k_pool[i], slots), gather_past(v_pool[i], slots)
-
-        return self.run_layers(inputs_embeds, position_ids, read_past, mask)
+        return self.run_layers(inputs_embeds, position_ids, past_reader(k_pool, v_pool, slots), mask)
 
     def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None, last=None):
         """The layers and the head over a past that ``read_past(i)`` returns for layer ``i`` as
@@ -286,6 +282,11 @@ def past_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, 
     causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=block_tables.device).tril()
     mask = torch.cat((past_ok[:, None, :].expand(b, new_tokens, past), causal.expand(b, -1, -1)), dim=-1)
     return slots, mask[:, None]
+
+
+def past_reader(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor):
+    """``read_past`` for ``run_layers``: layer ``i``'s K/V at ``slots`` [B, S] of the pools."""
+    return lambda i: (gather_past(k_pool[i], slots), gather_past(v_pool[i], slots))
 
 
 def gather_past(pool_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout, load_module_state
-from edgeinfer.models.decoder import DecoderConfig
+from edgeinfer.models.decoder import DecoderConfig, rotate_half
 
 # transformers 5 saves the legacy hub names; its in-memory names come first because the
 # legacy text prefix ``model.`` would also match them.
@@ -64,9 +64,9 @@ class QwenVisionEncoder(nn.Module):
         grids = [tuple(int(v) for v in row) for row in image_grid_thw.tolist()]
         x = visual.patch_embed(pixel_values)
         cos, sin = self._rotary(grids, x.device)
-        segments = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends within itself
+        attend = _each_segment([h * w for t, h, w in grids for _ in range(t)])  # a frame attends within itself
         for block in visual.blocks:
-            x = x + _segment_attention(block.attn, block.norm1(x), cos, sin, segments)
+            x = x + vision_attention(block.attn, block.norm1(x), cos, sin, attend)
             x = x + block.mlp(block.norm2(x))
         return visual.merger(x)
 
@@ -86,24 +86,23 @@ class QwenVisionEncoder(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def _segment_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       segments: list[int]) -> torch.Tensor:
-    """Qwen2-VL vision attention (``attn``'s weights), each segment of ``segments`` patches on its own."""
+def vision_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    """Qwen2-VL vision attention with ``attn``'s weights: q|k|v, the rotary embedding in float32
+    as transformers applies it, the output projection. ``attend(q, k, v)`` (each
+    ``[1, heads, patches, head_dim]``) is the softmax part, and decides where images part."""
     n = x.shape[0]
     q, k, v = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-    q, k = (_rotate(t, cos, sin) for t in (q, k))
-    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, head_dim]
-    out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs)
-                     for qs, ks, vs in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))], dim=2)
-    return attn.proj(out[0].transpose(0, 1).reshape(n, -1))
+    q, k = ((t.float() * cos[:, None] + rotate_half(t.float()) * sin[:, None]).to(t.dtype) for t in (q, k))
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+    return attn.proj(attend(q, k, v)[0].transpose(0, 1).reshape(n, -1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in float32, as transformers applies it to the tower's q and k."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+def _each_segment(segments: list[int]):
+    """``attend`` for ``vision_attention``: each run of ``segments`` patches attends within itself."""
+    def attend(q, k, v):
+        return torch.cat([F.scaled_dot_product_attention(*parts)
+                          for parts in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))], dim=2)
+    return attend
 
 
 def mrope_positions(token_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
