@@ -79,7 +79,7 @@ def pool_copies(plan_path: Path) -> list[str]:
     or cast there would copy the pool every step). Needs the engine's detailed layer information."""
     import tensorrt as trt
 
-    from edgeinfer.backends.tensorrt_build import trt_logger
+    from edgeinfer.backends.tensorrt.build import trt_logger
 
     engine = trt.Runtime(trt_logger()).deserialize_cuda_engine(plan_path.read_bytes())
     info = json.loads(engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON))
@@ -94,7 +94,7 @@ def pool_copies(plan_path: Path) -> list[str]:
 
 
 def build(model_dir: Path, profile, args) -> dict:
-    from edgeinfer.backends.tensorrt_build import build_tensorrt_engines
+    from edgeinfer.backends.tensorrt.build import build_tensorrt_engines
 
     started = time.perf_counter()
     result = build_tensorrt_engines(model_dir, profile, args.engines, force=args.force)

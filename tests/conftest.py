@@ -46,7 +46,7 @@ def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
 def exported_graphs(checkpoint, tmp_path_factory):
     """exported_graphs(family) -> (loaded model, folder) of the ONNX graphs ONNX Runtime runs,
     exported once per session (``family`` ``demo`` is the bundled demo model)."""
-    from edgeinfer.backends.onnx_export import BuildSpec, build_engines
+    from edgeinfer.backends.onnx.build import BuildSpec, build_engines
     from edgeinfer.demo import DEMO_MODEL_DIR
     from edgeinfer.models.loader import load_model
 

@@ -178,8 +178,8 @@ def test_request_over_the_context_limit_names_it(checkpoint):
 
 
 def bursting_engine(path, **config):
-    from edgeinfer.backends.cuda_graphs import CudaGraphDecoderEngine
-    from edgeinfer.backends.torch_backend import TorchVisionEngine
+    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
+    from edgeinfer.backends.torch.eager import TorchVisionEngine
     from edgeinfer.models.loader import load_model
 
     config = EngineConfig(**{"num_blocks": 512, "max_batch_size": 4, **config})

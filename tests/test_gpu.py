@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgeinfer.backends import triton_decode
+from edgeinfer.backends.torch import triton_decode
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import noise_image
 

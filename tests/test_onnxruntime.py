@@ -10,18 +10,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from edgeinfer.backends.onnx_export import (
-    DECODER_FILE,
-    MANIFEST,
-    OPSET,
-    VISION_FILE,
-    BuildSpec,
-    build_engines,
-    decoder_example,
-    engine_problems,
-    model_fingerprint,
-)
-from edgeinfer.backends.onnxruntime_backend import CPU, CUDA, TENSORRT, open_engines, select_providers
+from edgeinfer.backends.onnx.export import DECODER_FILE, OPSET, VISION_FILE
+
+from edgeinfer.backends.onnx.build import MANIFEST, BuildSpec, build_engines, engine_problems, model_fingerprint
+
+from edgeinfer.backends.onnx.graphs import decoder_example
+from edgeinfer.backends.onnx.runtime import CPU, CUDA, TENSORRT, open_engines, select_providers
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
 from edgeinfer.models.loader import load_model
@@ -91,7 +85,7 @@ def test_build_writes_checked_graphs_and_manifest(checkpoint, engines):
 
 def test_decoder_graph_matches_the_torch_step_on_other_shapes(checkpoint, engines):
     """Batch, new tokens, table width, pool size and block size all differ from the export example."""
-    from edgeinfer.backends.onnx_export import cpu_session
+    from edgeinfer.backends.onnx.export import cpu_session
 
     model = load_model(checkpoint("smolvlm"))
     folder = build_engines(model, BuildSpec.custom("export"), engines, progress=False).folder

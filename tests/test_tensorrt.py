@@ -13,9 +13,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from edgeinfer.backends.onnx_export import DECODER_FILE, MANIFEST, VISION_FILE, read_manifest
-from edgeinfer.backends.tensorrt_backend import DecodeGraphPlan, ShapeLimits, clipped_buckets
-from edgeinfer.backends.tensorrt_build import (
+from edgeinfer.backends.onnx.export import DECODER_FILE, VISION_FILE
+
+from edgeinfer.backends.onnx.build import MANIFEST, read_manifest
+from edgeinfer.backends.tensorrt.runtime import DecodeGraphPlan, ShapeLimits, clipped_buckets
+from edgeinfer.backends.tensorrt.build import (
     DECODER_PLAN,
     VISION_PLAN,
     BuildMemoryError,
@@ -457,7 +459,7 @@ def _demo_answers(backend: str, overrides, samples):
 @pytest.mark.gpu
 def test_tensorrt_builds_the_demo_engines_then_skips(tmp_path, monkeypatch):
     _needs_tensorrt()
-    from edgeinfer.backends.tensorrt_build import build_tensorrt_engines
+    from edgeinfer.backends.tensorrt.build import build_tensorrt_engines
     from edgeinfer.demo import DEMO_MODEL_DIR
 
     profile = load_profile("cuda")
@@ -477,7 +479,7 @@ def test_tensorrt_builds_the_demo_engines_then_skips(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_tensorrt_tokens_match_torch_and_stale_engines_are_refused(tmp_path, monkeypatch):
     _needs_tensorrt()
-    from edgeinfer.backends.tensorrt_build import build_tensorrt_engines
+    from edgeinfer.backends.tensorrt.build import build_tensorrt_engines
     from edgeinfer.demo import DEMO_MODEL_DIR, synthetic
 
     monkeypatch.setenv("EDGEINFER_ENGINES", str(tmp_path))
@@ -495,7 +497,7 @@ def test_tensorrt_tokens_match_torch_and_stale_engines_are_refused(tmp_path, mon
 
 def test_vision_samples_follow_the_profile_sides(exported_graphs):
     model, _ = exported_graphs("qwen2_vl")
-    from edgeinfer.backends.onnx_export import vision_graph_for
+    from edgeinfer.backends.onnx.graphs import vision_graph_for
 
     samples = vision_samples(vision_graph_for(model), model.adapter, load_profile("cuda"))
     assert [len(samples[k]) for k in ("min", "opt", "max")] == [2, 1, 1]
@@ -519,7 +521,7 @@ def test_tensorrt_11_builds_only_float32_and_older_than_10_is_refused(exported_g
 @pytest.mark.gpu
 def test_tensorrt_decode_graphs_give_the_eager_tokens(tmp_path, monkeypatch):
     _needs_tensorrt()
-    from edgeinfer.backends.tensorrt_build import build_tensorrt_engines
+    from edgeinfer.backends.tensorrt.build import build_tensorrt_engines
     from edgeinfer.demo import DEMO_MODEL_DIR, synthetic
     from edgeinfer.engine import Engine, SamplingParams
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.backends import triton_decode
+from edgeinfer.backends.torch import triton_decode
 from edgeinfer.models.decoder import RMSNorm, rotate_half
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -130,7 +130,7 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd):
 def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family):
     """The whole fused step (products, attention, merge, the head) against ``Decoder.forward`` on a
     tiny checkpoint, one row, past scattered over the pool: returned K/V and K/V written in place."""
-    from edgeinfer.backends.cuda_graphs import _relayout
+    from edgeinfer.backends.torch.cuda_graphs import _relayout
     from edgeinfer.models.loader import load_model
 
     decoder = load_model(checkpoint(family), device=DEVICE).decoder

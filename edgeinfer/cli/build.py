@@ -60,12 +60,12 @@ def build(*,
 
 def _build(backend: BuildBackend, model: Path, profile: str | None, overrides: list[str],
            precision: BuildPrecision | None, out: Path, force: bool):
-    from edgeinfer.backends.onnx_export import BuildSpec, build_engines
+    from edgeinfer.backends.onnx.build import BuildSpec, build_engines
     from edgeinfer.models.loader import load_model
     from edgeinfer.profiles import load_profile
 
     if backend is BuildBackend.tensorrt:
-        from edgeinfer.backends.tensorrt_build import build_tensorrt_engines, import_tensorrt
+        from edgeinfer.backends.tensorrt.build import build_tensorrt_engines, import_tensorrt
 
         import_tensorrt()  # before any export: say at once what is missing
         extra = [f"build.precision={precision.value}"] if precision else []

@@ -248,15 +248,15 @@ class Engine:
             config = replace(config, profile_name=device_profile.name)
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
         if backend == "onnxruntime":
-            from edgeinfer.backends.onnx_export import ensure_engines
-            from edgeinfer.backends.onnxruntime_backend import release_replaced_weights
+            from edgeinfer.backends.onnx.build import ensure_engines
+            from edgeinfer.backends.onnx.runtime import release_replaced_weights
 
             built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
             # This load's own model: ORT holds those weights now.
             release_replaced_weights(model, vision=built.manifest["engines"]["vision"].get("runtime") == "onnxruntime")
         engines = None
         if backend == "tensorrt":
-            from edgeinfer.backends.tensorrt_backend import open_engines as open_tensorrt
+            from edgeinfer.backends.tensorrt.runtime import open_engines as open_tensorrt
 
             # Refuses stale engines, never builds; frees the torch weights the engines replace.
             opened = open_tensorrt(model, device_profile, config)
@@ -276,11 +276,11 @@ class Engine:
 
     def _engines(self, backend: str):
         if backend == "torch":
-            from edgeinfer.backends.torch_backend import TorchDecoderEngine, TorchVisionEngine
+            from edgeinfer.backends.torch.eager import TorchDecoderEngine, TorchVisionEngine
 
             vision = TorchVisionEngine(self.model.vision)
             if self.config.cuda_graphs and self.config.device.startswith("cuda"):
-                from edgeinfer.backends.cuda_graphs import CudaGraphDecoderEngine
+                from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
 
                 max_blocks = -(-self.config.max_context // self.config.block_size)
                 return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks,
@@ -288,7 +288,7 @@ class Engine:
                                               prefill_graphs=self.config.prefill_graphs), vision
             return TorchDecoderEngine(self.model.decoder), vision
         if backend == "onnxruntime":
-            from edgeinfer.backends.onnxruntime_backend import open_engines
+            from edgeinfer.backends.onnx.runtime import open_engines
 
             engines = open_engines(self.model, self.config)
             return engines.decoder, engines.vision

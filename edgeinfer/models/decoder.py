@@ -247,7 +247,7 @@ class Decoder(nn.Module):
 
         ``forward`` reads the exact past; the CUDA graphs' compiled layers read whole blocks
         under a mask, so that no shape depends on the values of their inputs. (The ONNX graph
-        arranges the same arithmetic its own way: ``onnx_export.GraphLayer``.)
+        arranges the same arithmetic its own way: ``backends.onnx.graphs.GraphLayer``.)
         """
         cos, sin = self.rope(position_ids, inputs_embeds.dtype)
         x = inputs_embeds

@@ -1,4 +1,4 @@
-"""The ONNX Runtime backend: the engines of ``edgeinfer.backends.onnx_export`` in ORT sessions.
+"""The ONNX Runtime backend: the engines of ``edgeinfer.backends.onnx.export`` in ORT sessions.
 
 The decoder runs through an IOBinding on every step: the KV pools, the step's inputs and
 its output buffers are bound by pointer to the torch tensors that hold them, so a step
@@ -25,18 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.backends.onnx_export import (
-    DECODER_INPUTS,
-    DECODER_OUTPUTS,
-    VISION_OUTPUT,
-    BuildSpec,
-    VisionGraph,
-    build_command,
-    engine_dir,
-    model_fingerprint,
-    read_manifest,
-    vision_graph_for,
-)
+from edgeinfer.backends.onnx.build import BuildSpec, build_command, engine_dir, model_fingerprint, read_manifest
+from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISION_OUTPUT, VisionGraph, vision_graph_for
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
 
 CPU = "CPUExecutionProvider"
@@ -222,7 +212,7 @@ def _vision_engine(model, folder: Path, manifest: dict, providers: Sequence[str]
     entry = manifest["engines"]["vision"]
     graph = vision_graph_for(model)
     if entry.get("runtime") != "onnxruntime" or graph is None:
-        from edgeinfer.backends.torch_backend import TorchVisionEngine
+        from edgeinfer.backends.torch.eager import TorchVisionEngine
 
         return TorchVisionEngine(model.vision)
     return OrtVisionEngine(make_session(folder / entry["file"], providers, threads), graph)

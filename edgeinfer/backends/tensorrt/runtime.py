@@ -1,4 +1,4 @@
-"""The TensorRT backend: the plans of :mod:`edgeinfer.backends.tensorrt_build` run in-process.
+"""The TensorRT backend: the plans of :mod:`edgeinfer.backends.tensorrt.build` run in-process.
 
 Every tensor is bound by address (``set_tensor_address``) to the torch tensor that holds
 it: the KV pools the KV manager allocated are bound by reference and never copied; a step
@@ -12,7 +12,7 @@ memory by address, without a host-to-device copy: there the GPU reads the same D
 
 With ``runtime.cuda_graphs``, decode steps (one new token per row) replay from CUDA graphs,
 bucketed by batch and block-table width as the torch backend buckets them
-(:mod:`edgeinfer.backends.cuda_graphs`); prefill stays eager. A graph bakes in the shapes and
+(:mod:`edgeinfer.backends.torch.cuda_graphs`); prefill stays eager. A graph bakes in the shapes and
 tensor addresses its execution context had when it was captured, so every graph has a
 context of its own, bound once to the graph's static buffers and to the KV pools. Those
 contexts own no activation memory: they share one scratch buffer, which is safe because
@@ -35,18 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.backends.cuda_graphs import bucket_for, buckets
-from edgeinfer.backends.onnx_export import (
-    DECODER_INPUTS,
-    DECODER_OUTPUTS,
-    VISION_OUTPUT,
-    VisionGraph,
-    engine_dir,
-    model_fingerprint,
-    read_manifest,
-    vision_graph_for,
-)
-from edgeinfer.backends.tensorrt_build import (
+from edgeinfer.backends.onnx.build import engine_dir, model_fingerprint, read_manifest
+from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISION_OUTPUT, VisionGraph, vision_graph_for
+from edgeinfer.backends.tensorrt.build import (
     DECODER_PLAN,
     VISION_PLAN,
     EngineFingerprint,
@@ -55,6 +46,7 @@ from edgeinfer.backends.tensorrt_build import (
     tensorrt_build_command,
     trt_logger,
 )
+from edgeinfer.backends.torch.cuda_graphs import bucket_for, buckets
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError, LimitExceeded
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
@@ -433,7 +425,7 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
     trt_vision = "vision" in engines and graph is not None
     # The torch weights the plans replace go before the plans are read: on an 8 GB board both
     # at once may not fit.
-    from edgeinfer.backends.onnxruntime_backend import release_replaced_weights
+    from edgeinfer.backends.onnx.runtime import release_replaced_weights
 
     release_replaced_weights(model, vision=trt_vision)
     decoder_runner = _runner(runtime, folder / DECODER_PLAN, engines["decoder"])
@@ -445,7 +437,7 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
         vision = TrtVisionEngine(_runner(runtime, folder / VISION_PLAN, engines["vision"]), graph, device,
                                  config.unified_memory, config.torch_dtype)
     else:
-        from edgeinfer.backends.torch_backend import TorchVisionEngine
+        from edgeinfer.backends.torch.eager import TorchVisionEngine
 
         vision = TorchVisionEngine(model.vision)
     if announce:

@@ -18,7 +18,7 @@ the host's time launching them was three times the device's running them. At mos
 seen for the first time is captured then, which costs about three eager chunks once.
 
 Where Triton is installed, a batch-1 step's layers are the fused kernels of
-:mod:`edgeinfer.backends.triton_decode` (six per layer, attention reading the pool in place);
+:mod:`edgeinfer.backends.torch.triton_decode` (six per layer, attention reading the pool in place);
 larger batches, and machines without Triton, run layers compiled by ``torch.compile`` over
 the past gathered into whole blocks.
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.backends import triton_decode
-from edgeinfer.backends.torch_backend import TorchDecoderEngine, capture_graph, warm_up
+from edgeinfer.backends.torch import triton_decode
+from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
 from edgeinfer.models.decoder import Decoder, DecoderLayer, past_reader, whole_block_slots_and_mask
 
 

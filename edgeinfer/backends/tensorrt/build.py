@@ -1,4 +1,4 @@
-"""TensorRT engines from the ONNX graphs of :mod:`edgeinfer.backends.onnx_export`.
+"""TensorRT engines from the ONNX graphs of :mod:`edgeinfer.backends.onnx.export`.
 
 A build is planned as data first and run second. :func:`plan_build` turns a device
 profile, the inputs of the two ONNX graphs (read with the ``onnx`` package) and what is
@@ -346,7 +346,7 @@ def plan_build(profile, target: BuildTarget, decoder: GraphInfo, vision: GraphIn
 
 
 def vision_samples(graph, adapter, profile) -> dict[str, list[dict[str, tuple[int, ...]]]]:
-    """Feed shapes of ``graph`` (a :class:`~edgeinfer.backends.onnx_export.VisionGraph`) for
+    """Feed shapes of ``graph`` (a :class:`~edgeinfer.backends.onnx.graphs.VisionGraph`) for
     square gray pictures: the smallest side preflight admits and ``vision_side.min`` at
     ``vision_batch.min`` images, ``vision_side.opt`` at ``.opt``, ``vision_side.max`` at ``.max``."""
     side, batch = profile.build.vision_side, profile.build.vision_batch
@@ -459,7 +459,7 @@ def tensorrt_section(plan: TensorRTBuildPlan, fingerprint: EngineFingerprint, pl
 
 def write_manifest(folder: Path, manifest: Mapping[str, Any]) -> None:
     """Replace ``manifest.json`` whole (a reader never sees half of one)."""
-    from edgeinfer.backends.onnx_export import MANIFEST
+    from edgeinfer.backends.onnx.build import MANIFEST
 
     temporary = folder / (MANIFEST + ".tmp")
     temporary.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
@@ -603,7 +603,7 @@ class TensorRTBuildResult:
 
 def onnx_spec(profile):
     """The ONNX build TensorRT starts from: float32 graphs (TensorRT lowers the precision)."""
-    from edgeinfer.backends.onnx_export import BuildSpec
+    from edgeinfer.backends.onnx.build import BuildSpec
     from edgeinfer.profiles import profile_fingerprint
 
     shapes = {name: dataclasses.asdict(getattr(profile.build, name)) for name in
@@ -620,7 +620,8 @@ def pool_blocks_for(profile, decoder_cfg) -> int:
 
 def plan_for_model(model, profile, folder: Path, target: BuildTarget, root: Path) -> TensorRTBuildPlan:
     """The plan of a loaded model whose ONNX graphs are in ``folder``."""
-    from edgeinfer.backends.onnx_export import DECODER_FILE, VISION_FILE, vision_graph_for
+    from edgeinfer.backends.onnx.export import DECODER_FILE, VISION_FILE
+    from edgeinfer.backends.onnx.graphs import vision_graph_for
 
     graph = vision_graph_for(model)
     has_vision = graph is not None and (folder / VISION_FILE).is_file()
@@ -637,7 +638,7 @@ def build_tensorrt_engines(model_dir: str | Path, profile, root: str | Path | No
     Refused before anything is written when TensorRT or a GPU is missing, and before
     TensorRT starts when the plan is invalid or the memory guard says the build would not fit.
     """
-    from edgeinfer.backends.onnx_export import Steps, build_engines, engines_root, read_manifest
+    from edgeinfer.backends.onnx.build import Steps, build_engines, engines_root, read_manifest
     from edgeinfer.models.loader import load_model
 
     import_tensorrt()

@@ -1,0 +1,381 @@
+"""The ONNX Runtime engine folder: what a build depends on, the build itself, its manifest.
+
+``build_engines`` writes ``<root>/<model>/<profile>/{vision,decoder}.onnx`` and
+``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from edgeinfer.backends.onnx.export import (
+    DECODER_FILE,
+    OPSET,
+    VISION_FILE,
+    check_decoder,
+    check_graph,
+    check_vision,
+    export_decoder,
+    export_vision,
+    graph_files,
+    graph_io,
+    sample_images,
+)
+from edgeinfer.backends.onnx.graphs import VisionGraph, vision_graph_for
+from edgeinfer.backends.onnx.quantize import quantize_decoder
+from edgeinfer.doctor import file_problems, file_sha256  # the same hashes doctor checks manifests with
+from edgeinfer.errors import EngineBuildError
+
+MANIFEST_SCHEMA = 1
+# Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
+EXPORT_REVISION = 4
+MANIFEST = "manifest.json"
+ENGINES_ENV = "EDGEINFER_ENGINES"
+# fp32 graph vs torch: largest absolute logit difference allowed, relative to the logits' scale.
+FP32_TOLERANCE = 1e-3
+
+Precision = Literal["fp32", "int8"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "int8")
+
+
+# --------------------------------------------------------------------------- what a build depends on
+
+
+@dataclass(frozen=True, slots=True)
+class BuildSpec:
+    """Everything an ONNX build depends on besides the checkpoint.
+
+    ``profile`` names the profile (``custom`` for an engine configured without one) and
+    ``profile_fingerprint`` is :func:`edgeinfer.profiles.profile_fingerprint` of it, None
+    for ``custom``. ``precision`` ``int8`` quantizes the decoder's weights.
+    """
+
+    profile: str
+    profile_fingerprint: str | None
+    precision: Precision = "fp32"
+    block_size: int = 16
+    shapes: dict[str, Any] = field(default_factory=dict)
+    opset: int = OPSET
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise EngineBuildError(f"precision {self.precision!r} is not supported by the onnxruntime backend; "
+                                   f"choose one of: {', '.join(PRECISIONS)}")
+
+    @classmethod
+    def from_profile(cls, profile, precision: str | None = None) -> "BuildSpec":
+        """The spec of a DeviceProfile; ``precision`` (a flag) wins over ``build.precision``."""
+        from edgeinfer.profiles import profile_fingerprint
+
+        chosen = precision or profile.build.precision
+        if chosen not in PRECISIONS:
+            raise EngineBuildError(
+                f"profile {profile.name!r} asks for build.precision {chosen!r}, which the onnxruntime backend "
+                f"does not build; choose one of: {', '.join(PRECISIONS)}",
+                fix=f"edgeinfer build --backend onnxruntime --profile {profile.name} --precision fp32")
+        if profile.runtime.dtype != "float32":
+            raise EngineBuildError(
+                f"profile {profile.name!r} runs in {profile.runtime.dtype}; the onnxruntime graphs are float32 "
+                f"(int8 quantizes weights only)", fix="--set runtime.dtype=float32")
+        shapes = {name: dataclasses.asdict(getattr(profile.build, name)) for name in
+                  ("vision_side", "vision_batch", "decoder_batch", "decoder_tokens", "decoder_block_table")}
+        return cls(profile.name, profile_fingerprint(profile), chosen, profile.kv.block_size, shapes)
+
+    @classmethod
+    def custom(cls, name: str = "custom", block_size: int = 16, precision: str = "fp32") -> "BuildSpec":
+        return cls(name, None, precision, block_size)  # type: ignore[arg-type]
+
+
+def engines_root(root: str | Path | None = None) -> Path:
+    """Where built engines live: ``root``, else ``$EDGEINFER_ENGINES``, else ``./engines``."""
+    return Path(root if root is not None else os.environ.get(ENGINES_ENV, "engines"))
+
+
+def engine_dir(root: str | Path | None, model_name: str, profile_name: str) -> Path:
+    return engines_root(root) / model_name / profile_name
+
+
+def build_command(model_dir: str | Path, spec: BuildSpec) -> str:
+    profile = "" if spec.profile == "custom" else f" --profile {spec.profile}"
+    precision = "" if spec.precision == "fp32" else f" --precision {spec.precision}"
+    return f"edgeinfer build --backend onnxruntime --model {model_dir}{profile}{precision}"
+
+
+# --------------------------------------------------------------------------- hashes and versions
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over the checkpoint's config and weight files (cached while they are unchanged)."""
+    folder = Path(model_dir).resolve()
+    names = ["config.json", *sorted(p.name for p in folder.glob("*.safetensors"))]
+    stats = tuple((n, (folder / n).stat().st_size, (folder / n).stat().st_mtime_ns)
+                  for n in names if (folder / n).is_file())
+    return _fingerprint(str(folder), stats)
+
+
+@functools.lru_cache(maxsize=32)
+def _fingerprint(folder: str, stats: tuple) -> str:
+    digest = hashlib.sha256()
+    for name, _, _ in stats:
+        digest.update(name.encode())
+        digest.update(file_sha256(Path(folder) / name).encode())
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import transformers
+
+    import edgeinfer
+
+    return {"edgeinfer": getattr(edgeinfer, "__version__", "0"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest of an engine folder; None when absent. A corrupt one is an error naming it."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise EngineBuildError(f"corrupt manifest ({exc})", artifact=str(path)) from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
+        raise EngineBuildError("corrupt manifest (no fingerprint object)", artifact=str(path))
+    return manifest
+
+
+def stale_reasons(manifest: dict[str, Any], folder: Path, spec: BuildSpec, model_fp: str) -> list[str]:
+    """Why the engines in ``folder`` do not fit this checkpoint and spec; each names its artifact."""
+    reasons = []
+    built = manifest.get("fingerprint", {})
+    if manifest.get("schema") != MANIFEST_SCHEMA or manifest.get("backend") != "onnxruntime":
+        reasons.append(f"{folder / MANIFEST}: not an onnxruntime manifest of schema {MANIFEST_SCHEMA}")
+    if built.get("model") != model_fp:
+        reasons.append(f"{folder / MANIFEST}: built from other weights or config (model fingerprint changed)")
+    if built.get("profile") != spec.profile_fingerprint or manifest.get("profile") != spec.profile:
+        reasons.append(f"{folder / MANIFEST}: profile {spec.profile!r} changed")
+    if manifest.get("precision") != spec.precision:
+        reasons.append(f"{folder / MANIFEST}: precision {manifest.get('precision')} -> {spec.precision}")
+    if manifest.get("export_revision") != EXPORT_REVISION:
+        reasons.append(f"{folder / MANIFEST}: graphs of export revision {manifest.get('export_revision')}, "
+                       f"this edgeinfer exports revision {EXPORT_REVISION}")
+    if manifest.get("opset") != spec.opset:
+        reasons.append(f"{folder / MANIFEST}: opset {manifest.get('opset')} -> {spec.opset}")
+    return reasons + file_problems(folder, manifest.get("files") or {})
+
+
+def engine_problems(folder: Path, spec: BuildSpec, model_fp: str) -> list[str]:
+    """[] when ``folder`` holds engines that fit; otherwise what is missing, stale or corrupt."""
+    try:
+        manifest = read_manifest(folder)
+    except EngineBuildError as exc:
+        return [str(exc)]
+    if manifest is None:
+        return [f"{folder / MANIFEST}: missing (not built)"]
+    return stale_reasons(manifest, folder, spec, model_fp)
+
+
+# --------------------------------------------------------------------------- the build
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    folder: Path
+    manifest: dict[str, Any]
+    skipped: bool
+    reasons: tuple[str, ...] = ()  # why it was (re)built
+
+
+class Steps:
+    """Build progress: a rich bar on stderr, one advance per step."""
+
+    def __init__(self, total: int, label: str, show: bool = True) -> None:
+        self.total, self.label, self.show = total, label, show
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> "Steps":
+        if self.show:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=Console(stderr=True))
+            self._progress.__enter__()
+            self._task = self._progress.add_task(self.label, total=self.total)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def step(self, description: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=f"{self.label}: {description}")
+
+    def done(self) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task)
+
+
+def build_engines(model, spec: BuildSpec, root: str | Path | None = None, *, force: bool = False,
+                  progress: bool = True) -> BuildResult:
+    """Export, check and write the engines of a loaded model (``edgeinfer.models.loader.LoadedModel``).
+
+    Skipped when the folder's manifest still matches the checkpoint and ``spec``. The folder
+    is written whole in a temporary sibling and moved into place, so a failed build leaves
+    the previous engines (or nothing) behind, never half of a new one.
+    """
+    model_dir = Path(model.adapter.checkpoint.path).resolve()
+    folder = engine_dir(root, model.name, spec.profile)
+    model_fp = model_fingerprint(model_dir)
+    reasons = engine_problems(folder, spec, model_fp)
+    if not reasons and not force:
+        return BuildResult(folder, read_manifest(folder) or {}, skipped=True)
+    if model.dtype != torch.float32 or model.decoder.lm_head_t.device.type != "cpu":
+        raise EngineBuildError(f"the graphs are exported from float32 weights on the CPU, this model is "
+                               f"{model.dtype} on {model.decoder.lm_head_t.device}", artifact=str(folder),
+                               fix=build_command(model_dir, spec))
+    graph = vision_graph_for(model)
+    steps = 3 + (graph is not None) * 2 + (spec.precision == "int8")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{spec.profile}-", dir=folder.parent))
+    try:
+        with Steps(steps, f"building {model.name}/{spec.profile}", progress) as bar:
+            manifest = _build_into(work, model, model_dir, model_fp, spec, graph, bar)
+        if folder.exists():
+            shutil.rmtree(folder)
+        work.rename(folder)
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    return BuildResult(folder, manifest, skipped=False, reasons=tuple(reasons))
+
+
+def _build_into(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSpec, graph: VisionGraph | None,
+                bar: Steps) -> dict[str, Any]:
+    engines: dict[str, Any] = {}
+    checks: dict[str, Any] = {}
+    if graph is not None:
+        bar.step("exporting the vision engine")
+        example = model.adapter.process_image(sample_images()[0]).tensors
+        _run_export(lambda: export_vision(graph, example, work / VISION_FILE, spec.opset), work / VISION_FILE)
+        bar.done()
+        bar.step("checking the vision engine")
+        check_graph(work / VISION_FILE)
+        checks["vision"] = check_vision(graph, model.adapter, work / VISION_FILE)
+        _require_close("vision", checks["vision"]["max_abs_diff"], 1.0, work / VISION_FILE)
+        engines["vision"] = {"file": VISION_FILE, "runtime": "onnxruntime", "family_graph": type(graph).__name__,
+                             **graph_io(work / VISION_FILE)}
+        bar.done()
+    else:
+        engines["vision"] = {"file": None, "runtime": "torch",
+                             "reason": f"{type(model.vision).__name__} has no ONNX graph in edgeinfer yet; "
+                                       "the vision engine runs on torch"}
+    bar.step("exporting the decoder engine")
+    fp32 = work / (DECODER_FILE if spec.precision == "fp32" else "decoder.fp32.onnx")
+    _run_export(lambda: export_decoder(model.decoder, fp32, spec.block_size, spec.opset), fp32)
+    bar.done()
+    bar.step("checking the decoder engine")
+    check_graph(fp32)
+    checks["decoder"] = check_decoder(model.decoder, fp32, spec.block_size)
+    worst = max(v for k, v in checks["decoder"].items() if isinstance(v, float) and k != "logit_scale")
+    _require_close("decoder", worst, checks["decoder"]["logit_scale"], fp32)
+    bar.done()
+    quantization = None
+    if spec.precision == "int8":
+        bar.step("quantizing the decoder to int8")
+        quantization = quantize_decoder(fp32, work / DECODER_FILE)
+        for name in graph_files(work, fp32.name):
+            (work / name).unlink()
+        check_graph(work / DECODER_FILE)
+        quantization["check"] = check_decoder(model.decoder, work / DECODER_FILE, spec.block_size)
+        bar.done()
+    engines["decoder"] = {"file": DECODER_FILE, "runtime": "onnxruntime", "precision": spec.precision,
+                          "quantization": quantization, "embedding": "host (the graph starts at inputs_embeds)",
+                          **graph_io(work / DECODER_FILE)}
+    bar.step("writing the manifest")
+    manifest = _manifest(work, model, model_dir, model_fp, spec, engines, checks)
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    bar.done()
+    return manifest
+
+
+def _run_export(export: Callable[[], None], path: Path) -> None:
+    try:
+        export()
+    except EngineBuildError:
+        raise
+    except Exception as exc:  # the exporter raises many unrelated types
+        raise EngineBuildError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}", artifact=path.name) from exc
+
+
+def _require_close(name: str, diff: float, scale: float, path: Path) -> None:
+    limit = FP32_TOLERANCE * max(1.0, scale)
+    if not diff <= limit:
+        raise EngineBuildError(f"the {name} graph differs from torch by {diff:.3g} (limit {limit:.3g})",
+                               artifact=str(path))
+
+
+def _manifest(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSpec, engines: dict,
+              checks: dict) -> dict[str, Any]:
+    files = [n for f in (VISION_FILE, DECODER_FILE) for n in graph_files(work, f)]
+    hashes = {name: file_sha256(work / name, remember=True) for name in files}
+    cfg = model.decoder.cfg
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "backend": "onnxruntime",
+        "model": model.name,
+        "model_dir": str(model_dir),
+        "architecture": list(getattr(model.adapter.config, "architectures", None) or []),
+        "profile": spec.profile,
+        "precision": spec.precision,
+        "opset": spec.opset,
+        "export_revision": EXPORT_REVISION,
+        "fingerprint": {"tensorrt": None, "sm": None, "profile": spec.profile_fingerprint, "model": model_fp,
+                        "onnx": {n: hashes[n] for n in (VISION_FILE, DECODER_FILE) if n in hashes}},
+        "files": hashes,
+        "engines": engines,
+        "decoder": {"layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                    "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                    "mrope": cfg.mrope_section is not None, "kv_dtype": "float32"},
+        "shapes": {"block_size": spec.block_size, "profile": spec.shapes},
+        "checks": checks,
+        "versions": library_versions(),
+        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def ensure_engines(model, profile, config, root: str | Path | None = None) -> BuildResult:
+    """The engines ``Engine.load`` runs: built from ``profile`` (a DeviceProfile, or None for an
+    engine configured without one), rebuilt with a progress bar when missing or stale."""
+    spec = BuildSpec.from_profile(profile) if profile is not None else \
+        BuildSpec.custom(config.profile_name, config.block_size)
+    result = build_engines(model, spec, root)
+    if not result.skipped and result.reasons:
+        import sys
+
+        print(f"built {result.folder}, because " + "; ".join(result.reasons), file=sys.stderr)
+    return result
+

@@ -1,0 +1,206 @@
+"""ONNX export of the two graphs, the fixes and checks each exported file goes through.
+
+TensorRT builds from the same graphs, so they keep a static rank, take int64 indices, use
+no sequence ops and stay at opset 18.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgeinfer.backends.onnx.graphs import (
+    DECODER_INPUTS,
+    DECODER_OUTPUTS,
+    VISION_OUTPUT,
+    DecoderGraph,
+    VisionGraph,
+    decoder_axes,
+    decoder_example,
+)
+from edgeinfer.errors import EngineBuildError
+from edgeinfer.models.decoder import Decoder
+
+OPSET = 18
+DECODER_FILE = "decoder.onnx"
+VISION_FILE = "vision.onnx"
+# protobuf refuses messages over 2 GiB: larger graphs keep their weights beside them.
+EXTERNAL_DATA_BYTES = 1_800_000_000
+
+
+def sample_images(seed: int = 0) -> list:
+    """Two noise pictures of different shapes: the export example and a second grid for the check."""
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return [Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in ((160, 120), (96, 200))]
+
+
+def export_vision(graph: VisionGraph, example: dict[str, torch.Tensor], path: Path, opset: int = OPSET) -> None:
+    feeds = graph.feeds(example)
+    with graph.exporting(), torch.no_grad(), _quiet_exporter():
+        torch.onnx.export(graph.module().eval(), tuple(feeds.values()), str(path), dynamo=False,
+                          opset_version=opset, input_names=list(feeds), output_names=[VISION_OUTPUT],
+                          dynamic_axes=graph.dynamic_axes())
+    finalize_graph(path)
+
+
+def export_decoder(decoder: Decoder, path: Path, block_size: int, opset: int = OPSET) -> None:
+    example = decoder_example(decoder, batch=2, tokens=3, block_size=block_size, context=[5, 2])
+    mrope = decoder.cfg.mrope_section is not None
+    with torch.no_grad(), _quiet_exporter():
+        torch.onnx.export(DecoderGraph(decoder).eval(), tuple(example.values()), str(path), dynamo=False,
+                          opset_version=opset, input_names=list(DECODER_INPUTS),
+                          output_names=list(DECODER_OUTPUTS), dynamic_axes=decoder_axes(mrope))
+    finalize_graph(path)
+
+
+# --------------------------------------------------------------------------- graph hygiene
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The tracer warns at every Python value it freezes; the numerical checks after export
+    are what tell whether a frozen value mattered."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def finalize_graph(path: Path) -> None:
+    """Fix what the TorchScript exporter gets wrong and move large weights beside the graph.
+
+    The exporter types some index tensors float (a ``torch.full`` without a dtype feeding
+    ``torch.where``); Gather takes integers only, so such indices get an exact Cast to int64.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path))
+    types_ = value_types(model)
+    floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type == "Gather" and types_.get(node.input[1]) in floats:
+            index = node.input[1] + "_int64"
+            nodes.append(helper.make_node("Cast", [node.input[1]], [index], to=TensorProto.INT64,
+                                          name=f"{node.name}_index_to_int64"))
+            node.input[1] = index
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    save_graph(model, path)
+
+
+def value_types(model) -> dict[str, int]:
+    """Element type of every value, inferred on a copy whose weights are typed inputs
+    without data (inference over the real model would copy every weight)."""
+    import onnx
+    from onnx import helper
+
+    graph = model.graph
+    weights = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer]
+    light = helper.make_model(
+        helper.make_graph(list(graph.node), "types", [*graph.input, *weights], list(graph.output)),
+        opset_imports=list(model.opset_import))
+    inferred = onnx.shape_inference.infer_shapes(light).graph
+    return {v.name: v.type.tensor_type.elem_type for v in [*inferred.value_info, *inferred.input, *inferred.output]}
+
+
+def save_graph(model, path: Path) -> None:
+    import onnx
+
+    external = model.ByteSize() > EXTERNAL_DATA_BYTES
+    for stale in path.parent.glob(path.name + ".data"):
+        stale.unlink()
+    onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=path.name + ".data")
+
+
+def graph_files(folder: Path, name: str) -> list[str]:
+    """The graph file and its external weights, if any."""
+    return [n for n in (name, name + ".data") if (folder / n).is_file()]
+
+
+def check_graph(path: Path) -> None:
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise EngineBuildError(f"onnx.checker rejects the graph: {exc}", artifact=str(path)) from exc
+
+
+def graph_io(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """Names, element types and shapes (symbolic where dynamic) of a graph's inputs and outputs."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def describe(values):
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            dims = [d.dim_param or d.dim_value for d in t.shape.dim]
+            out[v.name] = {"dtype": onnx.TensorProto.DataType.Name(t.elem_type).lower(), "shape": dims}
+        return out
+
+    return {"inputs": describe(model.graph.input), "outputs": describe(model.graph.output)}
+
+
+# --------------------------------------------------------------------------- numerical checks
+
+
+def cpu_session(path: Path, threads: int | None = None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def check_decoder(decoder: Decoder, path: Path, block_size: int) -> dict[str, float]:
+    """Largest differences between the graph and the torch decoder on a prefill and a batched decode step."""
+    session = cpu_session(path)
+    cases = {"prefill": {"batch": 1, "tokens": 6, "context": [0]},
+             "prefill_after_past": {"batch": 1, "tokens": 4, "context": [9]},
+             "batched_decode": {"batch": 3, "tokens": 1, "context": [11, 3, 1]}}
+    report = {}
+    for name, case in cases.items():
+        inputs = decoder_example(decoder, block_size=block_size, seed=len(name), **case)
+        with torch.no_grad():
+            expected = decoder(**inputs)
+        got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        scale = float(expected[0].abs().max())
+        report[name] = max(float((torch.from_numpy(g) - e).abs().max()) for g, e in zip(got, expected))
+        report[name + "_argmax_equal"] = bool((torch.from_numpy(got[0]).argmax(-1) == expected[0].argmax(-1)).all())
+        report["logit_scale"] = max(report.get("logit_scale", 0.0), scale)
+    return report
+
+
+def check_vision(graph: VisionGraph, adapter, path: Path) -> dict[str, float]:
+    session = cpu_session(path)
+    wanted = [i.name for i in session.get_inputs()]
+    diffs = []
+    for image in sample_images():
+        tensors = adapter.process_image(image).tensors
+        with torch.no_grad():
+            expected = graph.vision(**tensors).float()
+        feeds = graph.feeds(tensors)
+        output = torch.from_numpy(session.run(None, {k: feeds[k].numpy() for k in wanted})[0])
+        got = graph.finish(output, tensors).float()
+        if got.shape != expected.shape:
+            raise EngineBuildError(f"vision graph gives {tuple(got.shape)} for an image torch encodes as "
+                                   f"{tuple(expected.shape)}", artifact=str(path))
+        diffs.append(float((got - expected).abs().max()))
+    return {"max_abs_diff": max(diffs)}
+
+

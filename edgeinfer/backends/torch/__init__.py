@@ -1,0 +1,1 @@
+"""The PyTorch backend: eager engines, CUDA-graph decode and its fused Triton kernels."""
