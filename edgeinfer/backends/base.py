@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,6 +24,50 @@ class DecoderEngine(Protocol):
 class VisionEngine(Protocol):
     def encode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image's processed tensors -> [num_image_tokens, text_hidden] embeddings."""
+
+
+class BurstIds(Protocol):
+    def rows(self) -> list[list[int]]:
+        """[B][steps] chosen ids, waiting for the device where they are not read yet."""
+
+
+class BurstDecoder(Protocol):
+    """A decoder engine that replays greedy steps on the device between trips to the host."""
+
+    def decode_burst(self, tokens: torch.Tensor, position_ids: torch.Tensor, k_pool: torch.Tensor,
+                     v_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     steps: int) -> BurstIds | None:
+        """``steps`` greedy steps from the last token of each row; None where it cannot run them."""
+
+    def continue_burst(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                       steps: int) -> BurstIds | None:
+        """The next ``steps`` of the rows of the last burst, queued before its ids are read."""
+
+
+class CompilableVision(Protocol):
+    """A vision engine that can be readied (compiled or captured) for given inputs at load."""
+
+    def compile_for(self, inputs: list[dict[str, torch.Tensor]]) -> None:
+        """Ready the tower for these processed pictures; raises where the compiler fails."""
+
+
+@dataclass(frozen=True, slots=True)
+class Engines:
+    """What a backend opened for one model: the two engines of the contract and the optional
+    abilities they offer, declared here rather than probed.
+
+    ``bursts`` is the decoder itself where it can burst, ``compiler`` the vision engine
+    where it can be readied for picture sizes. ``backend`` and ``precision`` say what runs
+    (reported with every result); ``build_identity`` ties prefix-cache entries to the build.
+    """
+
+    decoder: DecoderEngine
+    vision: VisionEngine
+    backend: str
+    precision: str
+    bursts: BurstDecoder | None = None
+    compiler: CompilableVision | None = None
+    build_identity: str = ""
 
 
 # name -> (module that must import, why it would be missing)
