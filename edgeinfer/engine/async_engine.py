@@ -30,8 +30,9 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeinfer.engine.engine import Engine, GenerationResult
-from edgeinfer.engine.prompt import Message
+from edgeinfer.engine.engine import Engine
+from edgeinfer.engine.inputs import Message
+from edgeinfer.engine.output import GenerationResult
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.sequence import Sequence, Status
 from edgeinfer.errors import CapacityError, EdgeInferError, RequestError
