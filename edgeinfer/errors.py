@@ -177,6 +177,27 @@ class ProfileError(EdgeInferError):
         return ProfileError(self.reason, file=file or self.file, field=field)
 
 
+class RequestCancelled(EdgeInferError):
+    """The caller went away (closed its connection), or the server stopped, before the answer
+    was done."""
+
+    http_status = 499  # nginx's "client closed request": no one reads it, metrics do
+    code = "cancelled"
+
+
+class RequestTimedOut(EdgeInferError):
+    """The request ran past its deadline and was cancelled; ``completion_tokens`` were made."""
+
+    http_status = 504
+    code = "deadline_exceeded"
+
+    def __init__(self, timeout_s: float, completion_tokens: int) -> None:
+        super().__init__(f"request ran past its deadline of {timeout_s:g} s after {completion_tokens} tokens "
+                         f"and was cancelled (override: --set server.request_timeout_s=N, or fewer max_tokens)")
+        self.timeout_s = timeout_s
+        self.completion_tokens = completion_tokens
+
+
 def exit_code_for(error: BaseException) -> int:
     return error.exit_code if isinstance(error, EdgeInferError) else 1
 

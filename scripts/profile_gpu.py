@@ -87,7 +87,7 @@ def main() -> None:
     engine = Engine.load(args.model, config=config)
     params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
     for _ in range(2):  # warm-up: graphs captured, layers compiled
-        engine._vision_cache.clear()
+        engine.vision_cache.clear()
         engine.generate(QUESTION, [image], params)
     out: dict = {"model": str(args.model), "image": [w, h], "gpu": torch.cuda.get_device_name()}
 
@@ -104,7 +104,7 @@ def main() -> None:
     out["vision_kernels"] = kernel_table(lambda: tower.encode(processed.tensors))
 
     # One request, step by step; where the host's time goes in submit (preprocessing, hashing, prompt).
-    engine._vision_cache.clear()
+    engine.vision_cache.clear()
     from torch._dynamo.utils import counters
 
     graphs_before = dict(counters["stats"])

@@ -29,7 +29,8 @@ from PIL import Image
 
 from edgeinfer.demo import DEMO_MODEL_DIR
 from edgeinfer.engine import Engine, SamplingParams
-from edgeinfer.engine.async_engine import AsyncEngine, DeadlineExceeded, GenerationRequest, QueueFullError
+from edgeinfer.engine.async_engine import AsyncEngine, GenerationRequest, QueueFullError
+from edgeinfer.errors import RequestTimedOut
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings, ServerSettingsError, create_app
 from edgeinfer.server.daemon import uvicorn_config
@@ -545,7 +546,7 @@ def test_deadline_cancels_and_frees_blocks(tiny_engine):
     async def run():
         engine = AsyncEngine(tiny_engine, max_concurrent=1, max_queue=1).start()
         try:
-            with pytest.raises(DeadlineExceeded, match="deadline of 0.3 s"):
+            with pytest.raises(RequestTimedOut, match="deadline of 0.3 s"):
                 await engine.generate(GenerationRequest("go", (), SamplingParams(max_new_tokens=3000,
                                                                                  ignore_eos=True), timeout_s=0.3))
         finally:

@@ -64,7 +64,7 @@ def run_ours(spec: BenchSpec, kind: str = "ours") -> list[dict]:
     runs = []
     for i in range(spec.repeats + 1):
         image = bench_image(spec.image_size)
-        engine._vision_cache.clear()  # every repeat pays for its vision encoder, as the peer does
+        engine.vision_cache.clear()  # every repeat pays for its vision encoder, as the peer does
         result = engine.generate(QUESTION, [image], params)
         t = result.timings
         if i:  # the first run warms caches and allocators

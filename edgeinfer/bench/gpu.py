@@ -95,7 +95,7 @@ def run_ours(spec: GpuBenchSpec) -> dict:
     ttft, vision, prefill, decode = [], [], [], {b: [] for b in spec.batch_sizes}
     prompt_tokens = 0
     for i in range(spec.repeats + 1):
-        engine._vision_cache.clear()  # every repeat pays for its vision encoder, as the peers do
+        engine.vision_cache.clear()  # every repeat pays for its vision encoder, as the peers do
         sync(spec.device)
         result = engine.generate(QUESTION, [image], params)
         prompt_tokens = result.usage["prompt_tokens"]
@@ -139,7 +139,7 @@ def run_ours(spec: GpuBenchSpec) -> dict:
 
 def prompt_ids(model: Path, images) -> tuple[object, list[int]]:
     """Our prompt ids for the question (checked equal to transformers' processors in the tests)."""
-    from edgeinfer.engine.prompt import expand_images, render_chat, tokenize, user_message
+    from edgeinfer.engine.inputs import expand_images, render_chat, tokenize, user_message
     from edgeinfer.models.loader import read_checkpoint
 
     checkpoint, adapter_cls = read_checkpoint(model)

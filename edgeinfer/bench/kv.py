@@ -66,14 +66,14 @@ class KVBenchSpec:
 # --- observing the engine ------------------------------------------------------------------------
 def record_logits(engine, sink: dict) -> None:
     """Record every row of logits the engine samples from, as ``sink[(seq_id, step)]`` (float32, CPU)."""
-    choose = engine._choose_tokens
+    choose = engine.runner.choose_tokens
 
     def recording(seqs, logits):
         for seq, row in zip(seqs, logits):
             sink[(seq.seq_id, len(seq.generated))] = row.detach().float().cpu().clone()
         return choose(seqs, logits)
 
-    engine._choose_tokens = recording
+    engine.runner.choose_tokens = recording
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class Harness:
         config = replace(self.base, num_blocks=num_blocks, prefix_cache=prefix_cache, host_precision=precision,
                          host_tier_mb=2048 if tiers else 0, disk_tier_mb=8192 if tiers and disk_dir else 0,
                          disk_dir=str(disk_dir) if disk_dir else None, **extra)
-        return self._Engine(self.model, config)
+        return self._Engine(self.model, config, self._Engine._engines(self.model, config, "torch"))
 
     def close(self) -> None:
         if self._scratch is not None:
@@ -227,7 +227,7 @@ def bench_resume(h: Harness) -> dict:
         t, res = _ttft(ours, messages, [image], 1)
         rows["disk"].append(t)
         checks.append(res.cache)
-    recompute._vision_cache.clear()
+    recompute.vision_cache.clear()
     messages = follow_up(base, first.text, "one more question ?")
     full_recompute, probe = _ttft(recompute, messages, [image], 1)
     disk_dir = Path(ours.config.disk_dir)

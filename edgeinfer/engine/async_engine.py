@@ -14,7 +14,7 @@ frees its KV blocks at once.
 
 Admission is bounded: ``max_concurrent`` requests are in the engine, ``max_queue`` more
 wait for a slot, and past that :meth:`AsyncEngine.submit` raises
-:class:`QueueFullError` at once (HTTP 503 with ``Retry-After``). :meth:`AsyncEngine.drain`
+:class:`QueueFullError` at once (a :class:`CapacityError`, with a retry hint). :meth:`AsyncEngine.drain`
 stops admitting and waits for the requests in flight, for a shutdown.
 """
 
@@ -30,11 +30,12 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeinfer.engine.engine import Engine, GenerationResult
-from edgeinfer.engine.prompt import Message
+from edgeinfer.engine.engine import Engine
+from edgeinfer.engine.inputs import Message
+from edgeinfer.engine.output import GenerationResult
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.sequence import Sequence, Status
-from edgeinfer.errors import CapacityError, EdgeInferError, RequestError
+from edgeinfer.errors import CapacityError, EdgeInferError, RequestCancelled, RequestError, RequestTimedOut
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +53,9 @@ class QueueFullError(CapacityError):
         self.retry_after_s = retry_after_s
 
 
-class DeadlineExceeded(EdgeInferError):
-    """The request ran past its deadline and was cancelled."""
-
-    http_status = 504
-    code = "deadline_exceeded"
-
-    def __init__(self, timeout_s: float, completion_tokens: int) -> None:
-        super().__init__(f"request ran past its deadline of {timeout_s:g} s after {completion_tokens} tokens "
-                         f"and was cancelled (override: --set server.request_timeout_s=N, or fewer max_tokens)")
-        self.timeout_s = timeout_s
-
-
-class RequestCancelled(EdgeInferError):
-    """The caller went away (closed its connection) before the answer was done."""
-
-    http_status = 499  # nginx's "client closed request": no one reads it, metrics do
-    code = "cancelled"
-
-
 class EngineFailure(EdgeInferError):
     """The engine raised something that is not one of our typed errors: a bug."""
 
-    http_status = 500
     code = "internal_error"
 
 
@@ -495,7 +476,7 @@ class AsyncEngine:
         for handle in [*self._pending, *self._active.values()]:
             if handle.deadline is not None and now > handle.deadline:
                 generated = len(handle.seq.generated) if handle.seq is not None else 0
-                self._cancel_now(handle, DeadlineExceeded(handle.request.timeout_s or 0.0, generated))
+                self._cancel_now(handle, RequestTimedOut(handle.request.timeout_s or 0.0, generated))
 
     def _fail_all(self, error: EdgeInferError) -> None:
         with self._cond:

@@ -1,208 +1,103 @@
-"""The engine: requests in, tokens out. Owns the model, the KV pool and the scheduler.
+"""The engine: requests in, tokens out. A thin facade over its rooms.
 
 ``Engine.load`` builds everything once; ``submit`` turns a chat and images into a
-sequence; ``step`` runs one prefill chunk or one batched decode step; ``generate`` and
-``stream`` are loops over ``step`` for one request.
+sequence (:class:`Inputs`, then the :class:`VisionCache`); ``step`` runs one prefill chunk
+or one batched decode step (:class:`Scheduler`, then the :class:`Runner`); ``generate`` and
+``stream`` are loops over ``step`` for one request; :class:`Output` makes text and results.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from edgeinfer.backends.base import resolve_backend
-from edgeinfer.engine.prompt import (
-    Message, expand_images, merge_embeddings, normalize_messages, render_chat, tokenize, user_message,
-)
-from edgeinfer.engine.sampling import SamplingParams, draw, filtered_probs, make_generator
-from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
+from edgeinfer.backends.base import CompilableVision, DecoderEngine, Engines, VisionEngine, resolve_backend
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.inputs import Inputs, Message, image_key
+from edgeinfer.engine.output import GenerationResult, Output
+from edgeinfer.engine.runner import Runner
+from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.engine.scheduler import Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
-from edgeinfer.errors import BackendUnavailableError, LimitExceeded, RequestError
-from edgeinfer.kv.disk import default_cache_dir
-from edgeinfer.kv.hashing import fingerprint as kv_fingerprint, image_spans
-from edgeinfer.kv.manager import KVManager, KVManagerConfig
+from edgeinfer.engine.vision_cache import VisionCache
+from edgeinfer.errors import BackendUnavailableError, RequestError
+from edgeinfer.kv.hashing import fingerprint as kv_fingerprint
+from edgeinfer.kv.manager import KVManager
 from edgeinfer.kv.metrics import KVMetrics
-from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
+from edgeinfer.kv.pool import BlockPool, KVCache
 from edgeinfer.models.loader import LoadedModel, load_model
-from edgeinfer.profiles import ImageLimits, parse_size
-from edgeinfer.preflight import ImageRules, check_cost, content_hash, estimate_cost
+from edgeinfer.preflight import ImageRules
+from edgeinfer.profiles import ImageLimits
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything the engine needs to size itself; built once from a profile (+ overrides)."""
-
-    block_size: int = 16
-    num_blocks: int | None = None  # None: from kv_budget_mb and the model's bytes per block
-    kv_budget_mb: int = 512
-    max_batch_size: int = 8
-    prefill_chunk: int = 512
-    max_context: int = 8192
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = None
-    vision_cache_entries: int = 16
-    available_floor_mb: int = 0
-    cuda_graphs: bool = False
-    # Greedy decode steps replayed back to back between trips to the host (CUDA graphs only).
-    decode_burst: int = 16
-    # CUDA graphs: the decode step as fused Triton kernels where Triton is installed.
-    fused_decode: bool = True
-    # CUDA graphs: prompt-length buckets whose batch-1 prefill graphs are kept (0: prefill eagerly).
-    prefill_graphs: int = 8
-    # Image sizes (width, height) the torch vision tower is compiled for at load (CUDA only).
-    vision_compile_sizes: tuple[tuple[int, int], ...] = ()
-    profile_name: str = "custom"
-    # KV tiers (profile: kv.* and memory.*). Sizes 0 turn a tier off; a bare config has none.
-    host_precision: str = "full"
-    host_tier_mb: int = 0
-    disk_tier_mb: int = 0
-    disk_dir: str | None = None  # None: $XDG_CACHE_HOME/edgeinfer/kv
-    high_watermark: float = 0.90
-    low_watermark: float = 0.75
-    kv_policy: str = "lru-k"
-    prefix_cache: bool = True
-    unified_memory: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
-        for name in ("block_size", "max_batch_size", "prefill_chunk", "max_context"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    def kv_manager_config(self) -> KVManagerConfig:
-        return KVManagerConfig(
-            host_precision=self.host_precision, host_tier_mb=self.host_tier_mb, disk_tier_mb=self.disk_tier_mb,
-            disk_dir=self.disk_dir, high_watermark=self.high_watermark, low_watermark=self.low_watermark,
-            available_floor_mb=self.available_floor_mb, policy=self.kv_policy, prefix_cache=self.prefix_cache,
-            pin_host=self.device.startswith("cuda") and not self.unified_memory and torch.cuda.is_available())
-
-    @classmethod
-    def from_profile(cls, profile) -> "EngineConfig":
-        return cls(
-            block_size=profile.kv.block_size,
-            num_blocks=profile.kv.device_blocks,
-            kv_budget_mb=profile.memory.kv_device_budget_mb,
-            max_batch_size=profile.runtime.max_batch_size,
-            prefill_chunk=profile.runtime.prefill_chunk_tokens,
-            max_context=profile.runtime.max_context_tokens,
-            dtype=profile.runtime.dtype,
-            device=profile.runtime.device,
-            threads=profile.runtime.threads,
-            available_floor_mb=profile.memory.available_floor_mb,
-            cuda_graphs=profile.runtime.cuda_graphs,
-            prefill_graphs=profile.runtime.prefill_graphs,
-            vision_compile_sizes=tuple(parse_size(v) for v in profile.runtime.vision_compile_sizes),
-            profile_name=profile.name,
-            host_precision=profile.kv.host_precision,
-            host_tier_mb=profile.memory.host_tier_mb,
-            disk_tier_mb=profile.memory.disk_tier_mb,
-            disk_dir=profile.kv.disk_dir or str(default_cache_dir()),
-            high_watermark=profile.memory.high_watermark,
-            low_watermark=profile.memory.low_watermark,
-            kv_policy=profile.kv.policy,
-            unified_memory=profile.memory.unified,
-        )
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "image_key"]
 
 
-@dataclass(frozen=True, slots=True)
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: dict[str, int]
-    timings: dict[str, float | None]
-    cache: dict[str, int]
+class _ManagerEmbeddings:
+    """The KV manager's embedding store (the disk tier) as the vision cache's lower level."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "answer": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-            "usage": self.usage, "timings": self.timings, "cache": self.cache,
-        }
+    def __init__(self, manager: KVManager) -> None:
+        self.manager = manager
 
+    def load(self, key: str) -> torch.Tensor | None:
+        return self.manager.load_embedding(key)
 
-@dataclass
-class _Burst:
-    """Greedy steps queued on the device whose tokens the host has not read yet."""
-
-    seqs: tuple[Sequence, ...]
-    ids: Any  # the decoder engine's handle: ``rows()`` -> [B][steps] ids, waiting for them
-    steps: int
-
-
-@dataclass
-class _TextState:
-    text: str = ""
-    decoded: int = 0  # tokens ``text`` was decoded from
-    emitted: int = 0
-    stopped: bool = False
-
-
-def image_key(image) -> tuple[Any, str]:
-    """(PIL image, content hash); accepts a preflight PreparedImage or a PIL image."""
-    if hasattr(image, "sha256") and hasattr(image, "image"):
-        return image.image, image.sha256
-    if not hasattr(image, "tobytes"):
-        raise RequestError(f"images must be PIL images or prepared images, got {type(image).__name__}")
-    rgb = image.convert("RGB")
-    return rgb, content_hash(rgb)
+    def store(self, key: str, embeds: torch.Tensor) -> None:
+        self.manager.store_embedding(key, embeds)
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig, backend: str = "torch", *,
-                 engines: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig, engines: Engines, profile: Any = None) -> None:
+        """``engines``: what a backend opened for ``model``; ``profile``: the DeviceProfile the
+        engine was sized from, when it was loaded from one (its image limits apply)."""
         if config.threads:
             torch.set_num_threads(config.threads)
         self.model = model
-        self.profile = None  # the DeviceProfile this engine was sized from, when loaded from one
         self.adapter = model.adapter
         self.config = config
-        self.backend = backend
-        # ``engines``: a (decoder, vision) pair opened by the caller (the tensorrt backend checks them
-        # against the profile in ``load``).
-        self.decoder_engine, self.vision_engine = engines or self._engines(backend)
+        self.engines = engines
+        self.profile = profile
         cfg = model.decoder.cfg
-        num_blocks = pool_blocks(config, cfg)
+        num_blocks = config.device_blocks(cfg)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                           config.torch_dtype, config.device)
         self.kv_manager = KVManager(self.pool, self.kv, config.kv_manager_config(), self._fingerprint())
-        bursts = config.decode_burst if hasattr(self.decoder_engine, "decode_burst") else 1
         self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context,
-                                   lookahead=bursts)
-        self.stop_ids = frozenset(self.adapter.stop_token_ids())
-        self._vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._text: dict[int, _TextState] = {}
-        self._in_flight: _Burst | None = None  # a greedy burst whose tokens are not read yet
-        self._counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0,
-                          "decode_bursts": 0, "decode_bursts_ahead": 0}
+                                   lookahead=config.decode_burst if engines.bursts is not None else 1)
+        self.inputs = Inputs(model, config, engines.decoder.embed)
+        self.vision_cache = VisionCache(engines.vision, _ManagerEmbeddings(self.kv_manager),
+                                        config.vision_cache_entries, config.device)
+        self.output = Output(self.adapter.tokenizer)
+        self.runner = Runner(engines, self.kv, self.scheduler, self.output, config)
         self.vision_compile_error: str | None = None
-        if config.vision_compile_sizes and config.device.startswith("cuda") and hasattr(self.vision_engine,
-                                                                                         "compile_for"):
-            self._compile_vision(config.vision_compile_sizes)
+        if config.vision_compile_sizes and config.device.startswith("cuda") and engines.compiler is not None:
+            self._compile_vision(engines.compiler, config.vision_compile_sizes)
 
-    def _compile_vision(self, sizes: Seq[tuple[int, int]]) -> None:
+    @property
+    def backend(self) -> str:
+        return self.engines.backend
+
+    @property
+    def decoder_engine(self) -> DecoderEngine:
+        return self.engines.decoder
+
+    @property
+    def vision_engine(self) -> VisionEngine:
+        return self.engines.vision
+
+    def _compile_vision(self, compiler: CompilableVision, sizes: Seq[tuple[int, int]]) -> None:
         """Compile the vision tower for pictures of ``sizes``, as the preprocessor shapes them; a
         compiler failure leaves the tower eager, with a warning."""
         from PIL import Image
 
         inputs = [self.adapter.process_image(Image.new("RGB", size)).tensors for size in sizes]
         try:
-            self.vision_engine.compile_for(inputs)
+            compiler.compile_for(inputs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager tower
             self.vision_compile_error = f"{type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"compiling the vision tower failed, it runs eagerly: {self.vision_compile_error}")
@@ -210,16 +105,16 @@ class Engine:
     @property
     def counters(self) -> dict[str, int]:
         """Engine counters and the KV manager's (prefix hits, spills, restores, preemptions, recomputes)."""
-        return {**self._counters, **self.kv_manager.counters()}
+        vision = {"vision_runs": self.vision_cache.runs, "vision_reused": self.vision_cache.reused}
+        return {**vision, **self.runner.counters, **self.kv_manager.counters()}
 
     def _fingerprint(self) -> bytes:
         """The model's identity for the prefix cache: a different model never shares a block, nor
         does the same checkpoint run by another backend or built for another profile (other K/V)."""
         folder = self.adapter.checkpoint.path
         files = [f for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".jinja")]
-        build = "" if self.backend == "torch" else \
-            f"{self.config.profile_name}|{getattr(self.decoder_engine, 'build_identity', '')}"
-        extra = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.backend}|{build}"
+        build = "" if self.engines.backend == "torch" else f"{self.config.profile_name}|{self.engines.build_identity}"
+        extra = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.engines.backend}|{build}"
         return kv_fingerprint(files, extra=extra)
 
     def kv_metrics(self) -> KVMetrics:
@@ -254,16 +149,18 @@ class Engine:
             built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
             # This load's own model: ORT holds those weights now.
             release_replaced_weights(model, vision=built.manifest["engines"]["vision"].get("runtime") == "onnxruntime")
-        engines = None
         if backend == "tensorrt":
-            from edgeinfer.backends.tensorrt.runtime import open_engines as open_tensorrt
+            from edgeinfer.backends.tensorrt.runtime import (
+                open_engines as open_tensorrt,
+            )
 
             # Refuses stale engines, never builds; frees the torch weights the engines replace.
             opened = open_tensorrt(model, device_profile, config)
-            engines = (opened.decoder, opened.vision)
-        engine = cls(model, config, backend, engines=engines)
-        engine.profile = device_profile
-        return engine
+            engines = _declared(opened.decoder, opened.vision, backend, device_profile.build.precision,
+                                opened.decoder.build_identity)
+        else:
+            engines = cls._engines(model, config, backend)
+        return cls(model, config, engines, profile=device_profile)
 
     def image_rules(self) -> ImageRules:
         """Preflight rules for this engine: the stricter of the profile's and the model's limits."""
@@ -274,99 +171,46 @@ class Engine:
                                        model_max_pixels=limits.get("max_pixels"),
                                        model_min_side=limits.get("min_side"))
 
-    def _engines(self, backend: str):
+    @staticmethod
+    def _engines(model: LoadedModel, config: EngineConfig, backend: str) -> Engines:
         if backend == "torch":
-            from edgeinfer.backends.torch.eager import TorchDecoderEngine, TorchVisionEngine
+            from edgeinfer.backends.torch.eager import (
+                TorchDecoderEngine,
+                TorchVisionEngine,
+            )
 
-            vision = TorchVisionEngine(self.model.vision)
-            if self.config.cuda_graphs and self.config.device.startswith("cuda"):
+            vision = TorchVisionEngine(model.vision)
+            if config.cuda_graphs and config.device.startswith("cuda"):
                 from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
 
-                max_blocks = -(-self.config.max_context // self.config.block_size)
-                return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks,
-                                              fused=self.config.fused_decode,
-                                              prefill_graphs=self.config.prefill_graphs), vision
-            return TorchDecoderEngine(self.model.decoder), vision
+                max_blocks = -(-config.max_context // config.block_size)
+                decoder = CudaGraphDecoderEngine(model.decoder, config.max_batch_size, max_blocks,
+                                                 fused=config.fused_decode, prefill_graphs=config.prefill_graphs)
+                return _declared(decoder, vision, backend, config.dtype, bursts=True)
+            return _declared(TorchDecoderEngine(model.decoder), vision, backend, config.dtype)
         if backend == "onnxruntime":
             from edgeinfer.backends.onnx.runtime import open_engines
 
-            engines = open_engines(self.model, self.config)
-            return engines.decoder, engines.vision
+            opened = open_engines(model, config)
+            return _declared(opened.decoder, opened.vision, backend, str(opened.manifest.get("precision")),
+                             opened.decoder.build_identity)
         raise BackendUnavailableError(f"backend {backend!r} has no engine for this model yet; build it first")
 
     # --- requests ------------------------------------------------------------------------
     @torch.inference_mode()
     def submit(self, prompt: str | list[Message], images: Seq[Any] = (),
                sampling: SamplingParams = SamplingParams()) -> Sequence:
-        messages, markers = (user_message(prompt, len(images)), len(images)) if isinstance(prompt, str) \
-            else normalize_messages(prompt)
-        if markers != len(images):
-            raise RequestError(f"messages reference {markers} images but {len(images)} were given")
         started = time.perf_counter()
-        keyed = [image_key(image) for image in images]
-        processed = [self.adapter.process_image(pil) for pil, _ in keyed]
-        text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
-        layout = tokenize(self.adapter, text, processed)
-        self._check_request(layout, processed, sampling)
-        embeds, reused = [], 0
-        for (_, key), inputs in zip(keyed, processed):
-            cached = self._vision_cache.get(key)
-            if cached is None:
-                cached = self.kv_manager.load_embedding(key)
-                if cached is None:
-                    cached = self.vision_engine.encode(inputs.tensors)
-                    self._counters["vision_runs"] += 1
-                    self.kv_manager.store_embedding(key, cached)
-                else:
-                    cached = cached.to(self.config.device)
-                    self._counters["vision_reused"] += 1
-                    reused += 1
-                self._vision_cache[key] = cached
-                while len(self._vision_cache) > self.config.vision_cache_entries:
-                    self._vision_cache.popitem(last=False)
-            else:
-                self._vision_cache.move_to_end(key)
-                self._counters["vision_reused"] += 1
-                reused += 1
-            if cached.shape[0] != inputs.num_tokens:
-                raise RequestError(f"vision engine gave {cached.shape[0]} embeddings for {inputs.num_tokens} tokens")
-            embeds.append(cached)
+        prompt_in = self.inputs.prepare(prompt, images, sampling)  # every check comes before vision work
+        embeds = [self.vision_cache.embeddings(key, image) for key, image in zip(prompt_in.keys, prompt_in.images)]
         vision_s = time.perf_counter() - started
-        ids = torch.tensor(layout.token_ids)
-        prompt_embeds = merge_embeddings(self.decoder_engine.embed(ids), layout.token_ids,
-                                         layout.image_token_id, embeds)
-        stop = self.stop_ids if sampling.stop_token_ids is None else frozenset(sampling.stop_token_ids)
-        seq = Sequence(
-            prompt_ids=layout.token_ids, prompt_embeds=prompt_embeds, prompt_positions=layout.position_ids,
-            next_position=layout.next_position, sampling=sampling,
-            stop_token_ids=frozenset() if sampling.ignore_eos else stop,
-            block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
-            image_tokens=sum(p.num_tokens for p in processed), vision_reused=reused,
-            image_spans=image_spans(layout.token_ids, layout.image_token_id,
-                                    [(key, p.num_tokens) for (_, key), p in zip(keyed, processed)]),
-        )
+        seq = self.inputs.sequence(prompt_in, [e for e, _ in embeds], sampling,
+                                   vision_reused=sum(reused for _, reused in embeds))
         seq.timings.created = started
         seq.timings.vision_s = vision_s
         self.scheduler.add(seq)
-        self._text[seq.seq_id] = _TextState()
+        self.output.start(seq)
         return seq
-
-    def _check_request(self, layout, images, sampling: SamplingParams) -> None:
-        """Refuse, before any vision work, a request over the context or memory limits."""
-        total = len(layout.token_ids) + sampling.max_new_tokens
-        if total > self.config.max_context:
-            raise LimitExceeded("prompt + max_new_tokens", total, self.config.max_context,
-                                "--set runtime.max_context_tokens=N", "context_length")
-        cfg = self.model.decoder.cfg
-        image_tokens = sum(p.num_tokens for p in images)
-        estimate = estimate_cost(
-            image_tokens, len(layout.token_ids) - image_tokens, sampling.max_new_tokens,
-            vision_hidden=self.adapter.vision_hidden,
-            vision_layers_tokens_per_image=max((self.adapter.vision_patches(p) for p in images), default=0),
-            kv_bytes_per_token=cfg.kv_bytes_per_token * self.config.torch_dtype.itemsize,
-            dtype_bytes=self.config.torch_dtype.itemsize)
-        check_cost(estimate, self.config.kv_budget_mb * 2**20 + estimate.vision_activation_bytes,
-                   self.config.available_floor_mb * 2**20)
 
     def cancel(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, FinishReason.CANCELLED)
@@ -374,195 +218,21 @@ class Engine:
 
     # --- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self.runner.burst_in_flight
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one unit of work; returns the sequences that got a new token."""
-        if self._in_flight is not None:
-            return self._collect_burst()
-        work = self.scheduler.schedule()
-        if isinstance(work, PrefillWork):
-            return self._run_prefill(work)
-        if isinstance(work, DecodeWork):
-            return self._run_decode(work)
-        return []
+        return self.runner.step()
 
-    def _run_prefill(self, work: PrefillWork) -> list[Sequence]:
-        seq, start, end = work.seq, work.start, work.end
-        t0 = time.perf_counter()
-        embeds = self._embeds(seq, start, end)[None]
-        positions = seq.positions(start, end)[..., None, :]
-        logits = self._forward(embeds, positions, [seq], [start])
-        self._counters["prefill_tokens"] += end - start
-        seq.timings.prefill_s += time.perf_counter() - t0
-        if not work.samples:
-            return []
-        self._accept(seq, self._choose_tokens([seq], logits)[0])
-        return [seq]
-
-    def _run_decode(self, work: DecodeWork) -> list[Sequence]:
-        seqs = work.seqs
-        steps = self._burst_length(seqs)
-        if steps > 1 and (ids := self._burst(seqs, steps)) is not None:
-            self._in_flight = _Burst(seqs, ids, steps)
-            return self._collect_burst()
-        last, positions = _decode_inputs(seqs)
-        embeds = self.decoder_engine.embed(last)[:, None]
-        logits = self._forward(embeds, positions, list(seqs), [s.num_cached for s in seqs])
-        self._counters["decode_steps"] += 1
-        for seq, token in zip(seqs, self._choose_tokens(seqs, logits)):
-            self._accept(seq, token)
-        return list(seqs)
-
-    def _burst_length(self, seqs: Seq[Sequence], ahead: int = 0) -> int:
-        """How many greedy steps may run before the host looks again (1: step by step), after
-        ``ahead`` steps already queued on the device whose tokens the host has not read.
-
-        Only where the decoder engine can burst, every row is greedy and past its
-        ``min_new_tokens``, no request waits to join, and within the blocks each sequence
-        holds (the scheduler gives greedy rows room for a whole burst where it can), so the
-        scheduler's accounting never runs behind.
-        """
-        burst = self.config.decode_burst
-        if burst <= 1 or not hasattr(self.decoder_engine, "decode_burst") or self.scheduler.waiting:
-            return 1
-        made = [len(s.generated) + ahead for s in seqs]
-        if any(not s.sampling.greedy or (n < s.sampling.min_new_tokens and s.stop_token_ids)
-               for s, n in zip(seqs, made)):
-            return 1
-        room = min(len(s.block_table.blocks) * self.config.block_size - s.num_cached - ahead for s in seqs)
-        left = max(s.sampling.max_new_tokens - n for s, n in zip(seqs, made))
-        return max(1, min(burst, room, left))
-
-    def _burst(self, seqs: Seq[Sequence], steps: int):
-        last, positions = _decode_inputs(seqs)
-        ids = self.decoder_engine.decode_burst(last, positions, self.kv.k, self.kv.v, _block_tables(seqs),
-                                               torch.tensor([s.num_cached for s in seqs]), steps)
-        if ids is not None:
-            self._count_burst(steps)
-        return ids
-
-    def _count_burst(self, steps: int) -> None:
-        self._counters["decode_steps"] += steps
-        self._counters["decode_bursts"] += 1
-
-    def _collect_burst(self) -> list[Sequence]:
-        """Accept the tokens of the burst in flight, one by one as steps would, dropping those
-        after a finish; the next burst of the same rows is queued first where it may be, so the
-        device is not idle while the host reads these."""
-        done, self._in_flight = self._in_flight, None
-        self._in_flight = self._follow(done)
-        got = []
-        for seq, row in zip(done.seqs, done.ids.rows()):
-            for token in row:
-                if seq.status is Status.FINISHED:
-                    break  # the rest of this burst (all of it, when the one before finished the row) is dropped
-                seq.block_table.num_tokens += 1  # the K/V of the token before it is in the pool
-                self._accept(seq, token)
-                if not got or got[-1] is not seq:
-                    got.append(seq)
-        return got
-
-    def _follow(self, done: _Burst) -> _Burst | None:
-        """The next burst of ``done``'s rows, queued before ``done``'s tokens are read.
-
-        Only where those tokens can change nothing but a stop: the same rows run and nobody
-        waits to join, every row is still under its ``max_new_tokens`` and past its
-        ``min_new_tokens`` after ``done``, and blank blocks hold both bursts' tokens. A row
-        that stops inside ``done`` has the next burst's tokens dropped, as a burst drops those
-        after a stop inside it (its slots are past its length, and its freed blocks are
-        reused only by work queued behind).
-        """
-        follow = getattr(self.decoder_engine, "continue_burst", None)
-        seqs = done.seqs
-        if follow is None or tuple(self.scheduler.running) != seqs or \
-                any(len(s.generated) + done.steps >= s.sampling.max_new_tokens for s in seqs):
-            return None
-        for seq in seqs:
-            self.scheduler.reserve(seq, min(done.steps + self.config.decode_burst,
-                                            seq.sampling.max_new_tokens - len(seq.generated)))
-        steps = self._burst_length(seqs, ahead=done.steps)
-        if steps < 2 or (ids := follow(self.kv.k, self.kv.v, _block_tables(seqs), steps)) is None:
-            return None
-        self._count_burst(steps)
-        self._counters["decode_bursts_ahead"] += 1
-        return _Burst(seqs, ids, steps)
-
-    def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        if end <= seq.prompt_len:
-            return seq.prompt_embeds[start:end]
-        tail = torch.tensor(seq.generated[max(0, start - seq.prompt_len):end - seq.prompt_len])
-        parts = [seq.prompt_embeds[start:seq.prompt_len]] if start < seq.prompt_len else []
-        return torch.cat(parts + [self.decoder_engine.embed(tail)])
-
-    def _forward(self, embeds, positions, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
-        """Run the decoder engine and write the new K/V at each sequence's slots."""
-        t = embeds.shape[1]
-        logits, new_k, new_v = self.decoder_engine.step(
-            embeds, positions, self.kv.k, self.kv.v, _block_tables(seqs), torch.tensor(context))
-        slots = torch.tensor([slot for s, c in zip(seqs, context) for slot in s.block_table.slots(c, t)])
-        self.kv.write(slots, new_k, new_v)
-        for s in seqs:
-            s.block_table.num_tokens += t
-        return logits.float()
-
-    def _choose_tokens(self, seqs: Seq[Sequence], logits: torch.Tensor) -> list[int]:
-        """Next token of each row; greedy rows in one argmax (one device sync for the batch).
-
-        Sampled rows have their distribution (temperature, top-k, top-p) computed where the
-        logits are, and draw from it on the CPU with the request's seeded generator, so a seed
-        gives the same random numbers on every device.
-        """
-        for i, seq in enumerate(seqs):
-            if len(seq.generated) < seq.sampling.min_new_tokens and seq.stop_token_ids:
-                logits[i, list(seq.stop_token_ids)] = float("-inf")
-        greedy = logits.argmax(-1).tolist()
-        return [g if s.sampling.greedy else draw(filtered_probs(logits[i], s.sampling), s.generator)
-                for i, (s, g) in enumerate(zip(seqs, greedy))]
-
-    def _accept(self, seq: Sequence, token: int) -> None:
-        params = seq.sampling
-        seq.generated.append(token)
-        if seq.timings.first_token is None:
-            seq.timings.first_token = time.perf_counter()
-        state = self._text[seq.seq_id]
-        if params.stop:  # only stop strings need the text at every token
-            self._decoded(seq)
-        reason = None
-        if token in seq.stop_token_ids:
-            reason = FinishReason.STOP
-        elif params.stop and any(s in state.text for s in params.stop) and len(seq.generated) >= params.min_new_tokens:
-            cut = min(state.text.find(s) for s in params.stop if s in state.text)
-            state.text, state.stopped, reason = state.text[:cut], True, FinishReason.STOP
-        elif len(seq.generated) >= params.max_new_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            seq.timings.finished = time.perf_counter()
-
-    def _decoded(self, seq: Sequence) -> _TextState:
-        """``seq``'s text state, decoded up to its last token (once per new token, on demand: a
-        decode of the whole answer at every token would cost more than a GPU decode step)."""
-        state = self._text[seq.seq_id]
-        if not state.stopped and state.decoded != len(seq.generated):
-            state.text = self.adapter.tokenizer.decode(seq.generated, skip_special_tokens=True)
-            state.decoded = len(seq.generated)
-        return state
-
-    # --- one request at a time -------------------------------------------------------------
     def text_delta(self, seq: Sequence) -> str:
         """New text of ``seq`` since the last call, holding back what a stop string could still cut."""
-        state = self._decoded(seq)
-        safe = len(state.text)
-        if seq.status is not Status.FINISHED:
-            safe -= max((len(s) - 1 for s in seq.sampling.stop), default=0)
-            while safe > state.emitted and state.text[safe - 1] == "\ufffd":
-                safe -= 1  # an incomplete UTF-8 character
-        delta = state.text[state.emitted:max(safe, state.emitted)]
-        state.emitted += len(delta)
-        return delta
+        return self.output.text_delta(seq)
 
+    def result(self, seq: Sequence) -> GenerationResult:
+        return self.output.result(seq)
+
+    # --- one request at a time -------------------------------------------------------------
     def stream(self, prompt: str | list[Message], images: Seq[Any] = (),
                sampling: SamplingParams = SamplingParams()) -> Iterator[str]:
         seq = self.submit(prompt, images, sampling)
@@ -578,7 +248,7 @@ class Engine:
         finally:
             if seq.status is not Status.FINISHED:
                 self.cancel(seq)
-        self.last_result = self.result(seq)
+            self.result(seq)  # drops its text state
 
     def generate(self, prompt: str | list[Message], images: Seq[Any] = (),
                  sampling: SamplingParams = SamplingParams()) -> GenerationResult:
@@ -592,39 +262,15 @@ class Engine:
             self.step()
         return [self.result(s) for s in seqs]
 
-    def result(self, seq: Sequence) -> GenerationResult:
-        state = self._decoded(seq) if seq.seq_id in self._text else _TextState()
-        self._text.pop(seq.seq_id, None)
-        t = seq.timings
-        timings = {
-            "vision_s": t.vision_s, "prefill_s": t.prefill_s, "ttft_s": t.ttft_s,
-            "total_s": (t.finished or time.perf_counter()) - t.created,
-            "decode_tokens_per_s": t.decode_tokens_per_s(len(seq.generated)),
-        }
-        usage = {"prompt_tokens": seq.prompt_len, "image_tokens": seq.image_tokens,
-                 "completion_tokens": len(seq.generated), "total_tokens": seq.num_tokens}
-        cache = {"prefix_tokens_reused": seq.prefix_tokens_reused, "vision_reused": seq.vision_reused,
-                 "spilled_blocks": seq.spilled_blocks, "restored_blocks": seq.restored_blocks}
-        reason = seq.finish_reason.value if seq.finish_reason else "running"
-        return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache)
 
+def _declared(decoder, vision, backend: str, precision: str, build_identity: str = "", *,
+              bursts: bool = False) -> Engines:
+    """The bundle of what a backend opened, with the abilities its engines offer declared."""
+    from edgeinfer.backends.torch.eager import TorchVisionEngine
 
-def _block_tables(seqs: Seq[Sequence]) -> torch.Tensor:
-    """[B, widest table] block ids, shorter tables padded with block 0 (masked by context_lens)."""
-    width = max(len(s.block_table.blocks) for s in seqs)
-    return torch.tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs])
-
-
-def _decode_inputs(seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's last token id and its position, the input of the next decode step."""
-    last = torch.tensor([s.generated[-1] for s in seqs])
-    return last, torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
-
-
-def pool_blocks(config: EngineConfig, cfg) -> int:
-    """Device KV blocks: the configured count, else the KV budget over one block's bytes."""
-    bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.kv_size * config.torch_dtype.itemsize
-    return config.num_blocks or max(4, config.kv_budget_mb * 2**20 // bytes_per_block)
+    return Engines(decoder, vision, backend, precision, bursts=decoder if bursts else None,
+                   compiler=vision if isinstance(vision, TorchVisionEngine) else None,
+                   build_identity=build_identity)
 
 
 def _profile(profile, overrides: Seq[str]):

@@ -26,9 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import edgeinfer
-from edgeinfer.engine.async_engine import AsyncEngine, Completion, GenerationRequest, RequestCancelled, RequestHandle
+from edgeinfer.engine.async_engine import AsyncEngine, Completion, GenerationRequest, RequestHandle
 from edgeinfer.engine.sampling import SamplingParams
-from edgeinfer.errors import EdgeInferError, PreflightError
+from edgeinfer.errors import EdgeInferError, PreflightError, RequestCancelled
 from edgeinfer.preflight import ImageRules, OnOversize, PreparedImage, prepare_image, read_image_source
 from edgeinfer.server import chat
 from edgeinfer.server.errors import (

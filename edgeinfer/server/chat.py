@@ -8,9 +8,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from edgeinfer.engine.async_engine import Completion, GenerationRequest, RequestCancelled, RequestHandle
+from edgeinfer.engine.async_engine import Completion, GenerationRequest, RequestHandle
 from edgeinfer.engine.sampling import SamplingParams
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.errors import EdgeInferError, RequestCancelled
 from edgeinfer.preflight import ImageReport, PreparedImage
 from edgeinfer.server.errors import InvalidParam, ModelNotFound, error_payload
 from edgeinfer.server.images import ImageRef

@@ -613,9 +613,9 @@ def onnx_spec(profile):
 
 def pool_blocks_for(profile, decoder_cfg) -> int:
     """The device KV blocks an engine loaded from ``profile`` allocates (the pool's length)."""
-    from edgeinfer.engine.engine import EngineConfig, pool_blocks
+    from edgeinfer.engine.config import EngineConfig
 
-    return pool_blocks(EngineConfig.from_profile(profile), decoder_cfg)
+    return EngineConfig.from_profile(profile).device_blocks(decoder_cfg)
 
 
 def plan_for_model(model, profile, folder: Path, target: BuildTarget, root: Path) -> TensorRTBuildPlan:

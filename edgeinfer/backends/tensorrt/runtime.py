@@ -407,9 +407,7 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
     manifest = read_manifest(folder)
     if manifest is None:
         raise EngineBuildError("no TensorRT engines built for this model and profile", artifact=str(folder), fix=fix)
-    from edgeinfer.engine.engine import pool_blocks
-
-    expected = expected_fingerprint(profile, manifest, pool_blocks(config, model.decoder.cfg))
+    expected = expected_fingerprint(profile, manifest, config.device_blocks(model.decoder.cfg))
     reasons = stale_engine_reasons(manifest, folder, expected)
     if manifest.get("fingerprint", {}).get("model") != model_fingerprint(model_dir):
         reasons.append("built from other weights or config (model fingerprint changed)")

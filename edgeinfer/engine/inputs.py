@@ -1,0 +1,179 @@
+"""From a chat (text + images) to a sequence: chat → text → token layout → merged embeddings.
+
+:meth:`Inputs.prepare` renders the chat, expands each image's placeholder, tokenizes, lays
+the tokens out (positions) and checks the request against the context and memory limits,
+all before any vision work. :meth:`Inputs.sequence` then merges the image embeddings into
+the text embeddings and builds the :class:`Sequence` the scheduler takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.sampling import SamplingParams, make_generator
+from edgeinfer.engine.sequence import Sequence
+from edgeinfer.errors import LimitExceeded, RequestError
+from edgeinfer.kv.hashing import ImageSpan, image_spans
+from edgeinfer.kv.pool import BlockTable
+from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout
+from edgeinfer.models.loader import LoadedModel
+from edgeinfer.preflight import check_cost, content_hash, estimate_cost
+
+Message = dict[str, Any]
+
+
+def user_message(question: str, num_images: int) -> list[Message]:
+    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": question}]
+    return [{"role": "user", "content": content}]
+
+
+def normalize_messages(messages: list[Message]) -> tuple[list[Message], int]:
+    """OpenAI-style parts (``image_url``) become template parts (``image``); returns the image count."""
+    out, images = [], 0
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise RequestError("each message must be an object with a 'role'")
+        content = message.get("content")
+        if isinstance(content, str) or content is None:
+            out.append({"role": message["role"], "content": [{"type": "text", "text": content or ""}]})
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind in ("image", "image_url"):
+                parts.append({"type": "image"})
+                images += 1
+            elif kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
+                raise RequestError(f"unsupported content part type {kind!r}; use 'text' or 'image_url'")
+        out.append({"role": message["role"], "content": parts})
+    return out, images
+
+
+def render_chat(adapter: FamilyAdapter, messages: list[Message]) -> str:
+    template = adapter.checkpoint.chat_template
+    if template is None:
+        raise RequestError(f"model {adapter.checkpoint.path.name} has no chat template; send a raw prompt instead")
+    return adapter.tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+
+
+def expand_images(text: str, marker: str, images: list[ImageInputs]) -> str:
+    """Replace the n-th image marker with the n-th image's expanded placeholder."""
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(images):
+        raise RequestError(f"prompt has {len(pieces) - 1} image markers but {len(images)} images were given")
+    out = [pieces[0]]
+    for image, piece in zip(images, pieces[1:]):
+        out += [image.placeholder, piece]
+    return "".join(out)
+
+
+def tokenize(adapter: FamilyAdapter, text: str, images: list[ImageInputs]) -> PromptLayout:
+    ids = adapter.tokenizer(text)["input_ids"]
+    expected = sum(image.num_tokens for image in images)
+    found = sum(1 for i in ids if i == adapter.image_token_id)
+    if found != expected:
+        raise RequestError(f"tokenized prompt has {found} image tokens where the images need {expected}")
+    return adapter.layout(ids, images)
+
+
+def merge_embeddings(text_embeds: torch.Tensor, token_ids: list[int], image_token_id: int,
+                     image_embeds: list[torch.Tensor]) -> torch.Tensor:
+    """Put image embeddings, in order, at the image-token positions of the text embeddings."""
+    if not image_embeds:
+        return text_embeds
+    mask = (torch.tensor(token_ids) == image_token_id).to(text_embeds.device)
+    merged = text_embeds.clone()
+    merged[mask] = torch.cat(image_embeds).to(merged.dtype)
+    return merged
+
+
+def image_key(image) -> tuple[Any, str]:
+    """(PIL image, content hash); accepts a preflight PreparedImage or a PIL image."""
+    if hasattr(image, "sha256") and hasattr(image, "image"):
+        return image.image, image.sha256
+    if not hasattr(image, "tobytes"):
+        raise RequestError(f"images must be PIL images or prepared images, got {type(image).__name__}")
+    rgb = image.convert("RGB")
+    return rgb, content_hash(rgb)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A request laid out and checked, before any vision work."""
+
+    layout: PromptLayout
+    images: tuple[ImageInputs, ...]
+    keys: tuple[str, ...]  # each image's content hash: its vision cache key
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(image.num_tokens for image in self.images)
+
+    def spans(self) -> tuple[ImageSpan, ...]:
+        """Which image each image token shows (the prefix cache keys on it)."""
+        return image_spans(self.layout.token_ids, self.layout.image_token_id,
+                           [(key, image.num_tokens) for key, image in zip(self.keys, self.images)])
+
+
+class Inputs:
+    """Chat → text → token layout → merged embeddings, for one model."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.adapter = model.adapter
+        self.decoder_cfg = model.decoder.cfg
+        self.config = config
+        self.embed = embed  # the decoder engine's: [N] ids -> [N, hidden]
+        self.stop_ids = frozenset(self.adapter.stop_token_ids())
+
+    def prepare(self, prompt: str | list[Message], images: Seq[Any], sampling: SamplingParams) -> PreparedPrompt:
+        """Render, expand, tokenize and lay out the prompt; refuse it over a limit."""
+        messages, markers = (user_message(prompt, len(images)), len(images)) if isinstance(prompt, str) \
+            else normalize_messages(prompt)
+        if markers != len(images):
+            raise RequestError(f"messages reference {markers} images but {len(images)} were given")
+        keyed = [image_key(image) for image in images]
+        processed = [self.adapter.process_image(pil) for pil, _ in keyed]
+        text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
+        layout = tokenize(self.adapter, text, processed)
+        self.check(layout, processed, sampling)
+        return PreparedPrompt(layout, tuple(processed), tuple(key for _, key in keyed))
+
+    def check(self, layout: PromptLayout, images: Seq[ImageInputs], sampling: SamplingParams) -> None:
+        """Refuse, before any vision work, a request over the context or memory limits."""
+        total = len(layout.token_ids) + sampling.max_new_tokens
+        if total > self.config.max_context:
+            raise LimitExceeded("prompt + max_new_tokens", total, self.config.max_context,
+                                "--set runtime.max_context_tokens=N", "context_length")
+        image_tokens = sum(p.num_tokens for p in images)
+        dtype_bytes = self.config.torch_dtype.itemsize
+        estimate = estimate_cost(
+            image_tokens, len(layout.token_ids) - image_tokens, sampling.max_new_tokens,
+            vision_hidden=self.adapter.vision_hidden,
+            vision_layers_tokens_per_image=max((self.adapter.vision_patches(p) for p in images), default=0),
+            kv_bytes_per_token=self.decoder_cfg.kv_bytes_per_token * dtype_bytes, dtype_bytes=dtype_bytes)
+        check_cost(estimate, self.config.kv_budget_mb * 2**20 + estimate.vision_activation_bytes,
+                   self.config.available_floor_mb * 2**20)
+
+    def sequence(self, prompt: PreparedPrompt, image_embeds: list[torch.Tensor], sampling: SamplingParams,
+                 vision_reused: int = 0) -> Sequence:
+        """The sequence of ``prompt``: text embeddings with ``image_embeds`` merged at the image tokens."""
+        layout = prompt.layout
+        embeds = merge_embeddings(self.embed(torch.tensor(layout.token_ids)), layout.token_ids,
+                                  layout.image_token_id, image_embeds)
+        stop = self.stop_ids if sampling.stop_token_ids is None else frozenset(sampling.stop_token_ids)
+        return Sequence(
+            prompt_ids=layout.token_ids, prompt_embeds=embeds, prompt_positions=layout.position_ids,
+            next_position=layout.next_position, sampling=sampling,
+            stop_token_ids=frozenset() if sampling.ignore_eos else stop,
+            block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
+            image_tokens=prompt.image_tokens, vision_reused=vision_reused, image_spans=prompt.spans(),
+        )
