@@ -30,6 +30,7 @@ from edgeinfer.kv.hashing import fingerprint as kv_fingerprint, image_spans
 from edgeinfer.kv.manager import KVManager, KVManagerConfig
 from edgeinfer.kv.metrics import KVMetrics
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
+from edgeinfer.kv.sizing import block_bytes, pool_blocks as sizing_pool_blocks
 from edgeinfer.models.loader import LoadedModel, load_model
 from edgeinfer.profiles import ImageLimits, parse_size
 from edgeinfer.preflight import ImageRules, check_cost, content_hash, estimate_cost
@@ -623,8 +624,8 @@ def _decode_inputs(seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pool_blocks(config: EngineConfig, cfg) -> int:
     """Device KV blocks: the configured count, else the KV budget over one block's bytes."""
-    bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.kv_size * config.torch_dtype.itemsize
-    return config.num_blocks or max(4, config.kv_budget_mb * 2**20 // bytes_per_block)
+    bytes_per_block = block_bytes(cfg.num_layers, config.block_size, cfg.kv_size, config.torch_dtype.itemsize)
+    return sizing_pool_blocks(config.kv_budget_mb, bytes_per_block, config.num_blocks)
 
 
 def _profile(profile, overrides: Seq[str]):
