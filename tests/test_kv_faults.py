@@ -68,6 +68,26 @@ def test_a_corrupted_disk_block_is_recomputed(checkpoint, cold, tmp_path, caplog
     third.close()
 
 
+def test_the_cache_report_after_a_corrupted_block_counts_only_what_was_reused(checkpoint, cold, tmp_path):
+    first = engine_on(checkpoint("smolvlm"), tmp_path)
+    first.generate(QUESTION, [IMAGE], FORCED)
+    first.close()
+    data = first.kv_manager.disk.dir / "blocks.dat"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF  # the first block: every block after it hangs off its key, so all are recomputed
+    data.write_bytes(bytes(raw))
+    again = engine_on(checkpoint("smolvlm"), tmp_path)
+    result = again.generate(QUESTION, [IMAGE], FORCED)
+    assert result.token_ids == cold.token_ids
+    assert result.cache["prefix_tokens_reused"] == 0 and result.cache["restored_blocks"] == 0
+    assert result.cache["recomputed_blocks"] > 0
+    counters = again.counters
+    assert counters["prefix_tokens_reused"] == 0 and counters["restored_blocks"] == 0
+    assert counters["recomputes"] == 1 and counters["prefix_hits"] == 0
+    assert result.usage["prompt_tokens"] == again.counters["prefill_tokens"]  # all of it computed
+    again.close()
+
+
 def test_a_full_disk_degrades_to_recompute_with_one_warning(checkpoint, tmp_path, monkeypatch, caplog):
     questions = [(QUESTION, [IMAGE]), ("describe this picture", []),
                  ("how many red circle are there ?", [noise_image(64, 64, seed=5)])]

@@ -78,9 +78,22 @@ class KVSequence(Protocol):
     prefix_tokens_reused: int
     spilled_blocks: int
     restored_blocks: int
+    recomputed_blocks: int
 
     @property
     def prefill_target(self) -> int: ...
+
+
+@dataclass(slots=True)
+class _Admission:
+    """What an admission planned to reuse; counted once its loads have landed, so a block that
+    failed its checksum is reported as recomputed, never as reused."""
+
+    tokens: int  # tokens the plan covers
+    lookup: int  # tokens that were looked up
+    loaded: set[int]  # device blocks the loads fill
+    restore: bool  # a preempted sequence coming back: its prefix was counted when it was first admitted
+    failed: set[int] = field(default_factory=set)  # loaded blocks whose bytes did not arrive
 
 
 @dataclass(slots=True)
@@ -90,6 +103,7 @@ class _SeqState:
     registered: int = 0  # table blocks already looked at for registration
     moves: list[Move] = field(default_factory=list)  # loads the sequence waits for
     pinned: list[Entry] = field(default_factory=list)  # entries kept for it while it is preempted
+    admission: _Admission | None = None  # placed, its loads not all landed yet
     preempted: bool = False
     placed: bool = False
 
@@ -245,8 +259,11 @@ class KVManager:
             if entry.where(other) is not None:
                 self.spill.policies[other].insert(entry, self.spill.step, entry.priority)
         self._unpin(state)
-        self._count_admission(state, plan, sum(len(v) for v in loads.values()))
-        state.placed = True
+        loaded = {block for items in loads.values() for _, block, _ in items}
+        state.admission = _Admission(plan.tokens, plan.lookup, loaded, restore=state.preempted)
+        state.preempted, state.placed = False, True
+        if not state.moves:
+            self._close_admission(state)
         return plan.tokens
 
     def _place(self, plan: _Plan, fresh: list[int]) -> tuple[list[int], dict[Tier, list[tuple[Entry, int, bool]]]]:
@@ -270,18 +287,24 @@ class KVManager:
                 loads[Tier.HOST if source.host is not None else Tier.DISK].append((source, block, True))
         return blocks, loads
 
-    def _count_admission(self, state: _SeqState, plan: _Plan, loaded: int) -> None:
-        seq = state.seq
-        seq.restored_blocks += loaded
-        self.stats.restored_blocks += loaded
-        if state.preempted:
-            state.preempted = False
+    def _close_admission(self, state: _SeqState) -> None:
+        """Every load of the admission landed: cut the table before a failed block, then count
+        what the sequence really reuses."""
+        admission, state.admission = state.admission, None
+        seq, stats = state.seq, self.stats
+        if admission.failed:
+            seq.recomputed_blocks += self._truncate(state, admission.failed)
+        restored = sum(1 for block in seq.block_table.blocks if block in admission.loaded)
+        seq.restored_blocks += restored
+        stats.restored_blocks += restored
+        if admission.restore:
             return
-        seq.prefix_tokens_reused += plan.tokens
-        self.stats.lookups += 1
-        self.stats.lookup_tokens += plan.lookup
-        self.stats.hits += plan.tokens > 0
-        self.stats.hit_tokens += plan.tokens
+        reused = min(admission.tokens, seq.block_table.num_tokens)
+        seq.prefix_tokens_reused += reused
+        stats.lookups += 1
+        stats.lookup_tokens += admission.lookup
+        stats.hits += reused > 0
+        stats.hit_tokens += reused
 
     def is_placed(self, seq: KVSequence) -> bool:
         state = self._seqs.get(seq.seq_id)
@@ -300,19 +323,21 @@ class KVManager:
             self._settle_loads()
 
     def _settle_loads(self) -> None:
-        """Loads that landed: their sequences stop waiting; a failed block cuts its table there."""
+        """Loads that landed: a sequence whose last load landed stops waiting (its table cut before
+        a failed block only then, so no load in flight writes into a block given back)."""
         landed, self.spill.landed = self.spill.landed, []
         for move in landed:
             state = self._seqs.get(move.seq_id)
             if state is None:
                 continue
             state.moves.remove(move)
-            bad = [move.dst_slots[i] for i in move.failed]
-            if bad:
-                self._truncate(state, bad)
+            state.admission.failed.update(move.dst_slots[i] for i in move.failed)
+            if not state.moves:
+                self._close_admission(state)
 
-    def _truncate(self, state: _SeqState, bad_blocks: list[int]) -> None:
-        """Cut the table before its first bad block: the sequence recomputes from there."""
+    def _truncate(self, state: _SeqState, bad_blocks: set[int]) -> int:
+        """Cut the table before its first bad block: the sequence recomputes from there. Returns
+        the blocks cut."""
         table = state.seq.block_table
         first = min(table.blocks.index(b) for b in bad_blocks)
         dropped = table.blocks[first:]
@@ -324,6 +349,7 @@ class KVManager:
             entry = self.index.on_device.get(block)
             if entry is not None:
                 self.spill.settle(entry)
+        return len(dropped)
 
     # --- running sequences -----------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
