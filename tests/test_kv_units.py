@@ -11,7 +11,8 @@ import torch
 
 from edgeinfer.errors import ProfileError
 from edgeinfer.kv.codec import BlockGeometry, fp8_supported, make_codec
-from edgeinfer.kv.disk import ChecksumError, DiskBusyError, DiskLayout, DiskStore, EmbeddingFiles, default_cache_dir
+from edgeinfer.kv.disk import ChecksumError, DiskBusyError, DiskLayout, DiskStore, default_cache_dir
+from edgeinfer.kv.embeddings import EmbeddingStore
 from edgeinfer.kv.hashing import ImageSpan, chain, full_key, image_spans, partial_key
 from edgeinfer.kv.host import HostStore
 from edgeinfer.kv.metrics import Histogram, register_kv_metrics
@@ -275,15 +276,32 @@ def test_default_cache_dir_honours_xdg(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "edgeinfer" / "kv"
 
 
-def test_embedding_files_round_trip_and_damage(tmp_path):
-    files = EmbeddingFiles(tmp_path)
+def test_embedding_store_round_trip_and_damage(tmp_path):
+    store = EmbeddingStore(tmp_path)
     x = torch.randn(5, 3).to(torch.bfloat16)
-    files.put("h1", x)
-    assert torch.equal(files.get("h1"), x)
+    store.store("h1", x)
+    assert torch.equal(store.load("h1"), x)
     path = tmp_path / "h1.emb"
     path.write_bytes(path.read_bytes()[:-2] + b"zz")
-    assert files.get("h1") is None and not path.exists()
-    assert files.get("absent") is None
+    assert store.load("h1") is None and not path.exists()
+    assert store.load("absent") is None
+
+
+def test_embedding_store_writes_in_the_background_and_warns_once(tmp_path, caplog):
+    worker = SpillWorker()
+    store = EmbeddingStore(tmp_path / "vision", worker, max_files=2)
+    for i in range(3):
+        store.store(f"h{i}", torch.full((2, 2), float(i)))
+    worker.drain()
+    assert len(list((tmp_path / "vision").glob("*.emb"))) == 2  # pruned to max_files
+    (tmp_path / "vision").rename(tmp_path / "gone")  # the folder vanishes under it
+    (tmp_path / "vision").write_text("a file, not a folder")
+    with caplog.at_level(logging.WARNING):
+        store.store("h3", torch.zeros(1))
+        store.store("h4", torch.zeros(1))
+        worker.drain()
+    assert caplog.text.count("cannot write the vision cache") == 1
+    worker.close()
 
 
 # --- worker ---------------------------------------------------------------------------------------
