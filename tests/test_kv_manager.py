@@ -51,7 +51,8 @@ def kv_of(tokens: list[int]) -> torch.Tensor:
     return values[:, None, :, None, :]
 
 
-def make(config: KVManagerConfig = KVManagerConfig()) -> KVManager:
+def make(config: KVManagerConfig | None = None) -> KVManager:
+    config = config or KVManagerConfig()
     cache = KVCache(num_layers=2, num_blocks=4, block_size=BS, kv_heads=1, head_dim=3, dtype=torch.float32)
     return KVManager(BlockPool(4, BS), cache, config, ROOT)
 

@@ -584,8 +584,8 @@ class KVManager:
         """A snapshot; it reads but never changes the manager, so another thread may call it."""
         spill, s = self.spill, self.stats
         return KVMetrics(
-            tiers=spill.tier_usage(), codec=self.codec.name, spilled_blocks=s.spilled_blocks, restored_blocks=s.restored_blocks,
-            persisted_blocks=s.persisted_blocks, spill_bytes=s.spill_bytes, restore_bytes=s.restore_bytes,
+            tiers=spill.tier_usage(), codec=self.codec.name, spilled_blocks=s.spilled_blocks,
+            restored_blocks=s.restored_blocks, persisted_blocks=s.persisted_blocks, spill_bytes=s.spill_bytes, restore_bytes=s.restore_bytes,
             persist_bytes=s.persist_bytes, spill_latency=s.spill_latency.copy(),
             restore_latency=s.restore_latency.copy(), prefix_lookups=s.lookups, prefix_hits=s.hits,
             prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens, preemptions=s.preemptions,
