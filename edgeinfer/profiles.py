@@ -235,7 +235,7 @@ class MemoryConfig:
 @dataclass(frozen=True, slots=True)
 class KVConfig:
     """The paged KV pool. ``device_blocks`` None derives the pool from
-    ``memory.kv_device_budget_mb`` (see :meth:`DeviceProfile.device_blocks_for`).
+    ``memory.kv_device_budget_mb`` (the rule is ``edgeinfer.kv.sizing.pool_blocks``).
     ``policy`` names an eviction policy of the KV package, which validates the name
     against its registry; ``disk_dir`` None means the default cache directory."""
 
@@ -380,12 +380,6 @@ class DeviceProfile:
         self._check_device()
         self._check_engine_shapes()
         self._check_body_fits_image()
-
-    def device_blocks_for(self, bytes_per_block: int) -> int:
-        """Device KV blocks: the explicit count, else the budget over one block's bytes."""
-        if self.kv.device_blocks is not None:
-            return self.kv.device_blocks
-        return max(1, self.memory.kv_device_budget_mb * 2**20 // bytes_per_block)
 
     def _check_device(self) -> None:
         _require(self.detect.kind != "cpu" or self.runtime.device == "cpu", "runtime.device",

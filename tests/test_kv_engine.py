@@ -5,7 +5,9 @@ Real tiny checkpoints, real pools of a few blocks, real host and disk tiers unde
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -152,15 +154,16 @@ def test_available_memory_under_the_floor_empties_the_host_tier(checkpoint, monk
         available_floor_mb=512))
     engine.generate(*QUESTIONS[0], FORCED)
     engine.generate(*QUESTIONS[2], FORCED)
-    engine.kv_manager.spill.drain()
+    engine.kv_manager.flush()
     assert engine.kv_metrics().tiers["host"].used_blocks > 0
     available = psutil.virtual_memory()._replace(available=100 * 2**20)  # the machine runs short
     monkeypatch.setattr(psutil, "virtual_memory", lambda: available)
+    start, seconds = time.monotonic(), itertools.count(1)  # a clock a second on at every poll: read each time
+    monkeypatch.setattr(engine.kv_manager, "clock", lambda: start + next(seconds))
     with caplog.at_level(logging.WARNING):
         for _ in range(40):
-            engine.kv_manager.spill._next_memory_check = 0.0  # the clock: check at every poll
             engine.kv_manager.poll()
-            engine.kv_manager.spill.drain()
+            engine.kv_manager.flush()
     assert engine.kv_metrics().tiers["host"].used_blocks == 0
     assert engine.kv_metrics().floor_events == 1 and "floor" in caplog.text
     engine.close()

@@ -11,12 +11,14 @@ import torch
 
 from edgeinfer.errors import ProfileError
 from edgeinfer.kv.codec import BlockGeometry, fp8_supported, make_codec
-from edgeinfer.kv.disk import ChecksumError, DiskBusyError, DiskLayout, DiskStore, EmbeddingFiles, default_cache_dir
+from edgeinfer.kv.disk import ChecksumError, DiskBusyError, DiskLayout, DiskStore, default_cache_dir
+from edgeinfer.kv.embeddings import EmbeddingStore
 from edgeinfer.kv.hashing import ImageSpan, chain, full_key, image_spans, partial_key
 from edgeinfer.kv.host import HostStore
 from edgeinfer.kv.metrics import Histogram, register_kv_metrics
 from edgeinfer.kv.policy import POLICIES, LRUKPolicy, LRUPolicy, Priority, make_policy
 from edgeinfer.kv.pool import BlockPool, KVCache
+from edgeinfer.kv.pressure import MemoryFloor, Watermarks
 from edgeinfer.kv.worker import Job, SpillWorker
 
 ROOT = b"\1" * 16
@@ -93,6 +95,33 @@ def test_unknown_policy_lists_the_valid_names():
     with pytest.raises(ProfileError) as info:
         make_policy("mru")
     assert "lru-k" in str(info.value) and "lru" in str(info.value) and info.value.field == "kv.policy"
+
+
+# --- pressure rules ------------------------------------------------------------------------------
+def test_device_watermarks_spill_down_to_low_once_above_high():
+    marks = Watermarks(high=0.5, low=0.25)
+    assert marks.device_excess(used=20, capacity=40) == 0  # at the high watermark: nothing
+    assert marks.device_excess(used=21, capacity=40) == 21 - 10
+    with pytest.raises(ValueError, match="low"):
+        Watermarks(high=0.5, low=0.5)
+
+
+def test_host_tier_shrinks_above_high_only_with_a_disk_and_always_under_the_floor():
+    marks = Watermarks(high=0.9, low=0.5)
+    assert marks.host_excess(95, 100, floor_breached=False, has_disk=True) == 45
+    assert marks.host_excess(95, 100, floor_breached=False, has_disk=False) == 0  # nowhere to go
+    assert marks.host_excess(40, 100, floor_breached=True, has_disk=False) == 20  # half of what is there
+    assert marks.host_excess(0, 100, floor_breached=True, has_disk=True) == 0
+
+
+def test_memory_floor_is_read_on_its_interval_and_reports_the_crossing_once():
+    floor = MemoryFloor(floor_mb=512, check_s=0.25)
+    assert floor.due(0.0) and not floor.observe(600 * 2**20, 0.0)
+    assert not floor.due(0.2) and floor.due(0.25)
+    assert floor.observe(100 * 2**20, 0.25) and floor.breached  # just went under: warn now
+    assert not floor.observe(100 * 2**20, 0.5) and floor.breached  # still under: no second warning
+    assert not floor.observe(600 * 2**20, 0.75) and not floor.breached
+    assert not MemoryFloor(0, 0.25).due(10.0)  # a floor of 0 is off
 
 
 # --- codecs ----------------------------------------------------------------------------------
@@ -275,15 +304,32 @@ def test_default_cache_dir_honours_xdg(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "edgeinfer" / "kv"
 
 
-def test_embedding_files_round_trip_and_damage(tmp_path):
-    files = EmbeddingFiles(tmp_path)
+def test_embedding_store_round_trip_and_damage(tmp_path):
+    store = EmbeddingStore(tmp_path)
     x = torch.randn(5, 3).to(torch.bfloat16)
-    files.put("h1", x)
-    assert torch.equal(files.get("h1"), x)
+    store.store("h1", x)
+    assert torch.equal(store.load("h1"), x)
     path = tmp_path / "h1.emb"
     path.write_bytes(path.read_bytes()[:-2] + b"zz")
-    assert files.get("h1") is None and not path.exists()
-    assert files.get("absent") is None
+    assert store.load("h1") is None and not path.exists()
+    assert store.load("absent") is None
+
+
+def test_embedding_store_writes_in_the_background_and_warns_once(tmp_path, caplog):
+    worker = SpillWorker()
+    store = EmbeddingStore(tmp_path / "vision", worker, max_files=2)
+    for i in range(3):
+        store.store(f"h{i}", torch.full((2, 2), float(i)))
+    worker.drain()
+    assert len(list((tmp_path / "vision").glob("*.emb"))) == 2  # pruned to max_files
+    (tmp_path / "vision").rename(tmp_path / "gone")  # the folder vanishes under it
+    (tmp_path / "vision").write_text("a file, not a folder")
+    with caplog.at_level(logging.WARNING):
+        store.store("h3", torch.zeros(1))
+        store.store("h4", torch.zeros(1))
+        worker.drain()
+    assert caplog.text.count("cannot write the vision cache") == 1
+    worker.close()
 
 
 # --- worker ---------------------------------------------------------------------------------------

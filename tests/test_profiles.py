@@ -96,12 +96,6 @@ def test_profiles_are_frozen() -> None:
         profile.kv.block_size = 32  # type: ignore[misc]
 
 
-def test_device_blocks_derive_from_the_budget() -> None:
-    profile = load_profile("cpu")
-    assert profile.device_blocks_for(2**20) == profile.memory.kv_device_budget_mb
-    assert load_profile("cpu", ["kv.device_blocks=7"]).device_blocks_for(2**20) == 7
-
-
 def test_fingerprint_is_stable_and_follows_engine_settings_only() -> None:
     base = profile_fingerprint(load_profile("cpu"))
     assert base == profile_fingerprint(load_profile("cpu"))

@@ -92,7 +92,8 @@ class Output:
         usage = {"prompt_tokens": seq.prompt_len, "image_tokens": seq.image_tokens,
                  "completion_tokens": len(seq.generated), "total_tokens": seq.num_tokens}
         cache = {"prefix_tokens_reused": seq.prefix_tokens_reused, "vision_reused": seq.vision_reused,
-                 "spilled_blocks": seq.spilled_blocks, "restored_blocks": seq.restored_blocks}
+                 "spilled_blocks": seq.spilled_blocks, "restored_blocks": seq.restored_blocks,
+                 "recomputed_blocks": seq.recomputed_blocks}
         reason = seq.finish_reason.value if seq.finish_reason else "running"
         return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache)
 

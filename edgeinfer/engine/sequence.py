@@ -73,6 +73,7 @@ class Sequence:
     vision_reused: int = 0
     spilled_blocks: int = 0  # blocks moved off the device (preempted, or idle above the watermark at its end)
     restored_blocks: int = 0  # blocks brought back from the host or disk tier for it
+    recomputed_blocks: int = 0  # blocks it was to reuse but recomputes (a failed checksum or read)
 
     @property
     def prompt_len(self) -> int:

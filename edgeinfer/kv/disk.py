@@ -8,7 +8,7 @@ Layout of a cache directory (``kv.disk_dir``, default ``$XDG_CACHE_HOME/edgeinfe
         blocks.dat            slot i at byte i * nbytes
         index.log             the journal: one line per stored or deleted block
         lock                  held (flock) by the one process using this folder
-        vision/<hash>.emb     vision engine outputs, by image content hash
+        vision/<hash>.emb     vision engine outputs, by image content hash (kv/embeddings.py)
 
 A journal line is ``P slot key valid crc aliases linecrc`` (a block was stored) or
 ``D slot linecrc`` (it was deleted); ``crc`` covers the block key and its bytes, and
@@ -33,8 +33,6 @@ import weakref
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +111,18 @@ def _release(fds: list[int], lock_fd: int) -> None:
         os.fsync(fd)
         os.close(fd)
     os.close(lock_fd)  # closing the descriptor drops the flock
+
+
+def open_disk_tier(root: Path, layout: DiskLayout, capacity: int) -> DiskStore | None:
+    """The disk tier under ``root``, or None (with a warning) when the folder is busy or unusable:
+    the engine then runs without one."""
+    try:
+        return DiskStore(root, layout, capacity)
+    except DiskBusyError as error:
+        log.warning("%s; this engine runs without a disk tier", error)
+    except OSError as error:
+        log.warning("cannot use KV cache folder %s (%s); this engine runs without a disk tier", root, error)
+    return None
 
 
 class DiskStore:
@@ -277,54 +287,3 @@ class DiskStore:
     def close(self) -> None:
         with self._mutex:
             self._finalizer()
-
-
-class EmbeddingFiles:
-    """Vision engine outputs on disk by image content hash; each file written whole, then renamed."""
-
-    MAGIC = b"EIEMB1\n"
-
-    def __init__(self, folder: Path, max_files: int = 1024) -> None:
-        self.dir = Path(folder)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_files = max_files
-
-    def _path(self, image_hash: str) -> Path:
-        return self.dir / f"{image_hash}.emb"
-
-    def put(self, image_hash: str, embeds: torch.Tensor) -> None:
-        x = embeds.detach().contiguous().cpu()
-        body = x.view(-1).view(torch.uint8).numpy().tobytes()
-        head = json.dumps({"dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape),
-                           "crc": zlib.crc32(body)}).encode() + b"\n"
-        tmp = self._path(image_hash).with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(self.MAGIC + head + body)
-        os.replace(tmp, self._path(image_hash))
-        self._prune()
-
-    def get(self, image_hash: str) -> torch.Tensor | None:
-        path = self._path(image_hash)
-        try:
-            raw = path.read_bytes()
-            if not raw.startswith(self.MAGIC):
-                raise ValueError("bad magic")
-            head, _, body = raw[len(self.MAGIC):].partition(b"\n")
-            meta = json.loads(head)
-            if zlib.crc32(body) != meta["crc"]:
-                raise ValueError("checksum")
-            dtype = getattr(torch, meta["dtype"])
-            return torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).view(meta["shape"])
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, AttributeError, RuntimeError):
-            log.warning("vision cache file %s is damaged; it is deleted and the image encoded again", path)
-            path.unlink(missing_ok=True)
-            return None
-
-    def _prune(self) -> None:
-        files = list(self.dir.glob("*.emb"))
-        if len(files) <= self.max_files:
-            return
-        files.sort(key=lambda p: p.stat().st_mtime)
-        for path in files[:len(files) - self.max_files]:
-            path.unlink(missing_ok=True)

@@ -1,28 +1,42 @@
-"""Entries of the prefix cache and the index that finds them by key.
+"""Entries of the prefix cache, the index that finds them by key, and the moves between tiers.
 
 An :class:`Entry` is one block's content, wherever it is: on the device (a pool block),
 in a host slot, in a disk slot, or in several at once. Full blocks are found by their
 chained key; the first ``j`` tokens of a block (an image that ends inside it, the last
 unfilled block of a request) by a partial key.
+
+A :class:`Move` is one prepared transfer of entries from one tier to another: the spill
+manager prepares it, the mover executes it, the spill manager completes or rolls it back.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from edgeinfer.kv.hashing import BlockKey
 from edgeinfer.kv.policy import Priority
-
-if TYPE_CHECKING:
-    from edgeinfer.kv.transfer import Move
+from edgeinfer.kv.worker import Job
 
 
 class Tier(str, enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+
+
+class MoveKind(enum.Enum):
+    SPILL = "spill"  # down a tier to make room: the source copy goes when the move completes
+    PERSIST = "persist"  # a copy written through to disk: the source copy stays
+    RESTORE = "restore"  # back onto the device for a sequence
+
+    @property
+    def is_store(self) -> bool:
+        return self is not MoveKind.RESTORE
+
+    @property
+    def drops_source(self) -> bool:
+        return self is MoveKind.SPILL
 
 
 @dataclass(eq=False, slots=True)
@@ -47,7 +61,19 @@ class Entry:
         return Priority.PREEMPTED if self.pins else Priority.IDLE
 
     def where(self, tier: Tier) -> int | None:
-        return getattr(self, tier.value)
+        """The entry's block (device) or slot (host, disk) in ``tier``; None when it has no copy there."""
+        if tier is Tier.DEVICE:
+            return self.device
+        return self.host if tier is Tier.HOST else self.disk
+
+    def place(self, tier: Tier, slot: int | None) -> None:
+        """Record the entry's copy in ``tier`` (None: it has none there any more)."""
+        if tier is Tier.DEVICE:
+            self.device = slot
+        elif tier is Tier.HOST:
+            self.host = slot
+        else:
+            self.disk = slot
 
     @property
     def located(self) -> bool:
@@ -57,6 +83,23 @@ class Entry:
     def usable(self) -> bool:
         """On the device, or in a lower tier with no transfer in the way."""
         return self.device is not None or (self.busy is None and (self.host is not None or self.disk is not None))
+
+
+@dataclass(eq=False)
+class Move:
+    """``entries`` from ``src`` (``src_slots``) to ``dst`` (``dst_slots``: host or disk slots, or device blocks)."""
+
+    kind: MoveKind
+    src: Tier
+    dst: Tier
+    entries: list[Entry]
+    src_slots: list[int]
+    dst_slots: list[int]
+    private: list[bool] = field(default_factory=list)  # a restore into a sequence's own block (a partial copy)
+    seq_id: int | None = None
+    failed: list[int] = field(default_factory=list)  # indices of entries whose bytes did not arrive
+    job: Job | None = None
+    submitted: float = 0.0
 
 
 class PrefixIndex:

@@ -1,7 +1,9 @@
 """The KV manager: the one object the scheduler and the engine ask about KV blocks.
 
-It gives sequences their blocks and their keys; the :class:`SpillManager` under it knows
-where each cached block lives and moves it between tiers. Callers see a small API:
+It gives sequences their blocks and their keys, and applies the spill pressure rules
+(:mod:`edgeinfer.kv.pressure`) once per step; the :class:`SpillManager` under it knows
+where each cached block lives and moves it between tiers, through its public methods
+only. Callers see a small API:
 
 - ``can_admit(seq, chunk)`` / ``admit(seq, chunk)``: place a waiting sequence. Its
   prompt (or, after a preemption, everything it had cached) is matched against the
@@ -13,21 +15,27 @@ where each cached block lives and moves it between tiers. Callers see a small AP
 - ``free(seq)``: a finished sequence's blocks stay in the prefix cache (idle).
 - ``note_progress(seq)``: blocks that just filled get their keys (shareable at once).
 - ``poll()``: once per engine step. ``metrics()``: a snapshot. ``close()``: drain, flush.
+- ``embeddings``: the vision outputs on disk (an :class:`EmbeddingStore`, None without a
+  disk tier); ``load_embedding`` / ``store_embedding`` forward to it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from edgeinfer.kv.codec import BlockGeometry, make_codec
-from edgeinfer.kv.entry import Entry, PrefixIndex, Tier
+from edgeinfer.kv.codec import BlockCodec, BlockGeometry, make_codec
+from edgeinfer.kv.disk import DiskLayout, DiskStore, default_cache_dir, open_disk_tier
+from edgeinfer.kv.embeddings import EmbeddingStore
+from edgeinfer.kv.entry import Entry, Move, PrefixIndex, Tier
 from edgeinfer.kv.hashing import (
     BlockKey,
     ImageSpan,
@@ -35,10 +43,15 @@ from edgeinfer.kv.hashing import (
     image_ends_in,
     partial_key,
 )
-from edgeinfer.kv.metrics import KVMetrics, TierUsage
+from edgeinfer.kv.host import HostStore
+from edgeinfer.kv.metrics import KVMetrics, KVStats
+from edgeinfer.kv.policy import make_policy
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
-from edgeinfer.kv.spill import SpillManager, disk_layout
-from edgeinfer.kv.transfer import Move
+from edgeinfer.kv.pressure import MemoryFloor, Watermarks
+from edgeinfer.kv.spill import SpillManager
+from edgeinfer.kv.worker import SpillWorker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +72,7 @@ class KVManagerConfig:
     memory_check_s: float = 0.25
 
     def __post_init__(self) -> None:
-        if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ValueError(f"watermarks must satisfy 0 < low ({self.low_watermark}) < high "
-                             f"({self.high_watermark}) <= 1")
+        Watermarks(self.high_watermark, self.low_watermark)  # raises on watermarks out of order
         for name in ("host_tier_mb", "disk_tier_mb", "available_floor_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -78,9 +89,22 @@ class KVSequence(Protocol):
     prefix_tokens_reused: int
     spilled_blocks: int
     restored_blocks: int
+    recomputed_blocks: int
 
     @property
     def prefill_target(self) -> int: ...
+
+
+@dataclass(slots=True)
+class _Admission:
+    """What an admission planned to reuse; counted once its loads have landed, so a block that
+    failed its checksum is reported as recomputed, never as reused."""
+
+    tokens: int  # tokens the plan covers
+    lookup: int  # tokens that were looked up
+    loaded: set[int]  # device blocks the loads fill
+    restore: bool  # a preempted sequence coming back: its prefix was counted when it was first admitted
+    failed: set[int] = field(default_factory=set)  # loaded blocks whose bytes did not arrive
 
 
 @dataclass(slots=True)
@@ -90,6 +114,7 @@ class _SeqState:
     registered: int = 0  # table blocks already looked at for registration
     moves: list[Move] = field(default_factory=list)  # loads the sequence waits for
     pinned: list[Entry] = field(default_factory=list)  # entries kept for it while it is preempted
+    admission: _Admission | None = None  # placed, its loads not all landed yet
     preempted: bool = False
     placed: bool = False
 
@@ -114,6 +139,23 @@ def _available_memory() -> int:
     return psutil.virtual_memory().available
 
 
+def _host_tier(config: KVManagerConfig, codec: BlockCodec) -> HostStore | None:
+    capacity = config.host_tier_mb * 2**20 // codec.nbytes
+    return HostStore(capacity, codec.nbytes, pin=config.pin_host) if capacity else None
+
+
+def _disk_tier(config: KVManagerConfig, layout: DiskLayout) -> DiskStore | None:
+    capacity = config.disk_tier_mb * 2**20 // layout.nbytes
+    if not capacity:
+        return None
+    root = Path(config.disk_dir).expanduser() if config.disk_dir else default_cache_dir()
+    return open_disk_tier(root, layout, capacity)
+
+
+def disk_layout(fingerprint: bytes, codec: BlockCodec, geometry: BlockGeometry) -> DiskLayout:
+    return DiskLayout(fingerprint.hex(), codec.name, geometry.describe(), codec.nbytes)
+
+
 class KVManager:
     def __init__(self, pool: BlockPool, cache: KVCache, config: KVManagerConfig = KVManagerConfig(),
                  fingerprint: BlockKey = b"\0" * 16, *,
@@ -124,14 +166,22 @@ class KVManager:
         self.config = config
         self.block_size = pool.block_size
         self.root = fingerprint
+        self.clock = clock  # when the memory floor is read
+        self._available_memory = available_memory
+        self.watermarks = Watermarks(config.high_watermark, config.low_watermark)
+        self.floor = MemoryFloor(config.available_floor_mb, config.memory_check_s)
+        self.stats = KVStats()
+        policies = {tier: make_policy(config.policy) for tier in Tier}  # an unknown name fails before any tier opens
         layers, _, bs, kvh, hd = cache.k.shape
         geometry = BlockGeometry(layers, bs, kvh, hd, cache.k.dtype)
         self.codec = make_codec(config.host_precision, geometry, cache.device)
         self.index = PrefixIndex(self.block_size)
-        self.spill = SpillManager(pool, cache, self.codec, self.index, config,
-                                  layout=disk_layout(fingerprint, self.codec, geometry),
-                                  available_memory=available_memory, clock=clock)
-        self.stats = self.spill.stats
+        worker = SpillWorker(cache.device)
+        disk = _disk_tier(config, disk_layout(fingerprint, self.codec, geometry))
+        self.embeddings = EmbeddingStore(disk.dir / "vision", worker) if disk is not None else None
+        self.spill = SpillManager(pool, cache, self.codec, self.index, policies=policies,
+                                  host=_host_tier(config, self.codec), disk=disk, worker=worker,
+                                  pin_host=config.pin_host, floor=self.floor, stats=self.stats)
         self._seqs: dict[int, _SeqState] = {}
         # A short-lived engine (``edgeinfer run``) is collected, not closed: flush then, or at exit.
         self._finalizer = weakref.finalize(self, self.spill.shutdown, config.write_through)
@@ -240,13 +290,12 @@ class KVManager:
         for tier, items in loads.items():
             if items:
                 state.moves.append(self.spill.start_load(seq.seq_id, tier, items))
-        for entry in to_load:  # a copy in the tier it is not loaded from stays a candidate there
-            other = Tier.DISK if entry.busy.src is Tier.HOST else Tier.HOST
-            if entry.where(other) is not None:
-                self.spill.policies[other].insert(entry, self.spill.step, entry.priority)
         self._unpin(state)
-        self._count_admission(state, plan, sum(len(v) for v in loads.values()))
-        state.placed = True
+        loaded = {block for items in loads.values() for _, block, _ in items}
+        state.admission = _Admission(plan.tokens, plan.lookup, loaded, restore=state.preempted)
+        state.preempted, state.placed = False, True
+        if not state.moves:
+            self._close_admission(state)
         return plan.tokens
 
     def _place(self, plan: _Plan, fresh: list[int]) -> tuple[list[int], dict[Tier, list[tuple[Entry, int, bool]]]]:
@@ -270,18 +319,24 @@ class KVManager:
                 loads[Tier.HOST if source.host is not None else Tier.DISK].append((source, block, True))
         return blocks, loads
 
-    def _count_admission(self, state: _SeqState, plan: _Plan, loaded: int) -> None:
-        seq = state.seq
-        seq.restored_blocks += loaded
-        self.stats.restored_blocks += loaded
-        if state.preempted:
-            state.preempted = False
+    def _close_admission(self, state: _SeqState) -> None:
+        """Every load of the admission landed: cut the table before a failed block, then count
+        what the sequence really reuses."""
+        admission, state.admission = state.admission, None
+        seq, stats = state.seq, self.stats
+        if admission.failed:
+            seq.recomputed_blocks += self._truncate(state, admission.failed)
+        restored = sum(1 for block in seq.block_table.blocks if block in admission.loaded)
+        seq.restored_blocks += restored
+        stats.restored_blocks += restored
+        if admission.restore:
             return
-        seq.prefix_tokens_reused += plan.tokens
-        self.stats.lookups += 1
-        self.stats.lookup_tokens += plan.lookup
-        self.stats.hits += plan.tokens > 0
-        self.stats.hit_tokens += plan.tokens
+        reused = min(admission.tokens, seq.block_table.num_tokens)
+        seq.prefix_tokens_reused += reused
+        stats.lookups += 1
+        stats.lookup_tokens += admission.lookup
+        stats.hits += reused > 0
+        stats.hit_tokens += reused
 
     def is_placed(self, seq: KVSequence) -> bool:
         state = self._seqs.get(seq.seq_id)
@@ -300,19 +355,20 @@ class KVManager:
             self._settle_loads()
 
     def _settle_loads(self) -> None:
-        """Loads that landed: their sequences stop waiting; a failed block cuts its table there."""
-        landed, self.spill.landed = self.spill.landed, []
-        for move in landed:
+        """Loads that landed: a sequence whose last load landed stops waiting (its table cut before
+        a failed block only then, so no load in flight writes into a block given back)."""
+        for move in self.spill.take_landed():
             state = self._seqs.get(move.seq_id)
             if state is None:
                 continue
             state.moves.remove(move)
-            bad = [move.dst_slots[i] for i in move.failed]
-            if bad:
-                self._truncate(state, bad)
+            state.admission.failed.update(move.dst_slots[i] for i in move.failed)
+            if not state.moves:
+                self._close_admission(state)
 
-    def _truncate(self, state: _SeqState, bad_blocks: list[int]) -> None:
-        """Cut the table before its first bad block: the sequence recomputes from there."""
+    def _truncate(self, state: _SeqState, bad_blocks: set[int]) -> int:
+        """Cut the table before its first bad block: the sequence recomputes from there. Returns
+        the blocks cut."""
         table = state.seq.block_table
         first = min(table.blocks.index(b) for b in bad_blocks)
         dropped = table.blocks[first:]
@@ -324,6 +380,7 @@ class KVManager:
             entry = self.index.on_device.get(block)
             if entry is not None:
                 self.spill.settle(entry)
+        return len(dropped)
 
     # --- running sequences -----------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -428,7 +485,7 @@ class KVManager:
         entries = self._release_table(state)
         self._unpin(state)
         mine = {id(e) for e in entries}
-        seq.spilled_blocks += sum(id(e) in mine for e in self.spill.relieve_device())  # above the watermark
+        seq.spilled_blocks += sum(id(e) in mine for e in self._relieve_device())  # above the watermark
         if self.config.write_through:
             self.spill.persist([e for e in entries if e.disk is None and e.busy is None])
 
@@ -440,22 +497,70 @@ class KVManager:
 
     # --- once per step, and the rest -------------------------------------------------------------
     def poll(self) -> None:
-        """Complete finished transfers; spill idle blocks above the high watermark."""
-        self.spill.poll()
-        if self.spill.landed:
-            self._settle_loads()
+        """Complete finished transfers; apply the watermarks and the available-memory floor."""
+        self.spill.tick()
+        if self.spill.has_lower_tier:
+            self._watch_memory()
+            self._relieve_device()
+            self._relieve_host()
+        self._settle_loads()
 
-    def spill_idle(self, to: str | None = None) -> int:
-        """Move idle blocks down now (``None``: by the watermarks; ``"host"``, ``"disk"``: all of them)."""
-        moved = self.spill.spill_idle(to)
+    def _watch_memory(self) -> None:
+        """Read available memory when the floor wants a reading; warn once when it goes under."""
+        if not self.floor.enabled:
+            return
+        now = self.clock()
+        if self.floor.due(now) and self.floor.observe(self._available_memory(), now):
+            self.stats.floor_events += 1
+            log.warning("available memory is under the profile's floor of %d MiB: the host KV tier shrinks "
+                        "and new spills go to disk", self.floor.floor_mb)
+
+    def _relieve_device(self) -> list[Entry]:
+        """Above the high watermark of device blocks holding content, spill idle ones down to the low
+        one (without a lower tier, idle blocks wait to be reclaimed). Returns the entries moved."""
+        spill, pool = self.spill, self.pool
+        holding = pool.num_blocks - pool.num_blank
+        # ``holding`` bounds the count from above without counting spills in flight (every step).
+        if not spill.idle_candidates or not spill.has_lower_tier or not self.watermarks.over_high(
+                holding, pool.num_blocks):
+            return []
+        excess = self.watermarks.device_excess(holding - spill.pinned_only(), pool.num_blocks)
+        return spill.spill_coldest(excess) if excess > 0 else []
+
+    def _relieve_host(self) -> None:
+        host = self.spill.host
+        if host is None:
+            return
+        excess = self.watermarks.host_excess(host.num_used, host.capacity, floor_breached=self.floor.breached,
+                                             has_disk=self.spill.disk is not None)
+        if excess > 0:
+            self.spill.shrink_host(excess)
+
+    def spill_idle(self, to: Tier | str | None = None) -> int:
+        """Move idle blocks down now and wait for it; returns the blocks stored.
+
+        ``None`` applies the watermarks; ``"host"`` moves every idle device block to the host
+        tier; ``"disk"`` moves every idle block of the device and the host tier to disk.
+        """
+        self.spill.drain()  # blocks busy with a transfer are not candidates: let those finish first
+        if to is None:
+            before = self.stats.spilled_blocks
+            self._relieve_device()
+            self.spill.drain()
+            moved = self.stats.spilled_blocks - before
+        else:
+            moved = self.spill.spill_all(Tier(to))
         self._settle_loads()
         return moved
 
     def load_embedding(self, image_hash: str) -> torch.Tensor | None:
-        return self.spill.load_embedding(image_hash)
+        """Forwards to ``embeddings.load`` (None without a disk tier)."""
+        return None if self.embeddings is None else self.embeddings.load(image_hash)
 
     def store_embedding(self, image_hash: str, embeds: torch.Tensor) -> None:
-        self.spill.store_embedding(image_hash, embeds)
+        """Forwards to ``embeddings.store`` (nothing without a disk tier)."""
+        if self.embeddings is not None:
+            self.embeddings.store(image_hash, embeds)
 
     @property
     def disk(self):
@@ -478,14 +583,9 @@ class KVManager:
     def metrics(self) -> KVMetrics:
         """A snapshot; it reads but never changes the manager, so another thread may call it."""
         spill, s = self.spill, self.stats
-        tiers = {"device": TierUsage(self.pool.num_blocks, spill.device_states(), self.codec.nbytes)}
-        for tier in (Tier.HOST, Tier.DISK):
-            store = spill.store_of(tier)
-            if store is not None:
-                tiers[tier.value] = TierUsage(store.capacity, spill.tier_states(tier), self.codec.nbytes)
         return KVMetrics(
-            tiers=tiers, codec=self.codec.name, spilled_blocks=s.spilled_blocks, restored_blocks=s.restored_blocks,
-            persisted_blocks=s.persisted_blocks, spill_bytes=s.spill_bytes, restore_bytes=s.restore_bytes,
+            tiers=spill.tier_usage(), codec=self.codec.name, spilled_blocks=s.spilled_blocks,
+            restored_blocks=s.restored_blocks, persisted_blocks=s.persisted_blocks, spill_bytes=s.spill_bytes, restore_bytes=s.restore_bytes,
             persist_bytes=s.persist_bytes, spill_latency=s.spill_latency.copy(),
             restore_latency=s.restore_latency.copy(), prefix_lookups=s.lookups, prefix_hits=s.hits,
             prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens, preemptions=s.preemptions,
@@ -495,28 +595,14 @@ class KVManager:
 
     def check(self) -> None:
         """Raise AssertionError where the bookkeeping disagrees with itself (for tests and debugging)."""
-        spill, problems = self.spill, []
-        entries = self.index.entries()
+        problems = []
         for block, entry in self.index.on_device.items():
             if entry.device != block:
                 problems.append(f"block {block} maps to an entry on block {entry.device}")
-        for entry in entries:
+        for entry in self.index.entries():
             if entry.device is not None and self.index.on_device.get(entry.device) is not entry:
                 problems.append(f"entry on block {entry.device} is not in the device map")
-            for tier in Tier:
-                where, listed = entry.where(tier), entry in spill.policies[tier]
-                free = entry.busy is None or tier not in (entry.busy.src, entry.busy.dst)
-                candidate = where is not None and free and (tier is not Tier.DEVICE or self.pool.is_idle(where))
-                if listed != candidate:
-                    problems.append(f"entry in {tier.value} slot {where}: candidate {candidate}, listed {listed}")
-        if not spill.moves:
-            if spill.device_pins or spill.loading:
-                problems.append(f"pins {spill.device_pins} or loads {spill.loading} without transfers")
-            for tier in (Tier.HOST, Tier.DISK):
-                store = spill.store_of(tier)
-                held = sum(1 for e in entries if e.where(tier) is not None)
-                if store is not None and store.num_used != held:
-                    problems.append(f"{tier.value} tier has {store.num_used} slots in use, entries hold {held}")
+        problems += self.spill.problems()
         if problems:
             raise AssertionError("; ".join(problems))
 

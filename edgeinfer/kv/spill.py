@@ -1,13 +1,17 @@
-"""The spill manager: where each cached block lives, and moving it between device, host and disk.
+"""The spill manager: where each cached block lives, and the mechanism that moves it between tiers.
 
-It owns the host and disk tiers, one eviction policy per tier, the spill worker and the
-transfers in flight. The KV manager asks it for room (``reclaim``), to spill entries, to
-load them back (``start_load``), and calls ``poll`` once per step.
+It owns the host and disk tiers and the spill worker it is given, one eviction policy per
+tier (the entries that may leave that tier) and the transfers in flight. It decides which
+blocks go (the policies) and how; never *when* to spill ahead of need: the KV manager
+asks, applying the rules of :mod:`edgeinfer.kv.pressure`. The only rule it reads is the
+memory floor's state: under the floor the host tier takes no new spills.
 
 Candidates: on the device, idle entries (their block is cached but nobody owns it); on
-the host and the disk, every entry there that no transfer is using. A transfer is
-prepared here (destination reserved, device sources referenced, entries busy), runs on
-the worker (:class:`~edgeinfer.kv.transfer.Mover`) and is completed or rolled back
+the host and the disk, every entry there that no transfer is using.
+
+Transfers are two-phase. A :class:`~edgeinfer.kv.entry.Move` is *prepared* here on the
+engine's thread (destination reserved, device sources referenced, entries busy), runs on
+the worker (:class:`~edgeinfer.kv.transfer.Mover`), and is *completed* or *rolled back*
 here, on the engine's thread, in ``collect``.
 """
 
@@ -15,80 +19,48 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import time
-from collections.abc import Callable
-from pathlib import Path
-
-import torch
 
 from edgeinfer.errors import CapacityError
-from edgeinfer.kv.codec import BlockCodec, BlockGeometry
-from edgeinfer.kv.disk import (
-    DiskBusyError,
-    DiskLayout,
-    DiskStore,
-    EmbeddingFiles,
-    default_cache_dir,
-)
-from edgeinfer.kv.entry import Entry, PrefixIndex, Tier
+from edgeinfer.kv.codec import BlockCodec
+from edgeinfer.kv.disk import DiskStore
+from edgeinfer.kv.entry import Entry, Move, MoveKind, PrefixIndex, Tier
 from edgeinfer.kv.host import HostStore
-from edgeinfer.kv.metrics import KVStats
-from edgeinfer.kv.policy import EvictionPolicy, make_policy
+from edgeinfer.kv.metrics import KVStats, TierUsage
+from edgeinfer.kv.policy import EvictionPolicy
 from edgeinfer.kv.pool import BlockPool, KVCache
-from edgeinfer.kv.transfer import Move, Mover
+from edgeinfer.kv.pressure import MemoryFloor
+from edgeinfer.kv.transfer import Mover
 from edgeinfer.kv.worker import Job, SpillWorker
 
 log = logging.getLogger(__name__)
 
 
 class SpillManager:
-    def __init__(self, pool: BlockPool, cache: KVCache, codec: BlockCodec, index: PrefixIndex, config, *,
-                 layout: DiskLayout, available_memory: Callable[[], int], clock: Callable[[], float]) -> None:
+    def __init__(self, pool: BlockPool, cache: KVCache, codec: BlockCodec, index: PrefixIndex, *,
+                 policies: dict[Tier, EvictionPolicy], host: HostStore | None, disk: DiskStore | None,
+                 worker: SpillWorker, pin_host: bool, floor: MemoryFloor, stats: KVStats) -> None:
         self.pool = pool
         self.cache = cache
         self.codec = codec
         self.index = index
-        self.config = config
-        self.stats = KVStats()
-        self.policies: dict[Tier, EvictionPolicy] = {tier: make_policy(config.policy) for tier in Tier}
-        self.host = self._open_host()
-        self.disk, self.embeddings = self._open_disk(layout)
-        self.worker = SpillWorker(cache.device)
-        self.mover = Mover(cache, codec, self.host, self.disk, config.pin_host)
-        self.moves: dict[Job, Move] = {}
-        self.landed: list[Move] = []  # completed loads, for the KV manager to settle
-        self.device_pins: dict[int, int] = {}  # device block -> stores reading it
-        self.loading: set[int] = set()  # device blocks being written by loads
-        self.step = 0
+        self.host = host
+        self.disk = disk
+        self.worker = worker
+        self.stats = stats
+        self._policies = policies
+        self._floor = floor  # read here, updated by the KV manager
+        self._mover = Mover(cache, codec, host, disk, pin_host)
+        self._moves: dict[Job, Move] = {}
+        self._landed: list[Move] = []  # completed restores, for the KV manager to settle
+        self._device_pins: dict[int, int] = {}  # device block -> stores reading it
+        self._loading: set[int] = set()  # device blocks being written by restores
+        self._step = 0
         self._warned: set[str] = set()
-        self._available_memory = available_memory
-        self._clock = clock
-        self._next_memory_check = 0.0
-        self.floor_breached = False
         self._shut = False
         self._adopt_disk_records()
 
     # --- tiers -------------------------------------------------------------------------------
-    def _open_host(self) -> HostStore | None:
-        capacity = self.config.host_tier_mb * 2**20 // self.codec.nbytes
-        return HostStore(capacity, self.codec.nbytes, pin=self.config.pin_host) if capacity else None
-
-    def _open_disk(self, layout: DiskLayout) -> tuple[DiskStore | None, EmbeddingFiles | None]:
-        capacity = self.config.disk_tier_mb * 2**20 // self.codec.nbytes
-        if not capacity:
-            return None, None
-        root = Path(self.config.disk_dir).expanduser() if self.config.disk_dir else default_cache_dir()
-        try:
-            disk = DiskStore(root, layout, capacity)
-        except DiskBusyError as error:
-            log.warning("%s; this engine runs without a disk tier", error)
-            return None, None
-        except OSError as error:
-            log.warning("cannot use KV cache folder %s (%s); this engine runs without a disk tier", root, error)
-            return None, None
-        return disk, EmbeddingFiles(disk.dir / "vision")
-
     def _adopt_disk_records(self) -> None:
         """Index the blocks a previous run left on disk."""
         if self.disk is None:
@@ -99,7 +71,7 @@ class SpillManager:
                 continue
             entry = Entry(record.key, record.valid, record.aliases, disk=slot)
             self.index.add(entry)
-            self.policies[Tier.DISK].insert(entry, 0, entry.priority)
+            self._policies[Tier.DISK].insert(entry, 0, entry.priority)
 
     @property
     def has_lower_tier(self) -> bool:
@@ -113,49 +85,57 @@ class SpillManager:
             self._warned.add(what)
             log.warning(message, *args)
 
+    def tick(self) -> None:
+        """One engine step passed (the policies' clock); complete the transfers that finished."""
+        self._step += 1
+        if self._moves:
+            self.collect()
+
     # --- device copies and candidates ------------------------------------------------------------
     def attach(self, entry: Entry, block: int) -> None:
         """``block`` now holds ``entry``'s content (cached: it stays when its owners free it)."""
-        entry.device = block
+        entry.place(Tier.DEVICE, block)
         self.pool.mark_cached(block)
         self.index.on_device[block] = entry
 
     def take(self, entry: Entry) -> None:
         """One more reference to an entry's device block."""
         if self.pool.is_idle(entry.device):
-            self.policies[Tier.DEVICE].remove(entry)
+            self._policies[Tier.DEVICE].remove(entry)
         self.pool.revive(entry.device)
-        self.touch(entry)
+        self._touch(entry)
 
-    def touch(self, entry: Entry) -> None:
+    def _touch(self, entry: Entry) -> None:
         for tier in Tier:
             if entry.where(tier) is not None:
-                self.policies[tier].touch(entry, self.step)
+                self._policies[tier].touch(entry, self._step)
 
     def settle(self, entry: Entry) -> None:
         """After a reference to its block was dropped: an idle block becomes a candidate."""
         if entry.device is not None and self.pool.is_idle(entry.device) and entry.busy is None:
-            self.policies[Tier.DEVICE].insert(entry, self.step, entry.priority)
+            self._policies[Tier.DEVICE].insert(entry, self._step, entry.priority)
 
     def reprioritize(self, entry: Entry) -> None:
+        """The entry's pins changed: where it is a candidate, it is one at its new priority."""
         for tier in Tier:
-            if entry in self.policies[tier]:
-                self.policies[tier].insert(entry, self.step, entry.priority)
+            if entry in self._policies[tier]:
+                self._policies[tier].insert(entry, self._step, entry.priority)
 
     def withdraw(self, entries: list[Entry], tier: Tier) -> None:
+        """Entries that must stay in ``tier`` for now (about to be restored from it)."""
         for entry in entries:
-            self.policies[tier].remove(entry)
+            self._policies[tier].remove(entry)
 
-    def drop(self, entry: Entry, tier: Tier) -> None:
+    def _drop(self, entry: Entry, tier: Tier) -> None:
         """Forget ``entry``'s copy in ``tier`` (the entry is not busy; a device copy is idle)."""
-        self.policies[tier].remove(entry)
+        self._policies[tier].remove(entry)
         where = entry.where(tier)
         if tier is Tier.DEVICE:
             del self.index.on_device[where]
             self.pool.uncache(where)
         else:
             self.store_of(tier).release(where)
-        setattr(entry, tier.value, None)
+        entry.place(tier, None)
         if not entry.located:
             self.index.forget(entry)
             self.stats.lost_blocks += entry.pins > 0
@@ -163,40 +143,52 @@ class SpillManager:
     # --- room ----------------------------------------------------------------------------------
     def spill_only(self, block: int) -> bool:
         """Only a spill in flight holds device ``block``: it is blank once the spill completes."""
-        pins = self.device_pins.get(block, 0)
+        pins = self._device_pins.get(block, 0)
         return pins > 0 and self.pool.refcount(block) == pins
 
     def pinned_only(self) -> int:
         """Device blocks only a spill in flight holds: blank once it completes."""
-        return sum(1 for b in list(self.device_pins) if self.spill_only(b))
+        return sum(1 for b in list(self._device_pins) if self.spill_only(b))
+
+    @property
+    def idle_candidates(self) -> int:
+        """Idle device blocks the policy may give up."""
+        return len(self._policies[Tier.DEVICE])
 
     def reclaimable(self) -> int:
-        return len(self.policies[Tier.DEVICE]) + self.pinned_only()
+        return self.idle_candidates + self.pinned_only()
 
     def reclaim(self, n: int) -> None:
-        """Make ``n`` blank device blocks, spilling or dropping idle ones; waits for spills it needs."""
+        """Make ``n`` blank device blocks, spilling or dropping idle ones; waits for spills it needs.
+
+        Atomic: when even every candidate would not make room, it raises CapacityError before
+        giving any up."""
+        if n > self.pool.num_blank + self.reclaimable():
+            raise CapacityError(f"KV pool has {self.pool.num_blank} free blocks and {self.reclaimable()} "
+                                f"it can free, {n} needed")
         while self.pool.num_blank < n:
-            policy = self.policies[Tier.DEVICE]
+            policy = self._policies[Tier.DEVICE]
             short = n - self.pool.num_blank
-            victims = policy.evict(min(short, len(policy)), self.step) if len(policy) else []
+            victims = policy.evict(min(short, len(policy)), self._step) if len(policy) else []
             if not victims:
-                spills = [m for m in self.moves.values() if m.src is Tier.DEVICE]
+                spills = [m for m in self._moves.values() if m.src is Tier.DEVICE]
                 if not spills:
                     raise CapacityError(f"KV pool has {self.pool.num_blank} free blocks, {n} needed")
                 self.wait(spills[0])
                 continue
             if self.spill(victims, urgent=True, lose_unplaced=True):
-                for move in [m for m in self.moves.values() if m.src is Tier.DEVICE and m.job.urgent]:
+                for move in [m for m in self._moves.values() if m.src is Tier.DEVICE and m.job.urgent]:
                     self.wait(move)
 
     def spill(self, entries: list[Entry], urgent: bool, lose_unplaced: bool, only: Tier | None = None) -> int:
         """Store idle device entries to the host (or the disk, or ``only`` there) and drop them from
-        the device when done; an entry that already has a copy there is dropped now. Entries with nowhere to go are dropped now (``lose_unplaced``: their room is needed)
-        or stay idle on the device. Returns how many are being stored."""
+        the device when done; an entry that already has a copy there is dropped now. Entries with
+        nowhere to go are dropped now (``lose_unplaced``: their room is needed) or stay idle on the
+        device. Returns how many are being stored."""
         lower = (only,) if only else (Tier.HOST, Tier.DISK)
         for entry in entries:  # a copy below already: the device copy just goes
             if any(entry.where(tier) is not None for tier in lower):
-                self.drop(entry, Tier.DEVICE)
+                self._drop(entry, Tier.DEVICE)
         entries = [e for e in entries if e.device is not None]
         if not entries:
             return 0
@@ -204,42 +196,86 @@ class SpillManager:
         to_host, to_disk = self._destinations(entries, only)
         for tier, items in ((Tier.HOST, to_host), (Tier.DISK, to_disk)):
             if items:
-                self.start_store([e for e, _ in items], Tier.DEVICE, tier, [s for _, s in items],
-                                 drop_source=True, reason="spill", urgent=urgent)
+                self._start_store([e for e, _ in items], Tier.DEVICE, tier, [s for _, s in items],
+                                  MoveKind.SPILL, urgent=urgent)
         placed = {id(e) for e, _ in to_host + to_disk}
         for entry in entries:
             if id(entry) in placed:
                 continue
             if lose_unplaced:
-                self.drop(entry, Tier.DEVICE)
+                self._drop(entry, Tier.DEVICE)
             else:
                 self.settle(entry)
         return len(placed)
+
+    def spill_coldest(self, n: int) -> list[Entry]:
+        """Spill up to ``n`` idle device entries, least valuable first, in the background; those
+        with nowhere to go stay idle. Returns the entries the policy gave up."""
+        policy = self._policies[Tier.DEVICE]
+        victims = policy.evict(min(n, len(policy)), self._step)
+        self.spill(victims, urgent=False, lose_unplaced=False)
+        return victims
+
+    def shrink_host(self, n: int) -> None:
+        """Push up to ``n`` host entries out, least valuable first: to disk in the background when
+        that is their only other copy and the disk has room, else they are dropped (the memory
+        is what is wanted)."""
+        policy = self._policies[Tier.HOST]
+        for entry in policy.evict(min(len(policy), n), self._step):
+            if entry.disk is None and entry.device is None and (slot := self._reserve(Tier.DISK)) is not None:
+                self._start_store([entry], Tier.HOST, Tier.DISK, [slot], MoveKind.SPILL, urgent=False)
+            else:
+                self._drop(entry, Tier.HOST)
+
+    def spill_all(self, tier: Tier) -> int:
+        """Move every idle device block to ``tier`` now, and for the disk every host block too, and
+        wait for it; returns the blocks stored."""
+        if tier is Tier.DEVICE or self.store_of(tier) is None:
+            raise ValueError(f"there is no {tier.value!r} tier to spill to")
+        policy = self._policies[Tier.DEVICE]
+        moved = self.spill(policy.evict(len(policy), self._step), urgent=True, lose_unplaced=False, only=tier)
+        self.drain()
+        if tier is Tier.DISK and self.host is not None:
+            moved += self._demote_host()
+        return moved
+
+    def _demote_host(self) -> int:
+        policy, moved = self._policies[Tier.HOST], 0
+        for entry in policy.evict(len(policy), self._step):
+            if entry.disk is not None:
+                self._drop(entry, Tier.HOST)
+            elif (slot := self._reserve(Tier.DISK)) is not None:
+                self._start_store([entry], Tier.HOST, Tier.DISK, [slot], MoveKind.SPILL, urgent=True)
+                moved += 1
+            else:
+                policy.insert(entry, self._step, entry.priority)
+        self.drain()
+        return moved
 
     def _destinations(self, entries: list[Entry], only: Tier | None
                       ) -> tuple[list[tuple[Entry, int]], list[tuple[Entry, int]]]:
         """Slots for ``entries``: the host tier first (not while memory is under the floor), then disk."""
         to_host, to_disk = [], []
-        use_host = only in (None, Tier.HOST) and not self.floor_breached
+        use_host = only in (None, Tier.HOST) and not self._floor.breached
         use_disk = only in (None, Tier.DISK)
         for entry in entries:
-            slot = self.reserve(Tier.HOST) if use_host else None
+            slot = self._reserve(Tier.HOST) if use_host else None
             if slot is not None:
                 to_host.append((entry, slot))
-            elif use_disk and (slot := self.reserve(Tier.DISK)) is not None:
+            elif use_disk and (slot := self._reserve(Tier.DISK)) is not None:
                 to_disk.append((entry, slot))
         return to_host, to_disk
 
-    def reserve(self, tier: Tier) -> int | None:
+    def _reserve(self, tier: Tier) -> int | None:
         """A free slot in ``tier``, evicting its least valuable entry when it is full."""
         store = self.store_of(tier)
         if store is None:
             return None
         slot = store.reserve()
         if slot is None:
-            victims = self.policies[tier].evict(1, self.step)
+            victims = self._policies[tier].evict(1, self._step)
             if victims:
-                self.drop(victims[0], tier)
+                self._drop(victims[0], tier)
                 slot = store.reserve()
         return slot
 
@@ -249,85 +285,98 @@ class SpillManager:
             return
         for tier in (Tier.DEVICE, Tier.HOST):
             items = [(e, s) for e in entries if e.where(tier) is not None and e.busy is None and e.disk is None
-                     and (s := self.reserve(Tier.DISK)) is not None]
+                     and (s := self._reserve(Tier.DISK)) is not None]
             if items:
-                self.start_store([e for e, _ in items], tier, Tier.DISK, [s for _, s in items],
-                                 drop_source=False, reason="persist", urgent=False)
+                self._start_store([e for e, _ in items], tier, Tier.DISK, [s for _, s in items],
+                                  MoveKind.PERSIST, urgent=False)
 
-    # --- transfers -----------------------------------------------------------------------------
-    def start_store(self, entries: list[Entry], src: Tier, dst: Tier, slots: list[int], *, drop_source: bool,
-                    reason: str, urgent: bool) -> Move:
-        move = Move("store", reason, src, dst, entries, [e.where(src) for e in entries], slots,
-                    drop_source=drop_source)
+    # --- transfers: prepare ----------------------------------------------------------------------
+    def _start_store(self, entries: list[Entry], src: Tier, dst: Tier, slots: list[int], kind: MoveKind, *,
+                     urgent: bool) -> Move:
+        move = Move(kind, src, dst, entries, [e.where(src) for e in entries], slots)
         for entry in entries:
-            self.policies[src].remove(entry)
+            self._policies[src].remove(entry)
             if src is Tier.DEVICE:
                 self.pool.revive(entry.device)
-                self.device_pins[entry.device] = self.device_pins.get(entry.device, 0) + 1
+                self._device_pins[entry.device] = self._device_pins.get(entry.device, 0) + 1
             entry.busy = move
         return self._submit(move, urgent)
 
     def start_load(self, seq_id: int, src: Tier, items: list[tuple[Entry, int, bool]]) -> Move:
-        """Load (entry, device block, private) triples from ``src``; private blocks belong to the sequence."""
+        """Restore (entry, device block, private) triples from ``src``; private blocks belong to the
+        sequence. An entry's copy in the other lower tier stays a candidate there."""
         entries = [e for e, _, _ in items]
-        move = Move("load", "restore", src, Tier.DEVICE, entries, [e.where(src) for e in entries],
+        move = Move(MoveKind.RESTORE, src, Tier.DEVICE, entries, [e.where(src) for e in entries],
                     [b for _, b, _ in items], private=[p for _, _, p in items], seq_id=seq_id)
+        other = Tier.DISK if src is Tier.HOST else Tier.HOST
         for entry in entries:
-            self.policies[src].remove(entry)
+            self._policies[src].remove(entry)
             entry.busy = move
-        self.loading.update(move.dst_slots)
+            if entry.where(other) is not None:
+                self._policies[other].insert(entry, self._step, entry.priority)
+        self._loading.update(move.dst_slots)
         return self._submit(move, urgent=True)
 
     def _submit(self, move: Move, urgent: bool) -> Move:
-        move.job = Job(lambda: self.mover.execute(move), urgent, after=self.worker.compute_event())
+        move.job = Job(lambda: self._mover.execute(move), urgent, after=self.worker.compute_event())
         move.submitted = time.perf_counter()
-        self.moves[move.job] = move
+        self._moves[move.job] = move
         self.worker.submit(move.job)
         return move
 
+    # --- transfers: complete or roll back ------------------------------------------------------------
     def wait(self, move: Move) -> None:
         started = time.perf_counter()
         self.worker.wait(move.job)
         self.stats.wait_s += time.perf_counter() - started
         self.collect()
 
+    def drain(self) -> None:
+        self.worker.drain()
+        self.collect()
+
     def collect(self) -> None:
         """Complete (or roll back) every transfer the worker finished."""
         for job in self.worker.finished():
-            move = self.moves.pop(job, None)
+            move = self._moves.pop(job, None)
             if move is None:
                 continue
-            if job.error is not None and move.kind == "store":
+            if job.error is not None and move.kind.is_store:
                 self._rollback_store(move, job.error)
                 continue
             if job.error is not None:
                 log.warning("loading KV blocks failed (%s); they are recomputed", job.error)
                 move.failed = list(range(len(move.entries)))
-            (self._complete_store if move.kind == "store" else self._complete_load)(move)
+            (self._complete_store if move.kind.is_store else self._complete_load)(move)
+
+    def take_landed(self) -> list[Move]:
+        """Restores completed since the last call (their ``failed`` says which blocks did not arrive)."""
+        landed, self._landed = self._landed, []
+        return landed
 
     def _unpin_device(self, block: int) -> None:
-        count = self.device_pins[block] - 1
+        count = self._device_pins[block] - 1
         if count:
-            self.device_pins[block] = count
+            self._device_pins[block] = count
         else:
-            del self.device_pins[block]
+            del self._device_pins[block]
         self.pool.free([block])
 
     def _release_source(self, entry: Entry, move: Move, drop: bool) -> None:
         if move.src is Tier.DEVICE:
             self._unpin_device(entry.device)
             if drop and self.pool.is_idle(entry.device):
-                self.drop(entry, Tier.DEVICE)  # unless a request took the block meanwhile
+                self._drop(entry, Tier.DEVICE)  # unless a request took the block meanwhile
             else:
                 self.settle(entry)
         elif drop:
-            self.drop(entry, move.src)
+            self._drop(entry, move.src)
         else:
-            self.policies[move.src].insert(entry, self.step, entry.priority)
+            self._policies[move.src].insert(entry, self._step, entry.priority)
 
     def _complete_store(self, move: Move) -> None:
         nbytes = len(move.entries) * self.codec.nbytes
-        if move.reason == "persist":
+        if move.kind is MoveKind.PERSIST:
             self.stats.persisted_blocks += len(move.entries)
             self.stats.persist_bytes += nbytes
         else:
@@ -337,9 +386,9 @@ class SpillManager:
             self.stats.transfer_s += move.job.seconds
         for entry, slot in zip(move.entries, move.dst_slots):
             entry.busy = None
-            setattr(entry, move.dst.value, slot)
-            self.policies[move.dst].insert(entry, self.step, entry.priority)
-            self._release_source(entry, move, move.drop_source)
+            entry.place(move.dst, slot)
+            self._policies[move.dst].insert(entry, self._step, entry.priority)
+            self._release_source(entry, move, move.kind.drops_source)
 
     def _rollback_store(self, move: Move, error: BaseException) -> None:
         if move.dst is Tier.DISK:
@@ -356,143 +405,37 @@ class SpillManager:
             entry.busy = None
             self.store_of(move.dst).release(slot)
             # A spill whose room is needed now drops the block: it is recomputed when wanted.
-            self._release_source(entry, move, move.drop_source and move.job.urgent)
+            self._release_source(entry, move, move.kind.drops_source and move.job.urgent)
 
     def _complete_load(self, move: Move) -> None:
         self.stats.restore_latency.observe(time.perf_counter() - move.submitted)
         self.stats.restore_bytes += (len(move.entries) - len(move.failed)) * self.codec.nbytes
         self.stats.transfer_s += move.job.seconds
-        self.loading.difference_update(move.dst_slots)
+        self._loading.difference_update(move.dst_slots)
         for i, (entry, block) in enumerate(zip(move.entries, move.dst_slots)):
             entry.busy = None
             if i in move.failed:
                 self.stats.recomputes += 1
                 if entry.where(move.src) is not None:
-                    self.drop(entry, move.src)
+                    self._drop(entry, move.src)
                 continue
-            self.policies[move.src].insert(entry, self.step, entry.priority)
+            self._policies[move.src].insert(entry, self._step, entry.priority)
             if not move.private[i] and entry.device is None:
                 self.attach(entry, block)
-        self.landed.append(move)
-
-    # --- once per step ---------------------------------------------------------------------------
-    def poll(self) -> None:
-        """Complete finished transfers; apply the watermarks and the available-memory floor."""
-        self.step += 1
-        if self.moves:
-            self.collect()
-        if self.has_lower_tier:
-            self._check_memory()
-            self.relieve_device()
-            if self.host is not None:
-                self._relieve_host()
-
-    def relieve_device(self) -> list[Entry]:
-        """Above the high watermark of device blocks holding content, spill idle ones down to the low
-        one (without a lower tier, idle blocks wait to be reclaimed). Returns the entries moved."""
-        policy = self.policies[Tier.DEVICE]
-        high = self.config.high_watermark * self.pool.num_blocks
-        if not len(policy) or not self.has_lower_tier or self.pool.num_blocks - self.pool.num_blank <= high:
-            return []  # the last test bounds ``used`` from above without counting the pins (every step)
-        used = self.pool.num_blocks - self.pool.num_blank - self.pinned_only()
-        if used <= high:
-            return []
-        excess = used - math.floor(self.config.low_watermark * self.pool.num_blocks)
-        victims = policy.evict(min(excess, len(policy)), self.step)
-        self.spill(victims, urgent=False, lose_unplaced=False)
-        return victims
-
-    def _relieve_host(self) -> None:
-        """Above the high watermark (with a disk to go to), shrink the host tier to the low one; while
-        available memory is under the floor, shrink it by the same ratio at every check."""
-        host, policy = self.host, self.policies[Tier.HOST]
-        if self.floor_breached:
-            target = math.floor(self.config.low_watermark * host.num_used)
-        elif self.disk is not None and host.num_used > self.config.high_watermark * host.capacity:
-            target = math.floor(self.config.low_watermark * host.capacity)
-        else:
-            return
-        for entry in policy.evict(min(len(policy), host.num_used - target), self.step):
-            if entry.disk is None and entry.device is None and (slot := self.reserve(Tier.DISK)) is not None:
-                self.start_store([entry], Tier.HOST, Tier.DISK, [slot], drop_source=True, reason="spill",
-                                 urgent=False)
-            else:
-                self.drop(entry, Tier.HOST)
-
-    def _check_memory(self) -> None:
-        if not self.config.available_floor_mb:
-            return
-        now = self._clock()
-        if now < self._next_memory_check:
-            return
-        self._next_memory_check = now + self.config.memory_check_s
-        breached = self._available_memory() < self.config.available_floor_mb * 2**20
-        if breached and not self.floor_breached:
-            self.stats.floor_events += 1
-            log.warning("available memory is under the profile's floor of %d MiB: the host KV tier shrinks "
-                        "and new spills go to disk", self.config.available_floor_mb)
-        self.floor_breached = breached
-
-    def spill_idle(self, to: str | None = None) -> int:
-        """Move idle blocks down now and wait for it; returns the blocks stored.
-
-        ``None`` applies the watermarks; ``"host"`` moves every idle device block to the host
-        tier; ``"disk"`` moves every idle block of the device and the host tier to disk.
-        """
-        self.drain()  # blocks busy with a transfer are not candidates: let those finish first
-        if to is None:
-            before = self.stats.spilled_blocks
-            self.relieve_device()
-            self.drain()
-            return self.stats.spilled_blocks - before
-        tier = Tier(to)
-        if tier is Tier.DEVICE or self.store_of(tier) is None:
-            raise ValueError(f"there is no {to!r} tier to spill to")
-        policy = self.policies[Tier.DEVICE]
-        moved = self.spill(policy.evict(len(policy), self.step), urgent=True, lose_unplaced=False, only=tier)
-        self.drain()
-        if tier is Tier.DISK and self.host is not None:
-            moved += self._demote_host()
-        return moved
-
-    def _demote_host(self) -> int:
-        policy, moved = self.policies[Tier.HOST], 0
-        for entry in policy.evict(len(policy), self.step):
-            if entry.disk is not None:
-                self.drop(entry, Tier.HOST)
-            elif (slot := self.reserve(Tier.DISK)) is not None:
-                self.start_store([entry], Tier.HOST, Tier.DISK, [slot], drop_source=True, reason="spill",
-                                 urgent=True)
-                moved += 1
-            else:
-                policy.insert(entry, self.step, entry.priority)
-        self.drain()
-        return moved
-
-    def drain(self) -> None:
-        self.worker.drain()
-        self.collect()
-
-    # --- vision outputs --------------------------------------------------------------------------
-    def load_embedding(self, image_hash: str) -> torch.Tensor | None:
-        return None if self.embeddings is None else self.embeddings.get(image_hash)
-
-    def store_embedding(self, image_hash: str, embeds: torch.Tensor) -> None:
-        files = self.embeddings
-        if files is None:
-            return
-
-        def write() -> None:
-            try:
-                files.put(image_hash, embeds)
-            except OSError as error:
-                self._warn_once("vision-disk", "cannot write the vision cache to %s: %s", files.dir, error)
-
-        self.worker.submit(Job(write, urgent=False, after=self.worker.compute_event()))
+        self._landed.append(move)
 
     # --- reporting -------------------------------------------------------------------------------
-    def tier_states(self, tier: Tier) -> dict[str, int]:
-        store = self.store_of(tier)
+    def tier_usage(self) -> dict[str, TierUsage]:
+        """Capacity and blocks by state of each tier (a snapshot; safe to take from another thread)."""
+        nbytes = self.codec.nbytes
+        usage = {Tier.DEVICE.value: TierUsage(self.pool.num_blocks, self._device_states(), nbytes)}
+        for tier in (Tier.HOST, Tier.DISK):
+            store = self.store_of(tier)
+            if store is not None:
+                usage[tier.value] = TierUsage(store.capacity, self._tier_states(tier, store), nbytes)
+        return usage
+
+    def _tier_states(self, tier: Tier, store: HostStore | DiskStore) -> dict[str, int]:
         entries = [e for e in self.index.entries() if e.where(tier) is not None]
         busy = sum(1 for e in entries if e.busy is not None)
         preempted = sum(1 for e in entries if e.busy is None and e.pins)
@@ -500,12 +443,34 @@ class SpillManager:
         return {"idle": len(entries) - busy - preempted, "preempted": preempted, "busy": busy + reserved,
                 "free": store.capacity - store.num_used}
 
-    def device_states(self) -> dict[str, int]:
+    def _device_states(self) -> dict[str, int]:
         pool = self.pool
-        storing, loading = self.pinned_only(), len(self.loading)
+        storing, loading = self.pinned_only(), len(self._loading)
         return {"running": pool.num_blocks - pool.num_free - storing - loading, "idle": pool.num_idle,
                 "storing": storing, "loading": loading, "free": pool.num_blank}
 
+    def problems(self) -> list[str]:
+        """Where the candidates, pins and slots disagree with the entries (empty when they agree)."""
+        entries, problems = self.index.entries(), []
+        for entry in entries:
+            for tier in Tier:
+                where, listed = entry.where(tier), entry in self._policies[tier]
+                free = entry.busy is None or tier not in (entry.busy.src, entry.busy.dst)
+                candidate = where is not None and free and (tier is not Tier.DEVICE or self.pool.is_idle(where))
+                if listed != candidate:
+                    problems.append(f"entry in {tier.value} slot {where}: candidate {candidate}, listed {listed}")
+        if self._moves:
+            return problems
+        if self._device_pins or self._loading:
+            problems.append(f"pins {self._device_pins} or loads {self._loading} without transfers")
+        for tier in (Tier.HOST, Tier.DISK):
+            store = self.store_of(tier)
+            held = sum(1 for e in entries if e.where(tier) is not None)
+            if store is not None and store.num_used != held:
+                problems.append(f"{tier.value} tier has {store.num_used} slots in use, entries hold {held}")
+        return problems
+
+    # --- the end ---------------------------------------------------------------------------------
     def flush(self, write_through: bool) -> None:
         """Finish every transfer and, with ``write_through``, write to disk what only memory holds."""
         self.drain()
@@ -526,7 +491,3 @@ class SpillManager:
             self.collect()
             if self.disk is not None:
                 self.disk.close()
-
-
-def disk_layout(fingerprint: bytes, codec: BlockCodec, geometry: BlockGeometry) -> DiskLayout:
-    return DiskLayout(fingerprint.hex(), codec.name, geometry.describe(), codec.nbytes)

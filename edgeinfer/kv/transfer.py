@@ -1,46 +1,25 @@
-"""Transfers between tiers: what a prepared move is, and the code that moves its bytes.
+"""The code that moves a transfer's bytes between tiers.
 
-The spill manager prepares a :class:`Move` (destination reserved, sources pinned, entries
-busy) and completes or rolls it back; :class:`Mover` only executes it, on the spill
-worker: it reads the source blocks, encodes or decodes them with the tier codec, writes
-the destination, and records per-block failures (a checksum, a read error) in
-``move.failed`` instead of raising, so the rest of the move still lands.
+The spill manager prepares a :class:`~edgeinfer.kv.entry.Move` (destination reserved,
+sources pinned, entries busy) and completes or rolls it back; :class:`Mover` only
+executes it, on the spill worker: it reads the source blocks, encodes or decodes them
+with the tier codec, writes the destination, and records per-block failures (a checksum,
+a read error) in ``move.failed`` instead of raising, so the rest of the move still lands.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from edgeinfer.kv.codec import BlockCodec
 from edgeinfer.kv.disk import ChecksumError, DiskStore
-from edgeinfer.kv.entry import Entry, Tier
+from edgeinfer.kv.entry import Move, Tier
 from edgeinfer.kv.host import HostStore
 from edgeinfer.kv.pool import KVCache
-from edgeinfer.kv.worker import Job
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Move:
-    """``entries`` from ``src`` (``src_slots``) to ``dst`` (``dst_slots``: host or disk slots, or device blocks)."""
-
-    kind: str  # "store" | "load"
-    reason: str  # store: "spill" | "persist"; load: "restore"
-    src: Tier
-    dst: Tier
-    entries: list[Entry]
-    src_slots: list[int]
-    dst_slots: list[int]
-    drop_source: bool = False  # a spill: the source copy goes when the move completes
-    private: list[bool] = field(default_factory=list)  # load into a sequence's own block (a partial copy)
-    seq_id: int | None = None
-    failed: list[int] = field(default_factory=list)
-    job: Job | None = None
-    submitted: float = 0.0
 
 
 class Mover:

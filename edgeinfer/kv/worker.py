@@ -16,12 +16,19 @@ buffers it used are free again). The compute stream itself never waits.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
 
 
 class Job:
@@ -31,7 +38,7 @@ class Job:
         self.fn = fn
         self.urgent = urgent
         self.after = after  # a torch.cuda.Event recorded on the compute stream, or None
-        self.state = "queued"  # queued -> running -> done
+        self.state = JobState.QUEUED  # -> RUNNING -> DONE
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.done = threading.Event()
@@ -79,10 +86,10 @@ class SpillWorker:
     def wait(self, job: Job) -> None:
         """Return when ``job`` is done; a job still queued runs here and now."""
         with self._cond:
-            claimed = job.state == "queued"
+            claimed = job.state is JobState.QUEUED
             if claimed:
                 self._queues[job.urgent].remove(job)
-                job.state = "running"
+                job.state = JobState.RUNNING
         if claimed:
             self._run(job)
         else:
@@ -121,7 +128,7 @@ class SpillWorker:
                 self._thread = None
                 return None
             job = queue.popleft()
-            job.state = "running"
+            job.state = JobState.RUNNING
             self._current = job
             return job
 
@@ -149,6 +156,6 @@ class SpillWorker:
             job.error = error
         job.seconds = time.perf_counter() - started
         with self._cond:
-            job.state = "done"
+            job.state = JobState.DONE
             self._finished.append(job)
         job.done.set()
