@@ -37,19 +37,6 @@ from edgeinfer.profiles import ImageLimits
 __all__ = ["Engine", "EngineConfig", "GenerationResult", "image_key"]
 
 
-class _ManagerEmbeddings:
-    """The KV manager's embedding store (the disk tier) as the vision cache's lower level."""
-
-    def __init__(self, manager: KVManager) -> None:
-        self.manager = manager
-
-    def load(self, key: str) -> torch.Tensor | None:
-        return self.manager.load_embedding(key)
-
-    def store(self, key: str, embeds: torch.Tensor) -> None:
-        self.manager.store_embedding(key, embeds)
-
-
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, engines: Engines, profile: Any = None) -> None:
         """``engines``: what a backend opened for ``model``; ``profile``: the DeviceProfile the
@@ -70,7 +57,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context,
                                    lookahead=config.decode_burst if engines.bursts is not None else 1)
         self.inputs = Inputs(model, config, engines.decoder.embed)
-        self.vision_cache = VisionCache(engines.vision, _ManagerEmbeddings(self.kv_manager),
+        self.vision_cache = VisionCache(engines.vision, self.kv_manager.embeddings,
                                         config.vision_cache_entries, config.device)
         self.output = Output(self.adapter.tokenizer)
         self.runner = Runner(engines, self.kv, self.scheduler, self.output, config)

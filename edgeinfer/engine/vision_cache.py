@@ -2,7 +2,7 @@
 the vision engine.
 
 Two levels: an in-memory LRU of ``entries`` embeddings on the engine's device, over a lower
-store (the disk tier where the profile has one) that keeps them across restarts. A miss in
+store (the disk tier where the profile has one, else none) that keeps them across restarts. A miss in
 both runs the vision engine and stores the result in both.
 """
 
@@ -29,7 +29,7 @@ class EmbeddingStore(Protocol):
 
 
 class VisionCache:
-    def __init__(self, vision: VisionEngine, lower: EmbeddingStore, entries: int, device: str) -> None:
+    def __init__(self, vision: VisionEngine, lower: EmbeddingStore | None, entries: int, device: str) -> None:
         self.vision = vision
         self.lower = lower
         self.entries = entries
@@ -57,12 +57,13 @@ class VisionCache:
         self._memory.clear()
 
     def _from_lower_or_run(self, key: str, image: ImageInputs) -> tuple[torch.Tensor, bool]:
-        stored = self.lower.load(key)
+        stored = None if self.lower is None else self.lower.load(key)
         if stored is not None:
             return stored.to(self.device), True
         embeds = self.vision.encode(image.tensors)
         self.runs += 1
-        self.lower.store(key, embeds)
+        if self.lower is not None:
+            self.lower.store(key, embeds)
         return embeds, False
 
     def _remember(self, key: str, embeds: torch.Tensor) -> None:

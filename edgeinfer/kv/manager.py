@@ -16,7 +16,7 @@ only. Callers see a small API:
 - ``note_progress(seq)``: blocks that just filled get their keys (shareable at once).
 - ``poll()``: once per engine step. ``metrics()``: a snapshot. ``close()``: drain, flush.
 - ``embeddings``: the vision outputs on disk (an :class:`EmbeddingStore`, None without a
-  disk tier); ``load_embedding`` / ``store_embedding`` forward to it.
+  disk tier), the lower level of the engine's vision cache.
 """
 
 from __future__ import annotations
@@ -552,15 +552,6 @@ class KVManager:
             moved = self.spill.spill_all(Tier(to))
         self._settle_loads()
         return moved
-
-    def load_embedding(self, image_hash: str) -> torch.Tensor | None:
-        """Forwards to ``embeddings.load`` (None without a disk tier)."""
-        return None if self.embeddings is None else self.embeddings.load(image_hash)
-
-    def store_embedding(self, image_hash: str, embeds: torch.Tensor) -> None:
-        """Forwards to ``embeddings.store`` (nothing without a disk tier)."""
-        if self.embeddings is not None:
-            self.embeddings.store(image_hash, embeds)
 
     @property
     def disk(self):
