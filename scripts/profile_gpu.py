@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgeinfer.bench.common import bench_image  # noqa: E402
+from edgeinfer.bench.common import bench_image, clear_vision_cache  # noqa: E402
 from edgeinfer.bench.gpu import QUESTION  # noqa: E402
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from edgeinfer.profiles import parse_size  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
     engine = Engine.load(args.model, config=config)
     params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
     for _ in range(2):  # warm-up: graphs captured, layers compiled
-        engine._vision_cache.clear()
+        clear_vision_cache(engine)
         engine.generate(QUESTION, [image], params)
     out: dict = {"model": str(args.model), "image": [w, h], "gpu": torch.cuda.get_device_name()}
 
@@ -104,7 +104,7 @@ def main() -> None:
     out["vision_kernels"] = kernel_table(lambda: tower.encode(processed.tensors))
 
     # One request, step by step; where the host's time goes in submit (preprocessing, hashing, prompt).
-    engine._vision_cache.clear()
+    clear_vision_cache(engine)
     from torch._dynamo.utils import counters
 
     graphs_before = dict(counters["stats"])
