@@ -21,7 +21,6 @@ from edgeinfer.bench.stats import Spread, ratio, spread
 from edgeinfer.cli.main import app
 from edgeinfer.errors import LimitExceeded, exit_code_for
 
-
 # --- medians of all runs --------------------------------------------------------------------------
 
 def test_spread_is_the_median_of_every_run_with_its_range():

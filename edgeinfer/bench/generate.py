@@ -184,7 +184,7 @@ def _cell(s: Spread, digits: int) -> str:
 def markdown(data: dict[str, Any]) -> str:
     summary, by_kind = data["summary"], data["ratios"]
     spec = data["spec"]
-    lines = [f"Medians of {spec['repeats']} runs (min–max) after {spec['warmup']} warm-up; {spec['new_tokens']} "
+    lines = [f"Medians of {spec['repeats']} runs (min–max), after {spec['warmup']} untimed; {spec['new_tokens']} "
              f"tokens; {spec['threads']} threads.", "",
              "| engine | prompt tokens | time to first token (s) | decode (tok/s) | whole request (tok/s) | "
              "peak RSS (MB) |", "|---|---|---|---|---|---|"]

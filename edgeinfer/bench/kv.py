@@ -632,7 +632,7 @@ def _cell(s: Spread) -> str:
 
 
 def markdown(report: dict, spec: KVBenchSpec) -> str:
-    lines = [f"Medians of every run (min–max); {spec.repeats} repeats; {spec.device}, {spec.dtype}, "
+    lines = [f"Medians of every run (min–max); repeats: {spec.repeats}; {spec.device}, {spec.dtype}, "
              f"{spec.threads} threads.", ""]
     lines += [f"**{p}**" for p in problems(report)] + ([""] if problems(report) else [])
     ok = {name: part for name, part in report.items() if isinstance(part, dict) and "error" not in part}
@@ -656,12 +656,12 @@ def markdown(report: dict, spec: KVBenchSpec) -> str:
         lines += ["## Spill machinery without pressure, end to end", "",
                   f"{w['sessions']} sessions × {w['rounds']} rounds, prefix cache on in both, pool "
                   f"{w['pool_blocks']} blocks: tiers on {_cell(o['tokens_per_s']['on'])} tok/s, off "
-                  f"{_cell(o['tokens_per_s']['off'])} tok/s: **{o['overhead']:.1%}** slower with them on "
-                  "(whole run, background writes included).", ""]
+                  f"{_cell(o['tokens_per_s']['off'])} tok/s: the machinery's cost **{o['overhead']:+.1%}** "
+                  "(1 − on/off of the medians; whole run, background writes included).", ""]
     if "round_robin" in ok:
         r = ok["round_robin"]
         c = r["constrained"]
-        lines += ["## Eight sessions, round robin", "",
+        lines += [f"## {spec.sessions} sessions, round robin", "",
                   f"Device pool {r['pool_blocks']} blocks = {r['pool_fraction']:.0%} of the working set "
                   f"({r['working_set_blocks']} blocks).", "",
                   "| pool | tokens/s |", "|---|---|",
@@ -669,8 +669,8 @@ def markdown(report: dict, spec: KVBenchSpec) -> str:
                   f"| {r['pool_fraction']:.0%} of the working set | {_cell(r['tokens_per_s']['constrained'])} |", "",
                   f"Throughput ratio {r['throughput_ratio']:.1%}; failed requests {r['failed']}; greedy tokens equal: "
                   f"{r['same_tokens']}; per squeezed run, blocks spilled {r['spilled_blocks_per_run']} and restored "
-                  f"{r['restored_blocks_per_run']}. Last squeezed run: {c['preemptions']} preemptions, prefix hit ratio "
-                  f"{_fmt(c['prefix_hit_ratio'])}, transfer time {_fmt(c['transfer_s'])} s of which the engine "
+                  f"{r['restored_blocks_per_run']}. Last squeezed run: {c['preemptions']} preemptions, prefix hit "
+                  f"ratio {_fmt(c['prefix_hit_ratio'])}, transfer time {_fmt(c['transfer_s'])} s of which the engine "
                   f"waited {_fmt(c['wait_s'])} s (hidden: {_fmt(c['hidden_ratio'])}).", ""]
     if "peer" in ok:
         p = ok["peer"]

@@ -22,7 +22,8 @@ from typing import Any
 
 from edgeinfer.bench import raw
 from edgeinfer.bench.common import environment
-from edgeinfer.bench.generate import KINDS, GenerateSpec, bench as generate_bench
+from edgeinfer.bench.generate import KINDS, GenerateSpec
+from edgeinfer.bench.generate import bench as generate_bench
 from edgeinfer.bench.quiet import QUIET_LOAD
 from edgeinfer.errors import ModelLoadError
 

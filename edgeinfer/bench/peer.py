@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.bench.common import (
-    TokenClock, bench_image, environment, peak_memory_mb, peak_rss_mb, require_nothing_of_ours, sync,
+    TokenClock,
+    bench_image,
+    environment,
+    peak_memory_mb,
+    peak_rss_mb,
+    require_nothing_of_ours,
+    sync,
 )
 from edgeinfer.bench.quiet import RunLog
 

@@ -203,8 +203,8 @@ def refuse_if_noisy(verdict: QuietVerdict, raw_path: Path, allow_noisy: bool) ->
         raise LimitExceeded("timed runs recorded", 0, 1, reason="no_runs")
     worst = max(verdict.noisy, key=lambda r: r.others)
     raise LimitExceeded(
-        f"other processes' 1-minute load average in {len(verdict.noisy)} of {len(verdict.runs)} runs "
-        f"(worst: {worst.label}); the figures in {raw_path} are marked unpublishable",
+        f"other processes' 1-minute load average around run '{worst.label}' ({len(verdict.noisy)} of "
+        f"{len(verdict.runs)} runs over the limit; {raw_path} is marked unpublishable)",
         round(worst.others, 2), verdict.max_load,
         override="rerun on a quiet machine, or --allow-noisy to keep an unpublishable raw file",
         reason="noisy_machine")

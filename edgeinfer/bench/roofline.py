@@ -74,29 +74,41 @@ def _device_seconds(fn: Callable[[], object], device: str, calls: int = 10, warm
     return statistics.median(times)
 
 
-def measure_probes(device: str, mib: int = 1024, dtype: str = "bfloat16") -> list[Probe]:
-    """Time the three bandwidth kernels over ``mib`` MiB buffers on ``device``."""
+def _copy_probe(device: str, size: int) -> Probe:
     import torch
 
-    size = mib * 2**20
-    torch_dtype = getattr(torch, dtype)
-    elem = torch.empty((), dtype=torch_dtype).element_size()
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy = Probe("copy", 2 * size, _device_seconds(lambda: dst.copy_(src), device))
-    del src, dst
+    return Probe("copy", 2 * size, _device_seconds(lambda: dst.copy_(src), device))
+
+
+def _sum_probe(device: str, size: int) -> Probe:
+    import torch
+
     values = torch.ones(size // 4, dtype=torch.float32, device=device)
-    read = Probe("sum", size, _device_seconds(lambda: values.sum(), device))
-    del values
+    return Probe("sum", size, _device_seconds(lambda: values.sum(), device))
+
+
+def _gemv_probe(device: str, size: int, dtype: str) -> Probe:
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    elem = torch.empty((), dtype=torch_dtype).element_size()
     cols = 8192
-    rows = size // (cols * elem)
-    weight = torch.randn(rows, cols, dtype=torch_dtype, device=device)
+    weight = torch.randn(size // (cols * elem), cols, dtype=torch_dtype, device=device)
     x = torch.randn(1, cols, dtype=torch_dtype, device=device)
-    gemv = Probe("gemv", weight.numel() * elem, _device_seconds(lambda: torch.nn.functional.linear(x, weight), device))
-    del weight, x
+    return Probe("gemv", weight.numel() * elem, _device_seconds(lambda: torch.nn.functional.linear(x, weight), device))
+
+
+def measure_probes(device: str, mib: int = 1024, dtype: str = "bfloat16") -> list[Probe]:
+    """Time the three bandwidth kernels over ``mib`` MiB buffers on ``device`` (one at a time)."""
+    size = mib * 2**20
+    probes = [_copy_probe(device, size), _sum_probe(device, size), _gemv_probe(device, size, dtype)]
     if device.startswith("cuda"):
+        import torch
+
         torch.cuda.empty_cache()
-    return [copy, read, gemv]
+    return probes
 
 
 def roofline(rates: dict[int, float], bandwidth_gbs: float, weight_bytes: int, kv_bytes_per_token: int,

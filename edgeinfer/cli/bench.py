@@ -129,7 +129,7 @@ def gpu(
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,16",
     new_tokens: NewTokensOption = 64,
     repeats: RepeatsOption = 3,
-    warmup: WarmupOption = 2,
+    warmup: WarmupOption = 1,
     dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (float16 on boards without "
                                             "fast bf16).")] = "bfloat16",
     device: Annotated[str, typer.Option(help="cuda, cuda:N (cpu only to check the code paths).")] = "cuda",
