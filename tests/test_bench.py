@@ -136,11 +136,15 @@ def test_raw_file_says_what_ran_and_whether_it_may_be_published(tmp_path):
 def test_a_comparison_with_a_failed_engine_or_different_prompts_does_not_stand(tmp_path):
     from edgeinfer.errors import EdgeInferError
 
-    raw.refuse_if_incomplete({}, True, tmp_path)
-    with pytest.raises(EdgeInferError, match="incomplete"):
-        raw.refuse_if_incomplete({"transformers": "boom"}, True, tmp_path)
+    assert raw.comparison_problems({}, True) == []
+    problems = raw.comparison_problems({"transformers": "boom"}, False)
+    assert problems[0] == "transformers failed" and "like for like" in problems[1]
+    quiet = judge([_record("a", 0.0, 0.0)], {10.0: 0.0, 20.0: 0.0}.get)
+    assert raw.with_verdict({}, quiet, False)["publishable"] is True
+    assert raw.with_verdict({}, quiet, False, problems)["publishable"] is False
+    raw.refuse_if_problems([], tmp_path)
     with pytest.raises(EdgeInferError, match="like for like"):
-        raw.refuse_if_incomplete({}, False, tmp_path)
+        raw.refuse_if_problems(problems, tmp_path)
 
 
 # --- the GPU benchmark's spans and ratios --------------------------------------------------------------
@@ -277,3 +281,27 @@ def test_gpu_benchmark_code_paths_on_a_cpu(checkpoint, tmp_path):
     assert [p["name"] for p in data["bandwidth"]["probes"]] == ["copy", "sum", "gemv"]
     assert {r["batch"] for r in data["runs"]["transformers-dynamic"]} == {1, 2}
     assert set(data["speedups"]["2"]) >= {"request_tok_s", "first_token_s"}
+
+
+def _plot_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_bench", Path(__file__).parents[1] / "scripts" / "plot_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plot_reads_medians_and_ranges_from_a_gpu_raw_file():
+    plot = _plot_module()
+    report = {"summary": {"ours": {"4": {"decode_tok_s": {"median": 10.0, "min": 8.0, "max": 13.0, "n": 3}},
+                                   "1": {"decode_tok_s": {"median": 5.0, "min": 5.0, "max": 6.0, "n": 3}},
+                                   "16": {"decode_tok_s": {"median": None, "min": None, "max": None, "n": 0}}}}}
+    assert plot.series(report, "ours", "decode_tok_s") == ([1, 4], [5.0, 10.0], [[0.0, 2.0], [1.0, 3.0]])
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
+    plot = _plot_module()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the optional extra is not installed
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[plot\]'"):
+        plot.main([str(tmp_path / "gpu-x.json"), "--out", str(tmp_path / "x.png")])

@@ -167,14 +167,15 @@ def report(spec: GenerateSpec, results: dict[str, Any], errors: dict[str, str], 
     """The raw file's content and the quiet verdict."""
     records = [r for result in results.values() for r in result["runs"]]
     verdict = judge(records, share_at, max_load, enforced=spec.device == "cpu")
+    same_prompt = len({r["prompt_digest"] for r in results.values()}) <= 1
     summary = {kind: {**summarize(r["runs"]), "peak_rss_mb": r["peak_rss_mb"], "prompt_tokens": r["prompt_tokens"]}
                for kind, r in results.items()}
     body = {"results": {k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in results.items()},
             "runs": {k: v["runs"] for k, v in results.items()}, "summary": summary,
-            "ratios": ratios(summary) if PEER in summary else {}, "errors": errors,
-            "same_prompt": len({r["prompt_digest"] for r in results.values()}) <= 1}
+            "ratios": ratios(summary) if PEER in summary else {}, "errors": errors, "same_prompt": same_prompt}
     head = raw.header(benchmark, spec.to_json(), environment(spec.device, spec.threads))
-    return raw.with_verdict({**head, **body}, verdict, allow_noisy), verdict
+    problems = raw.comparison_problems(errors, same_prompt)
+    return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
 
 
 def _cell(s: Spread, digits: int) -> str:
@@ -215,6 +216,6 @@ def bench(spec: GenerateSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_
     text = markdown(data)
     path = raw.write(out, stem or f"{spec.device}-generate-{spec.model.name}", data, text)
     log(text)
-    raw.refuse_if_incomplete(errors, data["same_prompt"], path)
+    raw.refuse_if_problems(data["problems"], path)
     refuse_if_noisy(verdict, path, allow_noisy)
     return path

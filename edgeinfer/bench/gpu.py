@@ -192,7 +192,8 @@ def _diagnostics(engine) -> dict[str, Any]:
 def run_bandwidth(spec: GpuBenchSpec) -> dict[str, Any]:
     from edgeinfer.bench.roofline import measure_probes
 
-    return {"probes": [p.to_dict() for p in measure_probes(spec.device, mib=spec.bandwidth_mib, dtype=spec.dtype)]}
+    probes = measure_probes(spec.device, mib=spec.bandwidth_mib, dtype=spec.dtype)
+    return {"probes": [p.to_dict() for p in probes], "environment": environment(spec.device)}
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -203,6 +204,7 @@ class GpuReport:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     probes: list[Probe] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)  # read in a worker: this process stays off the GPU
 
     def summaries(self) -> dict[str, dict[int, dict[str, Spread]]]:
         return {kind: summarize(r["runs"], self.spec.new_tokens) for kind, r in self.results.items()}
@@ -237,6 +239,7 @@ def run(spec: GpuBenchSpec, log: Callable[[str], None] = print) -> GpuReport:
         log(f"[bench gpu] {name}: {time.perf_counter() - started:.0f} s")
         if name == "bandwidth":
             report.probes = [Probe(p["name"], p["bytes"], p["seconds"]) for p in out["probes"]]
+            report.environment = out["environment"]
         else:
             report.results[name] = out
     return report
@@ -252,8 +255,9 @@ def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy
             "runs": {k: v["runs"] for k, v in report.results.items()},
             "summary": summaries, "speedups": compare(summaries), "roofline": report.roofline(),
             "same_prompt": report.same_prompt(), "errors": report.errors}
-    head = raw.header("gpu", report.spec.to_json(), environment(report.spec.device))
-    return raw.with_verdict({**head, **body}, verdict, allow_noisy), verdict
+    head = raw.header("gpu", report.spec.to_json(), report.environment or environment("cpu"))
+    problems = raw.comparison_problems(report.errors, report.same_prompt())
+    return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
 
 
 def _cell(s: Spread, scale: float = 1.0, digits: int = 0) -> str:
@@ -308,6 +312,6 @@ def bench(spec: GpuBenchSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_
     data, verdict = to_raw(report, tracker, max_load, allow_noisy)
     path = raw.write(out, f"gpu-{spec.model.name}", data, markdown(report))
     log(markdown(report))
-    raw.refuse_if_incomplete(report.errors, report.same_prompt(), path)
+    raw.refuse_if_problems(data["problems"], path)
     refuse_if_noisy(verdict, path, allow_noisy)
     return path

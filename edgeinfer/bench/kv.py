@@ -721,16 +721,12 @@ def bench(spec: KVBenchSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_n
     with LoadTracker() as tracker:
         def save(report: dict) -> Path:
             verdict = judge(log.records, tracker.share_at, max_load, enforced=spec.device == "cpu")
-            data = raw.with_verdict({**head, **report, "runs": log.records}, verdict, allow_noisy)
-            found = problems(report)
-            data = {**data, "problems": found, "publishable": data["publishable"] and not found}
+            data = raw.with_verdict({**head, **report, "runs": log.records}, verdict, allow_noisy, problems(report))
             return raw.write(out, stem, data, markdown(report, spec)), verdict
 
         report = run(spec, log, say, checkpoint=lambda r: save(r))
     path, verdict = save(report)
     say(markdown(report, spec))
-    found = problems(report)
-    if found:
-        raise EdgeInferError(f"the KV benchmark's figures do not stand (raw file {path}): " + "; ".join(found))
+    raw.refuse_if_problems(problems(report), path)
     refuse_if_noisy(verdict, path, allow_noisy)
     return path

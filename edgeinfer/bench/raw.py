@@ -53,9 +53,19 @@ def header(benchmark: str, spec: Any, environment: dict[str, Any], argv: Sequenc
             "command": shlex.join(argv), "git": git_state(), "environment": environment, "spec": jsonable(spec)}
 
 
-def with_verdict(report: dict[str, Any], verdict: QuietVerdict, allow_noisy: bool) -> dict[str, Any]:
-    """``report`` with its quiet-run verdict and the one ``publishable`` flag every reader checks."""
-    return {**report, "publishable": verdict.publishable, "allow_noisy": allow_noisy, "quiet": verdict.to_dict()}
+def with_verdict(report: dict[str, Any], verdict: QuietVerdict, allow_noisy: bool,
+                 problems: Sequence[str] = ()) -> dict[str, Any]:
+    """``report`` with its quiet-run verdict, what else keeps its figures from standing (an engine
+    that failed, different prompts, a squeezed run that moved nothing) and the one ``publishable``
+    flag every reader checks."""
+    return {**report, "publishable": verdict.publishable and not problems, "allow_noisy": allow_noisy,
+            "quiet": verdict.to_dict(), "problems": list(problems)}
+
+
+def comparison_problems(errors: dict[str, str], same_prompt: bool) -> list[str]:
+    """Why a comparison of engines does not stand: one failed, or they ran different prompts."""
+    out = [f"{kind} failed" for kind in errors]
+    return out + ([] if same_prompt else ["the engines ran different prompt ids: not like for like"])
 
 
 def write(out_dir: Path, stem: str, report: dict[str, Any], markdown: str | None = None) -> Path:
@@ -65,14 +75,12 @@ def write(out_dir: Path, stem: str, report: dict[str, Any], markdown: str | None
     path.write_text(json.dumps(jsonable(report), indent=2) + "\n")
     if markdown is not None:
         note = "" if report.get("publishable", True) else \
-            "\n**Not publishable**: some timed runs were not quiet (see `quiet` in the raw file).\n"
+            "\n**Not publishable**: see `problems` and `quiet` (runs that were not quiet) in the raw file.\n"
         path.with_suffix(".md").write_text(f"{markdown}{note}\nRaw file: `{path.name}`\n")
     return path
 
 
-def refuse_if_incomplete(errors: dict[str, str], same_prompt: bool, path: Path) -> None:
-    """A run where an engine failed, or where the engines ran different prompts, does not stand."""
-    if errors:
-        raise EdgeInferError(f"{', '.join(errors)} failed (the errors are in {path}); the comparison is incomplete")
-    if not same_prompt:
-        raise EdgeInferError(f"the engines ran different prompt ids (see {path}); the comparison is not like for like")
+def refuse_if_problems(problems: Sequence[str], path: Path) -> None:
+    """Raise ``EdgeInferError`` naming what keeps the figures in ``path`` from standing, if anything does."""
+    if problems:
+        raise EdgeInferError(f"the figures in {path} do not stand: " + "; ".join(problems))
