@@ -1,12 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark the KV spill manager: resume from host and disk against recomputing, decode overhead,
-eight sessions round robin under a squeezed pool, transformers' offloading cache as the peer on CUDA.
+"""`edgeinfer bench kv`, for checkouts without the command installed: every argument is passed on.
 
-    python scripts/bench_kv.py --out bench-results/
-    python scripts/bench_kv.py --parts resume,overhead --repeats 5
-
-Builds a random SmolVLM-256M-shaped checkpoint once under --cache (or takes --model), runs
-on CUDA when it is there, and writes kv.json and kv.md under --out.
+    python scripts/bench_kv.py --help
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgeinfer.bench.kv import main
+from edgeinfer.cli.main import app  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    app(["bench", "kv", *sys.argv[1:]], prog_name="edgeinfer")

@@ -1,6 +1,21 @@
-"""What every benchmark shares: the synthetic picture and a device barrier."""
+"""What every benchmark shares: pictures, a device barrier, a token clock, the environment.
+
+Nothing here imports the engine or a backend: the peer's worker process uses this module
+too, and it must hold nothing of ours.
+"""
 
 from __future__ import annotations
+
+import os
+import platform
+import resource
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+# Module prefixes of our runtime; a peer's worker process must have none of them loaded.
+OUR_RUNTIME = ("edgeinfer.engine", "edgeinfer.backends", "edgeinfer.models", "edgeinfer.kv")
 
 
 def bench_image(size: int | tuple[int, int], seed: int = 0):
@@ -18,3 +33,114 @@ def sync(device: str) -> None:
 
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def loaded_runtime_modules(modules: dict[str, Any]) -> list[str]:
+    """The modules of ``modules`` (``sys.modules``) that belong to our runtime."""
+    return sorted(name for name in modules if name.startswith(OUR_RUNTIME))
+
+
+def require_nothing_of_ours() -> None:
+    """Stop a peer's worker that has any of our runtime loaded: its memory and time would include ours."""
+    import sys
+
+    loaded = loaded_runtime_modules(sys.modules)
+    if loaded:
+        raise RuntimeError(f"the peer's worker must hold nothing of edgeinfer's runtime; loaded: {', '.join(loaded)}")
+
+
+class TokenClock:
+    """A transformers streamer that timestamps each generated token (the first call carries the prompt).
+
+    On a CPU every step has finished when ``put`` is called, so the stamps are the tokens'
+    times; on a GPU they are not (use whole-call timings there).
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak device memory allocated by torch on a GPU, peak RSS on a CPU, in MB."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return peak_rss_mb()
+
+
+def git_state(root: Path | None = None) -> dict[str, Any]:
+    """The commit the benchmark ran from and whether the tree had changes (None outside a checkout)."""
+    root = root or Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if commit.returncode:
+        return {"commit": None, "dirty": None}
+    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def environment(device: str, threads: int | None = None) -> dict[str, Any]:
+    """Versions and hardware of this run, as the raw file records them."""
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "machine": platform.machine(),
+                           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                           "threads": threads, "device": device}
+    try:
+        import onnxruntime
+
+        env["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+# Checkpoint shapes the benchmarks build (random weights, published shapes): name -> family.
+SHAPES = {"smolvlm-256m": "smolvlm", "qwen2-vl-2b": "qwen2_vl"}
+
+
+def bench_checkpoint(shape: str, cache: Path) -> Path:
+    """The random checkpoint of ``shape`` under ``cache``, built once (into a temporary folder
+    renamed at the end, so an interrupted build is never taken for a finished one)."""
+    import shutil
+    import tempfile
+
+    from edgeinfer.testing.checkpoints import make_checkpoint
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown checkpoint shape {shape!r}; choose from {', '.join(SHAPES)}")
+    path = cache / shape
+    if (path / "config.json").is_file():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=cache))
+    try:
+        make_checkpoint(SHAPES[shape], scratch, size=shape)
+        scratch.rename(path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path

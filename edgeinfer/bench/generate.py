@@ -1,227 +1,221 @@
-"""Generation benchmark: time to first token, decode tokens/s and peak RSS, ours vs transformers.
+"""CPU generation benchmark: ours against transformers' generate(), one request at a time.
 
-Each engine runs in its own worker process so peak RSS is its own. Both see the same
-checkpoint, image, prompt ids and forced token count; the report gives medians over the
-repeats and the ratio ours / transformers.
+Each engine runs in its own worker process, so its peak RSS is its own; the transformers
+worker holds nothing of ours (its prompt ids and pixels come from transformers' own
+processor). Both answer the same question about the same picture with exactly
+``new_tokens`` tokens; ours' vision cache is cleared before every request, so both pay for
+the vision encoder every time. Per run, both sides record:
+
+- time to first token, from before preprocessing to the first token;
+- decode tokens/s, from the first token to the last;
+- whole request tokens/s, ``new_tokens`` over the time from before preprocessing to the end.
+
+Figures are medians of every timed run (with min and max), ratios are ours over
+transformers; the raw file holds every run with the load average around it. On a CPU
+the figures may be published only when every timed run was quiet (``quiet.py``).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import resource
-import statistics
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
-from edgeinfer.bench.common import bench_image
+from edgeinfer.bench import raw
+from edgeinfer.bench.common import bench_image, environment, peak_rss_mb
+from edgeinfer.bench.quiet import QUIET_LOAD, LoadTracker, RunLog, judge, refuse_if_noisy
+from edgeinfer.bench.stats import Spread, ratio, spread
+
 QUESTION = "Can you describe this image?"
-# Worker kinds of our ONNX Runtime backend -> the decoder precision each builds (on the cpu profile).
+PEER = "transformers"
+# Our ONNX Runtime kinds -> the decoder precision each builds (on the cpu profile).
 ONNX_KINDS = {"onnxruntime": "fp32", "onnxruntime-int8": "int8"}
-KINDS = ("transformers", "ours", *ONNX_KINDS)
+KINDS = (PEER, "ours", *ONNX_KINDS)
+FIGURES = ("ttft_s", "decode_tok_s", "request_tok_s")
 
 
-@dataclass(frozen=True, slots=True)
-class BenchSpec:
+@dataclass(frozen=True)
+class GenerateSpec:
     model: Path
     image_size: int = 512
     new_tokens: int = 64
     repeats: int = 5
+    warmup: int = 1
     threads: int = 2
     dtype: str = "float32"
     device: str = "cpu"
+    kinds: tuple[str, ...] = (PEER, "ours")
+    engines: Path | None = None  # where ONNX Runtime kinds are built (default: beside the checkpoint)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+        if PEER not in self.kinds:
+            raise ValueError(f"{PEER} must be among the kinds: every figure is a ratio to it")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "model": str(self.model), "engines": str(self.engines) if self.engines else None}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "GenerateSpec":
+        names = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in names}
+        return cls(**{**data, "model": Path(data["model"]), "kinds": tuple(data["kinds"]),
+                      "engines": Path(data["engines"]) if data.get("engines") else None})
+
+    def onnx_engines(self, kind: str) -> Path:
+        """Engines root of an ONNX Runtime kind; one per kind, so fp32 and int8 never replace each other."""
+        root = self.engines or self.model.parent / f"{self.model.name}-engines"
+        return root / kind
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# --- ours (in its worker) ------------------------------------------------------------------------
 
+def run_ours(spec: GenerateSpec, kind: str = "ours") -> dict[str, Any]:
+    import torch
 
-def onnx_engines(spec: BenchSpec, kind: str) -> Path:
-    """Engines root of an ONNX Runtime kind; one per kind, so fp32 and int8 builds never replace each other."""
-    return spec.model.parent / f"{spec.model.name}-engines" / kind
-
-
-def onnx_overrides(kind: str) -> list[str]:
-    return [f"build.precision={ONNX_KINDS[kind]}"]
-
-
-def run_ours(spec: BenchSpec, kind: str = "ours") -> list[dict]:
+    from edgeinfer.bench.gpu import prompt_digest
     from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 
+    torch.set_num_threads(spec.threads)
     # No prefix cache: a repeat would reuse the previous one's prompt KV, which the peer never does.
     config = EngineConfig(dtype=spec.dtype, device=spec.device, threads=spec.threads, num_blocks=256, block_size=16,
                           vision_cache_entries=1, prefix_cache=False)
-    if kind in ONNX_KINDS:  # built beforehand by compare(), in its own process
-        os.environ["EDGEINFER_ENGINES"] = str(onnx_engines(spec, kind))
-        engine = Engine.load(spec.model, profile="cpu", overrides=onnx_overrides(kind), backend="onnxruntime",
-                             config=config)
+    if kind in ONNX_KINDS:  # built beforehand, in its own process (build memory is not this worker's RSS)
+        os.environ["EDGEINFER_ENGINES"] = str(spec.onnx_engines(kind))
+        engine = Engine.load(spec.model, profile="cpu", overrides=[f"build.precision={ONNX_KINDS[kind]}"],
+                             backend="onnxruntime", config=config)
     else:
         engine = Engine.load(spec.model, config=config)
     params = SamplingParams(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens)
-    runs = []
-    for i in range(spec.repeats + 1):
-        image = bench_image(spec.image_size)
-        engine.vision_cache.clear()  # every repeat pays for its vision encoder, as the peer does
-        result = engine.generate(QUESTION, [image], params)
-        t = result.timings
-        if i:  # the first run warms caches and allocators
-            runs.append({"ttft_s": t["ttft_s"], "decode_tok_s": t["decode_tokens_per_s"],
-                         "vision_s": t["vision_s"], "prompt_tokens": result.usage["prompt_tokens"]})
-    return runs
-
-
-class _Clock:
-    """A transformers streamer that timestamps each generated token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def run_transformers(spec: BenchSpec) -> list[dict]:
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from edgeinfer.engine import Engine, EngineConfig
-
-    dtype = getattr(torch, spec.dtype)
-    model = AutoModelForImageTextToText.from_pretrained(spec.model, dtype=dtype).to(spec.device).eval()
-    # Our adapter renders the same prompt ids; transformers' processor for SmolVLM needs torchvision.
-    prompt = Engine.load(spec.model, config=EngineConfig(num_blocks=64, threads=spec.threads))
-    image_processor = prompt.adapter.image_processor
-    runs = []
-    for i in range(spec.repeats + 1):
-        image = bench_image(spec.image_size)
-        start = time.perf_counter()
-        inputs = image_processor(images=[[image]], return_tensors="pt")
-        seq = prompt.submit(QUESTION, [image])
-        prompt.cancel(seq)
-        ids = torch.tensor([seq.prompt_ids], device=spec.device)
-        clock = _Clock()
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                       pixel_values=inputs["pixel_values"].to(spec.device, dtype),
-                       pixel_attention_mask=inputs["pixel_attention_mask"].to(spec.device),
-                       max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens, do_sample=False,
-                       streamer=clock)
-        first, last = clock.times[0], clock.times[-1]
-        if i:
-            runs.append({"ttft_s": first - start, "decode_tok_s": (len(clock.times) - 1) / (last - first),
-                         "prompt_tokens": ids.shape[1]})
-    return runs
-
-
-def worker(kind: str, spec: BenchSpec) -> dict:
-    import torch
-
-    torch.set_num_threads(spec.threads)
+    log = RunLog()
+    prompt: list[int] = []
     with torch.inference_mode():
-        runs = run_transformers(spec) if kind == "transformers" else run_ours(spec, kind)
-    return {"runs": runs, "peak_rss_mb": peak_rss_mb()}
+        for i in range(spec.warmup + spec.repeats):
+            image = bench_image(spec.image_size)
+            engine.vision_cache.clear()  # every request pays for its vision encoder, as the peer's does
+            timed = i >= spec.warmup
+            with log.run(f"{kind} #{i - spec.warmup}" if timed else f"{kind} warm-up {i}", timed) as rec:
+                started = time.perf_counter()
+                seq = engine.submit(QUESTION, [image], params)
+                result = engine.run_until_done([seq])[0]
+                request_s = time.perf_counter() - started
+                rec.update(ttft_s=result.timings["ttft_s"], decode_tok_s=result.timings["decode_tokens_per_s"],
+                           request_s=request_s, request_tok_s=len(result.token_ids) / request_s,
+                           tokens=len(result.token_ids), vision_s=result.timings["vision_s"])
+            prompt = seq.prompt_ids
+    return {"runs": log.records, "peak_rss_mb": peak_rss_mb(), "prompt_tokens": len(prompt),
+            "prompt_digest": prompt_digest(prompt)}
 
 
-def _median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+# --- the run ---------------------------------------------------------------------------------------
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Spread]:
+    """Median, min and max of every timed run's figures."""
+    timed = [r for r in records if r.get("timed")]
+    return {key: spread(r.get(key) for r in timed) for key in FIGURES}
 
 
-def build_onnx(spec: BenchSpec, kind: str) -> None:
+def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per kind of ours: decode and whole-request speed-ups, first-token and peak-RSS ratios, over the peer."""
+    peer = summary[PEER]
+    return {kind: {"decode": ratio(s["decode_tok_s"].median, peer["decode_tok_s"].median),
+                   "request": ratio(s["request_tok_s"].median, peer["request_tok_s"].median),
+                   "ttft": ratio(s["ttft_s"].median, peer["ttft_s"].median),
+                   "peak_rss": ratio(s["peak_rss_mb"], peer["peak_rss_mb"])}
+            for kind, s in summary.items() if kind != PEER}
+
+
+def build_onnx(spec: GenerateSpec, kind: str) -> None:
     """Export (or confirm) the engines of an ONNX Runtime kind, outside the timed worker."""
+    import subprocess
+    import sys
+
     cmd = [sys.executable, "-m", "edgeinfer.cli.main", "build", "--backend", "onnxruntime", "--model", str(spec.model),
-           "--profile", "cpu", "--out", str(onnx_engines(spec, kind))]
-    for override in onnx_overrides(kind):
-        cmd += ["--set", override]
+           "--profile", "cpu", "--out", str(spec.onnx_engines(kind)), "--set", f"build.precision={ONNX_KINDS[kind]}"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{kind} build failed:\n{done.stderr[-4000:]}{done.stdout[-2000:]}")
 
 
-def compare(spec: BenchSpec, kinds: tuple[str, ...] = ("transformers", "ours")) -> dict:
-    results = {}
-    for kind in kinds:
-        if kind in ONNX_KINDS:
-            build_onnx(spec, kind)
-        cmd = [sys.executable, "-m", "edgeinfer.bench.generate", "--worker", kind, "--model", str(spec.model),
-               "--image-size", str(spec.image_size), "--new-tokens", str(spec.new_tokens),
-               "--repeats", str(spec.repeats), "--threads", str(spec.threads), "--dtype", spec.dtype,
-               "--device", spec.device]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        if done.returncode:
-            raise RuntimeError(f"{kind} worker failed:\n{done.stderr[-4000:]}")
-        results[kind] = json.loads(done.stdout.strip().splitlines()[-1])
-    summary = {}
-    for kind, data in results.items():
-        runs = data["runs"]
-        summary[kind] = {"ttft_s": _median(runs, "ttft_s"), "decode_tok_s": _median(runs, "decode_tok_s"),
-                         "peak_rss_mb": data["peak_rss_mb"], "prompt_tokens": runs[0]["prompt_tokens"],
-                         "repeats": len(runs)}
-    peer = summary["transformers"]
-    by_kind = {kind: {"decode": x["decode_tok_s"] / peer["decode_tok_s"], "ttft": x["ttft_s"] / peer["ttft_s"],
-                      "peak_rss": x["peak_rss_mb"] / peer["peak_rss_mb"]}
-               for kind, x in summary.items() if kind != "transformers"}
-    ratios = by_kind.get("ours", {})
-    return {"ratios_by_kind": by_kind,
-            "spec": {k: str(v) for k, v in spec.__dict__.items()} if hasattr(spec, "__dict__") else
-            {f: str(getattr(spec, f)) for f in spec.__slots__},
-            "results": results, "summary": summary, "ratios": ratios, "environment": environment()}
+def run(spec: GenerateSpec, log: Callable[[str], None] = print) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every kind in its own worker; (results by kind, errors by kind)."""
+    from edgeinfer.bench._worker import call_worker
+
+    results, errors = {}, {}
+    for kind in spec.kinds:
+        started = time.perf_counter()
+        log(f"[bench generate] {kind} ...")
+        try:
+            if kind in ONNX_KINDS:
+                build_onnx(spec, kind)
+            results[kind] = call_worker(f"generate-{kind}", spec.to_json())
+        except RuntimeError as error:
+            errors[kind] = str(error)
+            log(f"[bench generate] {kind} failed:\n{str(error)[-2000:]}")
+            continue
+        log(f"[bench generate] {kind}: {time.perf_counter() - started:.0f} s")
+    return results, errors
 
 
-def environment() -> dict:
-    import platform
+def report(spec: GenerateSpec, results: dict[str, Any], errors: dict[str, str], share_at: Callable[[float], float],
+           max_load: float, allow_noisy: bool, benchmark: str = "generate"):
+    """The raw file's content and the quiet verdict."""
+    records = [r for result in results.values() for r in result["runs"]]
+    verdict = judge(records, share_at, max_load, enforced=spec.device == "cpu")
+    same_prompt = len({r["prompt_digest"] for r in results.values()}) <= 1
+    summary = {kind: {**summarize(r["runs"]), "peak_rss_mb": r["peak_rss_mb"], "prompt_tokens": r["prompt_tokens"]}
+               for kind, r in results.items()}
+    body = {"results": {k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in results.items()},
+            "runs": {k: v["runs"] for k, v in results.items()}, "summary": summary,
+            "ratios": ratios(summary) if PEER in summary else {}, "errors": errors, "same_prompt": same_prompt}
+    head = raw.header(benchmark, spec.to_json(), environment(spec.device, spec.threads))
+    problems = raw.comparison_problems(errors, same_prompt)
+    return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
 
-    import torch
-    import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count()}
+def _cell(s: Spread, digits: int) -> str:
+    return f"{s.median:.{digits}f} ({s.min:.{digits}f}–{s.max:.{digits}f})" if s.n else "–"
 
 
-def markdown(report: dict) -> str:
-    s = report["summary"]
-    lines = [
-        "| engine | prompt tokens | time to first token (s) | decode (tok/s) | peak RSS (MB) |",
-        "|---|---|---|---|---|",
-    ]
-    for kind in (k for k in KINDS if k in s):
-        x = s[kind]
-        lines.append(f"| {kind} | {x['prompt_tokens']} | {x['ttft_s']:.3f} | {x['decode_tok_s']:.1f} | "
-                     f"{x['peak_rss_mb']:.0f} |")
-    for kind, r in report.get("ratios_by_kind", {"ours": report["ratios"]}).items():
-        lines.append(f"| **{kind} / transformers** | | **{r['ttft']:.2f}×** | **{r['decode']:.2f}×** | "
-                     f"**{r['peak_rss']:.2f}×** |")
+def markdown(data: dict[str, Any]) -> str:
+    summary, by_kind = data["summary"], data["ratios"]
+    spec = data["spec"]
+    lines = [f"Medians of {spec['repeats']} runs (min–max), after {spec['warmup']} untimed; {spec['new_tokens']} "
+             f"tokens; {spec['threads']} threads.", "",
+             "| engine | prompt tokens | time to first token (s) | decode (tok/s) | whole request (tok/s) | "
+             "peak RSS (MB) |", "|---|---|---|---|---|---|"]
+    for kind in (k for k in KINDS if k in summary):
+        s = summary[kind]
+        lines.append(f"| {kind} | {s['prompt_tokens']} | {_cell(s['ttft_s'], 2)} | {_cell(s['decode_tok_s'], 1)} | "
+                     f"{_cell(s['request_tok_s'], 2)} | {s['peak_rss_mb']:.0f} |")
+    for kind, r in by_kind.items():
+        lines.append(f"| **{kind} / {PEER}** | | **{r['ttft']:.2f}×** | **{r['decode']:.2f}×** | "
+                     f"**{r['request']:.2f}×** | **{r['peak_rss']:.2f}×** |")
+    if not data["same_prompt"]:
+        lines.append("\n**The engines' prompt ids differ: this comparison is not like for like.**")
+    for kind, error in data["errors"].items():
+        lines.append(f"\n{kind} failed:\n```\n{error[-1500:]}\n```")
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--worker", choices=list(KINDS))
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--image-size", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
-    spec = BenchSpec(args.model, args.image_size, args.new_tokens, args.repeats, args.threads, args.dtype, args.device)
-    if args.worker:
-        print(json.dumps(worker(args.worker, spec)))
-        return
-    print(json.dumps(compare(spec), indent=2))
-
-
-if __name__ == "__main__":
-    main()
+def bench(spec: GenerateSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_noisy: bool = False,
+          benchmark: str = "generate", stem: str | None = None, extra: Callable[[dict], dict] | None = None,
+          log: Callable[[str], None] = print) -> Path:
+    """Run the benchmark, write ``cpu-generate-<model>.json`` (+ ``.md``) under ``out``, return its path.
+    Raises ``LimitExceeded`` for noisy runs on a CPU, after writing the file marked unpublishable."""
+    with LoadTracker() as tracker:
+        results, errors = run(spec, log)
+    data, verdict = report(spec, results, errors, tracker.share_at, max_load, allow_noisy, benchmark)
+    if extra is not None:
+        data = extra(data)
+    text = markdown(data)
+    path = raw.write(out, stem or f"{spec.device}-generate-{spec.model.name}", data, text)
+    log(text)
+    raw.refuse_if_problems(data["problems"], path)
+    refuse_if_noisy(verdict, path, allow_noisy)
+    return path

@@ -1,34 +1,46 @@
-"""Decode and first-token benchmark on a GPU (or a Jetson): ours against transformers' generate().
+"""GPU benchmark: ours against transformers' generate() at batch 1, 4 and 16, over the same spans.
 
-One run, each engine in its own worker process (so peak memory is its own):
+One run; every engine in its own worker process (the peer's holds nothing of ours):
 
-- ours: the torch backend with the profile's dtype and CUDA graphs over decode steps;
-- transformers, dynamic cache (eager);
-- transformers, static cache (generate compiles its decode step).
+- ours: the torch backend, CUDA graphs, the tower readied for the picture's size;
+- ``transformers-static``: ``generate()`` with ``cache_implementation="static"``, which
+  compiles its decode step with ``torch.compile`` (mode ``reduce-overhead``);
+- ``transformers-dynamic``: ``generate()`` with its default dynamic cache, eager.
 
-Each reports the median time to first token at batch 1, decode tokens/s at every batch
-size, and peak device memory. The run also measures the device's copy bandwidth and turns
-decode speed into a fraction of the memory-bandwidth roofline: bytes read per step
-(text weights + KV of every sequence) over the step time, against that bandwidth.
+Every engine answers the same requests: ``b`` different pictures of the same size (so each
+request pays for its own vision encoder, and no engine reuses another request's), the same
+question, exactly ``new_tokens`` tokens (EOS ignored). Ours has no prefix cache and its
+vision cache is cleared before every call. Each repeat times two whole calls with the
+device synchronised: ``T_n`` (``new_tokens`` tokens) and ``T_1`` (one token: preprocessing,
+vision, prefill and the first token). Both sides get the same two figures:
+
+- whole request: ``b * new_tokens / T_n``;
+- decode only: ``b * (new_tokens - 1) / (T_n - T_1)``;
+- time to first token (batch 1): ``T_1``.
+
+A ratio is ours over the *fastest* peer configuration at that batch size and span. The
+roofline uses the best of three bandwidth probes (copy, sum, GEMV), each in the raw file.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import subprocess
-import sys
+import hashlib
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from edgeinfer.bench.common import bench_image, sync
-from edgeinfer.bench.generate import _Clock  # the token clock is shared with the CPU benchmark
-from edgeinfer.profiles import parse_size
+from edgeinfer.bench import raw
+from edgeinfer.bench.common import bench_image, environment, peak_memory_mb, sync
+from edgeinfer.bench.quiet import QUIET_LOAD, LoadTracker, RunLog, judge, refuse_if_noisy
+from edgeinfer.bench.roofline import Probe, best_bandwidth_gbs, roofline
+from edgeinfer.bench.stats import Spread, ratio, spread
 
 QUESTION = "Describe this image."
-KINDS = ("ours", "transformers-dynamic", "transformers-static")
+OURS = "ours"
+PEERS = ("transformers-static", "transformers-dynamic")
+KINDS = (OURS, *PEERS)
 
 
 @dataclass(frozen=True)
@@ -38,285 +50,268 @@ class GpuBenchSpec:
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     new_tokens: int = 64
     repeats: int = 3
+    # Untimed calls per batch size. One suffices: its decode steps call the compiled step
+    # dozens of times, so compilation and CUDA graph recording are over when timing starts.
+    warmup: int = 1
+    bandwidth_mib: int = 1024  # buffer size of each bandwidth probe
     dtype: str = "bfloat16"
     device: str = "cuda"
     kinds: tuple[str, ...] = KINDS
 
-    def args(self) -> list[str]:
-        return ["--model", str(self.model), "--image-size", f"{self.image_size[0]}x{self.image_size[1]}",
-                "--batch-sizes", ",".join(map(str, self.batch_sizes)), "--new-tokens", str(self.new_tokens),
-                "--repeats", str(self.repeats), "--dtype", self.dtype, "--device", self.device]
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+        if self.new_tokens < 2:
+            raise ValueError("new_tokens must be >= 2: decode is timed as T(new_tokens) - T(1)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "model": str(self.model)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "GpuBenchSpec":
+        names = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in names}
+        return cls(**{**data, "model": Path(data["model"]), "image_size": tuple(data["image_size"]),
+                      "batch_sizes": tuple(data["batch_sizes"]), "kinds": tuple(data["kinds"])})
 
 
-def copy_bandwidth_gbs(device: str, mib: int = 1024) -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second), median of 10."""
-    import torch
-
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return 2 * src.numel() / statistics.median(times) / 1e9
+def prompt_digest(ids: list[int]) -> str:
+    """A short digest of prompt ids, so both sides can be shown to have run the same prompt."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def peak_memory_mb(device: str) -> float:
-    import torch
+# --- the measurement, the same for every engine -----------------------------------------------
 
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+Call = Callable[[int, int, list], float]  # (batch, new tokens, pictures) -> seconds of the whole call
 
 
-# --- ours -------------------------------------------------------------------------------------
+def measure(spec: GpuBenchSpec, kind: str, call: Call, log: RunLog) -> None:
+    """Warm-ups, then ``repeats`` timed pairs (``T_n``, ``T_1``) at every batch size, into ``log``."""
+    for batch in spec.batch_sizes:
+        images = [bench_image(spec.image_size, seed=i) for i in range(batch)]
+        for i in range(spec.warmup + spec.repeats):
+            timed = i >= spec.warmup
+            label = f"{kind} b={batch} " + (f"#{i - spec.warmup}" if timed else f"warm-up {i}")
+            with log.run(label, timed=timed) as record:
+                full = call(batch, spec.new_tokens, images)
+                first = call(batch, 1, images)
+                record.update(batch=batch, full_s=full, first_s=first)
 
-def run_ours(spec: GpuBenchSpec) -> dict:
+
+def run_figures(record: dict[str, Any], new_tokens: int) -> dict[str, float | None]:
+    """One timed pair's figures: whole-request and decode-only tokens/s, time to first token."""
+    b, full, first = record["batch"], record["full_s"], record["first_s"]
+    decode = b * (new_tokens - 1) / (full - first) if full > first else None
+    return {"request_tok_s": b * new_tokens / full, "decode_tok_s": decode, "first_token_s": first}
+
+
+def summarize(records: list[dict[str, Any]], new_tokens: int) -> dict[int, dict[str, Spread]]:
+    """Per batch size: median, min and max of every timed run's figures."""
+    out: dict[int, dict[str, Spread]] = {}
+    for batch in sorted({r["batch"] for r in records if r.get("timed")}):
+        runs = [run_figures(r, new_tokens) for r in records if r.get("timed") and r["batch"] == batch]
+        out[batch] = {key: spread(run[key] for run in runs) for key in runs[0]}
+    return out
+
+
+def compare(summaries: dict[str, dict[int, dict[str, Spread]]]) -> dict[int, dict[str, Any]]:
+    """Per batch size and span: ours over the fastest peer configuration measured in this run."""
+    peers = {k: v for k, v in summaries.items() if k != OURS}
+    ours = summaries.get(OURS, {})
+    out: dict[int, dict[str, Any]] = {}
+    for batch, figures in ours.items():
+        row: dict[str, Any] = {}
+        for key, faster in (("decode_tok_s", max), ("request_tok_s", max), ("first_token_s", min)):
+            candidates = {k: s[batch][key].median for k, s in peers.items() if batch in s and s[batch][key].n}
+            if not candidates:
+                continue
+            best = faster(candidates, key=candidates.get)
+            # Speed-up: a rate over a rate; for the first token, the peer's time over ours.
+            value = ratio(figures[key].median, candidates[best]) if key != "first_token_s" else \
+                ratio(candidates[best], figures[key].median)
+            row[key] = {"fastest_peer": best, "peer": candidates[best], "ours": figures[key].median, "speedup": value}
+        out[batch] = row
+    return out
+
+
+# --- ours ----------------------------------------------------------------------------------------
+
+def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
     from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 
-    max_batch = max(spec.batch_sizes)
+    cuda = spec.device.startswith("cuda")
     # The picture's size is named as a profile names its cameras' (runtime.vision_compile_sizes),
-    # so the tower is ready for it at load: captured in a CUDA graph, or compiled.
-    config = EngineConfig(dtype=spec.dtype, device=spec.device, max_batch_size=max_batch, block_size=16,
+    # so the tower is ready for it at load. No prefix cache: every request pays for its prefill.
+    config = EngineConfig(dtype=spec.dtype, device=spec.device, max_batch_size=max(spec.batch_sizes), block_size=16,
                           kv_budget_mb=1024, max_context=4096, prefill_chunk=4096, vision_cache_entries=1,
-                          cuda_graphs=spec.device.startswith("cuda"), prefix_cache=False,
-                          vision_compile_sizes=(spec.image_size,) if spec.device.startswith("cuda") else ())
+                          cuda_graphs=cuda, prefix_cache=False, vision_compile_sizes=(spec.image_size,) if cuda else ())
     engine = Engine.load(spec.model, config=config)
-    # A fixed length, as the peers' min_new_tokens gives; no prefix cache, so every request
-    # pays for its prefill as theirs do.
-    params = SamplingParams(max_new_tokens=spec.new_tokens, ignore_eos=True)
-    image = bench_image(spec.image_size)
-    ttft, vision, prefill, decode = [], [], [], {b: [] for b in spec.batch_sizes}
-    prompt_tokens = 0
-    for i in range(spec.repeats + 1):
-        engine.vision_cache.clear()  # every repeat pays for its vision encoder, as the peers do
+    prompts: list[list[int]] = []
+
+    def call(batch: int, new_tokens: int, images: list) -> float:
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        engine.vision_cache.clear()
         sync(spec.device)
-        result = engine.generate(QUESTION, [image], params)
-        prompt_tokens = result.usage["prompt_tokens"]
-        if i:
-            ttft.append(result.timings["ttft_s"])
-            vision.append(result.timings["vision_s"])
-            prefill.append(result.timings["prefill_s"])
-        for b in spec.batch_sizes:
-            seqs = [engine.submit(QUESTION, [image], params) for _ in range(b)]
-            while any(not s.generated for s in seqs):
-                engine.step()
-            sync(spec.device)
-            start = time.perf_counter()
-            counted = sum(len(s.generated) for s in seqs)
-            engine.run_until_done(seqs)
-            sync(spec.device)
-            if i:
-                decode[b].append((sum(len(s.generated) for s in seqs) - counted) / (time.perf_counter() - start))
+        started = time.perf_counter()
+        seqs = [engine.submit(QUESTION, [image], params) for image in images]
+        results = engine.run_until_done(seqs)
+        sync(spec.device)
+        seconds = time.perf_counter() - started
+        if any(len(r.token_ids) != new_tokens for r in results):
+            raise RuntimeError(f"ours generated {[len(r.token_ids) for r in results]} tokens, not {new_tokens}")
+        prompts.append(seqs[0].prompt_ids)
+        return seconds
+
+    log = RunLog()
+    measure(spec, OURS, call, log)
     decoder = engine.model.decoder
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in decoder.named_parameters() if n != "embed")
-    kv_bytes_per_token = engine.kv.bytes_per_block // engine.config.block_size
-    return {"ttft_s": statistics.median(ttft), "decode_tok_s": {b: statistics.median(v) for b, v in decode.items()},
-            "vision_s": statistics.median(vision), "prefill_s": statistics.median(prefill),
-            "prompt_tokens": prompt_tokens, "text_weight_bytes": weight_bytes,
-            "kv_bytes_per_token": kv_bytes_per_token, "peak_memory_mb": peak_memory_mb(spec.device),
-            "cuda_graph_captures": getattr(engine.decoder_engine, "captures", 0),
-            "decode_steps": engine.counters["decode_steps"], "decode_bursts": engine.counters["decode_bursts"],
-            "decode_bursts_ahead": engine.counters["decode_bursts_ahead"],
-            "prefill_replays": getattr(engine.decoder_engine, "prefill_replays", 0),
-            "prefill_error": getattr(engine.decoder_engine, "prefill_error", None),
-            "weight_layout": getattr(engine.decoder_engine, "weight_layout", None),
-            "decode_kernels": getattr(engine.decoder_engine, "kernel_report", None),
-            "vision_compiled": bool(getattr(engine.vision_engine, "compiled_signatures", None)),
-            "vision_captured": bool(getattr(engine.vision_engine, "captured_signatures", None)),
-            "vision_capture_error": getattr(engine.vision_engine, "capture_error", None),
-            "vision_compile_error": engine.vision_compile_error,
-            "compile_error": getattr(engine.decoder_engine, "compile_error", None)}
+    return {"runs": log.records, "prompt_tokens": len(prompts[0]), "prompt_digest": prompt_digest(prompts[0]),
+            "peak_memory_mb": peak_memory_mb(spec.device),
+            "text_weight_bytes": sum(p.numel() * p.element_size() for n, p in decoder.named_parameters()
+                                     if n != "embed"),  # a tied head is lm_head_t, read every step
+            "kv_bytes_per_token": engine.kv.bytes_per_block // engine.config.block_size,
+            "diagnostics": _diagnostics(engine)}
 
 
-# --- transformers ----------------------------------------------------------------------------------
-
-def prompt_ids(model: Path, images) -> tuple[object, list[int]]:
-    """Our prompt ids for the question (checked equal to transformers' processors in the tests)."""
-    from edgeinfer.engine.inputs import expand_images, render_chat, tokenize, user_message
-    from edgeinfer.models.loader import read_checkpoint
-
-    checkpoint, adapter_cls = read_checkpoint(model)
-    adapter = adapter_cls(checkpoint)
-    processed = [adapter.process_image(im) for im in images]
-    text = expand_images(render_chat(adapter, user_message(QUESTION, len(images))), adapter.image_marker, processed)
-    return adapter, tokenize(adapter, text, processed).token_ids
-
-
-def vision_kwargs(adapter, images, batch: int, device: str, dtype) -> dict:
-    """The image processor's tensors for transformers' model, repeated for a batch."""
-    import torch
-
-    from edgeinfer.models.idefics3 import Idefics3Adapter
-
-    nested = isinstance(adapter, Idefics3Adapter)
-    out = adapter.image_processor(images=[images] * batch if nested else images * batch, return_tensors="pt")
-    kwargs = {}
-    for key, value in out.items():
-        if isinstance(value, torch.Tensor):
-            kwargs[key] = value.to(device, dtype) if value.is_floating_point() else value.to(device)
-    return kwargs
+def _diagnostics(engine) -> dict[str, Any]:
+    """What ran: graphs, bursts, compile or capture failures (reported, never used for control)."""
+    decoder, vision = engine.decoder_engine, engine.vision_engine
+    counters = engine.counters
+    return {"decode_steps": counters.get("decode_steps"), "decode_bursts": counters.get("decode_bursts"),
+            "decode_bursts_ahead": counters.get("decode_bursts_ahead"),
+            "cuda_graph_captures": getattr(decoder, "captures", None),
+            "prefill_replays": getattr(decoder, "prefill_replays", None),
+            "compile_error": getattr(decoder, "compile_error", None),
+            "vision_captured": bool(getattr(vision, "captured_signatures", None)),
+            "vision_compiled": bool(getattr(vision, "compiled_signatures", None)),
+            "vision_capture_error": getattr(vision, "capture_error", None),
+            "vision_compile_error": getattr(engine, "vision_compile_error", None)}
 
 
-def run_transformers(spec: GpuBenchSpec, cache: str) -> dict:
-    import torch
-    from transformers import AutoModelForImageTextToText
+def run_bandwidth(spec: GpuBenchSpec) -> dict[str, Any]:
+    from edgeinfer.bench.roofline import measure_probes
 
-    dtype = getattr(torch, spec.dtype)
-    image = bench_image(spec.image_size)
-    adapter, ids = prompt_ids(spec.model, [image])
-    model = AutoModelForImageTextToText.from_pretrained(spec.model, dtype=dtype).to(spec.device).eval()
-    extra = {"cache_implementation": "static"} if cache == "static" else {}
-    ttft, decode = [], {b: [] for b in spec.batch_sizes}
-    for i in range(spec.repeats + 1):
-        for b in sorted(set(spec.batch_sizes) | {1}):
-            input_ids = torch.tensor([ids] * b, device=spec.device)
-            sync(spec.device)
-            start = time.perf_counter()
-            kwargs = vision_kwargs(adapter, [image], b, spec.device, dtype)
-            clock = _Clock()
-            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs,
-                           max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens, do_sample=False,
-                           streamer=clock if b == 1 else None, **extra)
-            sync(spec.device)
-            end = time.perf_counter()
-            if not i:
-                continue  # warm-up (and compilation for the static cache)
-            if b == 1:
-                ttft.append(clock.times[0] - start)
-                if 1 in decode:
-                    decode[1].append((len(clock.times) - 1) / (clock.times[-1] - clock.times[0]))
-            else:
-                decode[b].append(b * spec.new_tokens / (end - start))  # includes its prefill: a lower bound
-    return {"ttft_s": statistics.median(ttft), "decode_tok_s": {b: statistics.median(v) for b, v in decode.items()},
-            "prompt_tokens": len(ids), "peak_memory_mb": peak_memory_mb(spec.device)}
-
-
-def worker(kind: str, spec: GpuBenchSpec) -> dict:
-    import torch
-
-    with torch.inference_mode():
-        if kind == "ours":
-            return run_ours(spec)
-    return run_transformers(spec, "static" if kind.endswith("static") else "dynamic")
+    probes = measure_probes(spec.device, mib=spec.bandwidth_mib, dtype=spec.dtype)
+    return {"probes": [p.to_dict() for p in probes], "environment": environment(spec.device)}
 
 
 # --- the run ---------------------------------------------------------------------------------------
 
 @dataclass
-class Report:
-    spec: dict
-    environment: dict
-    bandwidth_gbs: float
-    results: dict = field(default_factory=dict)
-    errors: dict = field(default_factory=dict)
+class GpuReport:
+    spec: GpuBenchSpec
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    probes: list[Probe] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)  # read in a worker: this process stays off the GPU
 
-    def roofline(self) -> dict:
-        ours = self.results.get("ours")
-        if not ours:
+    def summaries(self) -> dict[str, dict[int, dict[str, Spread]]]:
+        return {kind: summarize(r["runs"], self.spec.new_tokens) for kind, r in self.results.items()}
+
+    def same_prompt(self) -> bool:
+        return len({r["prompt_digest"] for r in self.results.values()}) <= 1
+
+    def roofline(self) -> dict[int, dict[str, float]]:
+        ours = self.results.get(OURS)
+        if not ours or not self.probes:
             return {}
-        out = {}
-        context = ours["prompt_tokens"] + self.spec["new_tokens"] / 2
-        for b, rate in ours["decode_tok_s"].items():
-            bytes_per_step = ours["text_weight_bytes"] + int(b) * context * ours["kv_bytes_per_token"]
-            roof = self.bandwidth_gbs * 1e9 / bytes_per_step * int(b)
-            out[b] = {"roofline_tok_s": roof, "fraction": rate / roof}
-        return out
+        rates = {b: s["decode_tok_s"].median for b, s in summarize(ours["runs"], self.spec.new_tokens).items()}
+        context = ours["prompt_tokens"] + self.spec.new_tokens / 2
+        return roofline(rates, best_bandwidth_gbs(self.probes), ours["text_weight_bytes"], ours["kv_bytes_per_token"],
+                        context)
 
 
-def environment(device: str) -> dict:
-    import platform
+def run(spec: GpuBenchSpec, log: Callable[[str], None] = print) -> GpuReport:
+    from edgeinfer.bench._worker import call_worker
 
-    import torch
-    import transformers
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
-
-
-def run(spec: GpuBenchSpec) -> Report:
-    import torch
-
-    with torch.inference_mode():
-        bandwidth = copy_bandwidth_gbs(spec.device)
-    report = Report(asdict(spec) | {"model": str(spec.model)}, environment(spec.device), bandwidth)
-    for kind in spec.kinds:
-        # Each batch size is a new static shape for the compiled peer: batch 1 only keeps its
-        # compile time bounded; its decode rate at batch 1 is the figure the target names.
-        run_spec = replace(spec, batch_sizes=(1,)) if kind == "transformers-static" else spec
-        cmd = [sys.executable, "-m", "edgeinfer.bench.gpu", "--worker", kind, *run_spec.args()]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        if done.returncode:
-            report.errors[kind] = done.stderr[-3000:]
+    report = GpuReport(spec)
+    tasks = [("gpu-bandwidth", "bandwidth")] + [(f"gpu-{kind}", kind) for kind in spec.kinds]
+    for task, name in tasks:
+        log(f"[bench gpu] {spec.model.name}: {name} ...")
+        started = time.perf_counter()
+        try:
+            out = call_worker(task, spec.to_json())
+        except RuntimeError as error:
+            report.errors[name] = str(error)
+            log(f"[bench gpu] {name} failed:\n{str(error)[-2000:]}")
             continue
-        report.results[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+        log(f"[bench gpu] {name}: {time.perf_counter() - started:.0f} s")
+        if name == "bandwidth":
+            report.probes = [Probe(p["name"], p["bytes"], p["seconds"]) for p in out["probes"]]
+            report.environment = out["environment"]
+        else:
+            report.results[name] = out
     return report
 
 
-def markdown(report: Report) -> str:
-    r, roof = report.results, report.roofline()
-    batches = [str(b) for b in report.spec["batch_sizes"]]
-    head = "| engine | TTFT b=1 (ms) | " + " | ".join(f"decode b={b} (tok/s)" for b in batches) + " | peak mem (MB) |"
-    lines = [head, "|---" * (3 + len(batches)) + "|"]
-    for kind, x in r.items():
-        rates = " | ".join(f"{x['decode_tok_s'].get(b, float('nan')):.0f}" for b in batches)
-        lines.append(f"| {kind} | {x['ttft_s'] * 1e3:.1f} | {rates} | {x['peak_memory_mb']:.0f} |")
-    if "ours" in r:
-        for peer in ("transformers-dynamic", "transformers-static"):
-            if peer in r:
-                ratios = " | ".join(
-                    f"{r['ours']['decode_tok_s'][b] / r[peer]['decode_tok_s'][b]:.2f}×"
-                    if b in r[peer]["decode_tok_s"] else "" for b in batches)
-                lines.append(f"| ours / {peer} | {r['ours']['ttft_s'] / r[peer]['ttft_s']:.2f}× | {ratios} | |")
-    lines.append("")
-    lines.append(f"Copy bandwidth {report.bandwidth_gbs:.0f} GB/s. Roofline (ours): " + ", ".join(
-        f"b={b}: {v['fraction'] * 100:.0f}% of {v['roofline_tok_s']:.0f} tok/s" for b, v in roof.items()))
-    for kind, err in report.errors.items():
-        lines.append(f"\n{kind} failed:\n```\n{err[-1500:]}\n```")
+def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy: bool) -> tuple[dict, Any]:
+    records = [r for result in report.results.values() for r in result["runs"]]
+    verdict = judge(records, tracker.share_at, max_load, enforced=not report.spec.device.startswith("cuda"))
+    summaries = report.summaries()
+    body = {"bandwidth": {"probes": [p.to_dict() for p in report.probes],
+                          "best_gbs": best_bandwidth_gbs(report.probes) if report.probes else None},
+            "results": {k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in report.results.items()},
+            "runs": {k: v["runs"] for k, v in report.results.items()},
+            "summary": summaries, "speedups": compare(summaries), "roofline": report.roofline(),
+            "same_prompt": report.same_prompt(), "errors": report.errors}
+    head = raw.header("gpu", report.spec.to_json(), report.environment or environment("cpu"))
+    problems = raw.comparison_problems(report.errors, report.same_prompt())
+    return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
+
+
+def _cell(s: Spread, scale: float = 1.0, digits: int = 0) -> str:
+    if not s.n:
+        return "–"
+    return f"{s.median * scale:.{digits}f} ({s.min * scale:.{digits}f}–{s.max * scale:.{digits}f})"
+
+
+def markdown(report: GpuReport) -> str:
+    spec, summaries, speedups = report.spec, report.summaries(), compare(report.summaries())
+    batches = list(spec.batch_sizes)
+    lines = [f"Medians of {spec.repeats} timed pairs of calls (min–max) per batch size, after {spec.warmup} "
+             f"untimed; {spec.new_tokens} tokens; {spec.image_size[0]}×{spec.image_size[1]} pictures, one per "
+             "request.", ""]
+    for key, title, scale, digits in (("decode_tok_s", "decode only (tok/s)", 1, 0),
+                                      ("request_tok_s", "whole request (tok/s)", 1, 0)):
+        lines += ["| engine | " + " | ".join(f"{title} b={b}" for b in batches) + " |",
+                  "|---" * (1 + len(batches)) + "|"]
+        for kind, per_batch in summaries.items():
+            lines.append(f"| {kind} | " + " | ".join(_cell(per_batch[b][key], scale, digits) if b in per_batch
+                                                      else "–" for b in batches) + " |")
+        lines.append("| **ours / fastest peer** | " + " | ".join(
+            f"**{speedups[b][key]['speedup']:.2f}×** ({speedups[b][key]['fastest_peer']})"
+            if b in speedups and key in speedups[b] else "–" for b in batches) + " |")
+        lines.append("")
+    if 1 in batches:
+        lines += ["| engine | time to first token b=1 (ms) | peak memory (MB) |", "|---|---|---|"]
+        for kind, per_batch in summaries.items():
+            lines.append(f"| {kind} | {_cell(per_batch[1]['first_token_s'], 1e3, 1)} | "
+                         f"{report.results[kind]['peak_memory_mb']:.0f} |")
+        lines.append("")
+    if report.probes:
+        probes = ", ".join(f"{p.name} {p.gbs:.0f}" for p in report.probes)
+        roof = report.roofline()
+        best = best_bandwidth_gbs(report.probes)
+        lines.append(f"Bandwidth (GB/s): {probes}; the roofline uses the best, {best:.0f}. "
+                     "Roofline (ours, decode only): " + ", ".join(
+                         f"b={b}: {v['fraction']:.1%} of {v['roofline_tok_s']:.0f} tok/s" for b, v in roof.items()))
+    if not report.same_prompt():
+        lines.append("\n**The engines' prompt ids differ: this comparison is not like for like.**")
+    for kind, error in report.errors.items():
+        lines.append(f"\n{kind} failed:\n```\n{error[-1500:]}\n```")
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv=None):
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", choices=KINDS)
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--image-size", default="1024x768")
-    parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--kinds", default=",".join(KINDS))
-    parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    args = parser.parse_args(argv)
-    w, h = parse_size(args.image_size)
-    spec = GpuBenchSpec(args.model, (w, h), tuple(int(b) for b in args.batch_sizes.split(",")), args.new_tokens,
-                        args.repeats, args.dtype, args.device, tuple(args.kinds.split(",")))
-    return args, spec
-
-
-def main(argv=None) -> None:
-    args, spec = parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.worker, spec)))
-        return
-    report = run(spec)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu-{spec.model.name}"
-    (args.out / f"{stem}.json").write_text(json.dumps(asdict(report) | {"roofline": report.roofline()}, indent=2))
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
-
-
-if __name__ == "__main__":
-    main()
+def bench(spec: GpuBenchSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_noisy: bool = False,
+          log: Callable[[str], None] = print) -> Path:
+    """Run the GPU benchmark, write ``gpu-<model>.json`` (+ ``.md``) under ``out``, return its path.
+    Raises ``LimitExceeded`` for noisy CPU runs (the file is written first, marked unpublishable)."""
+    with LoadTracker() as tracker:
+        report = run(spec, log)
+    data, verdict = to_raw(report, tracker, max_load, allow_noisy)
+    path = raw.write(out, f"gpu-{spec.model.name}", data, markdown(report))
+    log(markdown(report))
+    raw.refuse_if_problems(data["problems"], path)
+    refuse_if_noisy(verdict, path, allow_noisy)
+    return path

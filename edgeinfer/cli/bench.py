@@ -1,32 +1,191 @@
-"""``edgeinfer bench``: benchmarks that run a peer in the same run and report ratios of medians.
+"""``edgeinfer bench``: benchmarks that run their peer in the same run and write one raw JSON file each.
 
-Each subcommand forwards its arguments to the benchmark module's own parser
-(``--help`` after the subcommand lists them).
+Every command prints where its raw file went. On a CPU, figures count only from quiet
+runs: a run whose other processes' load average went over ``--max-load`` makes the command
+exit 2 with the file marked ``"publishable": false`` (``--allow-noisy`` keeps it, still marked).
 """
 
 from __future__ import annotations
 
-import importlib
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-bench_app = typer.Typer(help="Benchmarks against transformers' generate() (and other peers), run together.",
+from edgeinfer.bench.common import SHAPES
+from edgeinfer.bench.quiet import QUIET_LOAD
+from edgeinfer.cli.profiles import errors_to_exit_codes
+
+bench_app = typer.Typer(help="Benchmarks against transformers (and our other backends), measured in the same run.",
                         no_args_is_help=True)
 
-_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
-BENCHMARKS = {
-    "generate": ("edgeinfer.bench.generate", "Time to first token, decode tokens/s and peak RSS on a CPU."),
-    "gpu": ("edgeinfer.bench.gpu", "TTFT, decode at several batch sizes, peak memory and roofline on a GPU."),
-    "kv": ("edgeinfer.bench.kv", "Session resume from host and disk tiers, spill overhead, round-robin sessions."),
-}
+DEFAULT_CACHE = Path.home() / ".cache" / "edgeinfer" / "bench"
+ModelOption = Annotated[Optional[Path], typer.Option(
+    "--model", "-m", help="Checkpoint folder. Default: a random checkpoint of --shape, built once under --cache.")]
+ShapeOption = Annotated[str, typer.Option(
+    help=f"Shape of the built checkpoint (random weights, published shapes): {', '.join(SHAPES)}.")]
+CacheOption = Annotated[Path, typer.Option(help="Where built checkpoints are kept.",
+                                           envvar="EDGEINFER_BENCH_CACHE")]
+OutOption = Annotated[Path, typer.Option("--out", "-o", help="Folder for the raw JSON file (and its .md summary).")]
+RepeatsOption = Annotated[int, typer.Option(min=1, help="Timed runs; figures are the median of all of them.")]
+WarmupOption = Annotated[int, typer.Option(min=0, help="Untimed runs before them (compilation, caches).")]
+NewTokensOption = Annotated[int, typer.Option(min=2, help="Tokens generated per request (EOS ignored).")]
+ThreadsOption = Annotated[int, typer.Option(min=1, help="CPU threads of each engine.")]
+MaxLoadOption = Annotated[float, typer.Option(
+    help="Quiet-run limit: other processes' 1-minute load average before and after every run (CPU figures).")]
+AllowNoisyOption = Annotated[bool, typer.Option(
+    help="Write the raw file even when runs were noisy (marked \"publishable\": false) and exit 0.")]
 
 
-def _forwarder(module: str):
-    def command(ctx: typer.Context) -> None:
-        importlib.import_module(module).main(list(ctx.args))
+def _model(model: Path | None, shape: str, cache: Path) -> Path:
+    from edgeinfer.bench.common import bench_checkpoint
 
-    return command
+    return model if model is not None else bench_checkpoint(shape, cache)
 
 
-for _name, (_module, _help) in BENCHMARKS.items():
-    bench_app.command(_name, help=_help, context_settings=_PASS_THROUGH)(_forwarder(_module))
+def _kinds(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
+def _done(path: Path) -> None:
+    typer.echo(f"raw: {path}")
+
+
+def _spec(factory, *args, **kwargs):
+    """A benchmark spec; a value it refuses (an unknown kind or part) is a usage error (exit 2)."""
+    try:
+        return factory(*args, **kwargs)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+@bench_app.command("generate")
+def generate(
+    *,
+    model: ModelOption = None,
+    shape: ShapeOption = "smolvlm-256m",
+    cache: CacheOption = DEFAULT_CACHE,
+    out: OutOption = Path("bench-results"),
+    image_size: Annotated[int, typer.Option(help="Side of the square random picture, in pixels.")] = 512,
+    new_tokens: NewTokensOption = 64,
+    repeats: RepeatsOption = 5,
+    warmup: WarmupOption = 1,
+    threads: ThreadsOption = 2,
+    kinds: Annotated[str, typer.Option(
+        help="Engines, comma-separated: transformers (always), ours, onnxruntime, onnxruntime-int8.")]
+    = "transformers,ours",
+    max_load: MaxLoadOption = QUIET_LOAD,
+    allow_noisy: AllowNoisyOption = False,
+) -> None:
+    """Time to first token, decode and whole-request tokens/s, peak RSS on a CPU: ours against transformers."""
+    from edgeinfer.bench.generate import GenerateSpec, bench
+
+    with errors_to_exit_codes():
+        spec = _spec(GenerateSpec, _model(model, shape, cache), image_size=image_size, new_tokens=new_tokens,
+                            repeats=repeats, warmup=warmup, threads=threads, kinds=_kinds(kinds))
+        _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo))
+
+
+@bench_app.command("onnxruntime")
+def onnxruntime(
+    *,
+    model: ModelOption = None,
+    shape: ShapeOption = "smolvlm-256m",
+    cache: CacheOption = DEFAULT_CACHE,
+    out: OutOption = Path("bench-results"),
+    image_size: Annotated[int, typer.Option(help="Side of the square random picture, in pixels.")] = 512,
+    new_tokens: NewTokensOption = 64,
+    repeats: RepeatsOption = 5,
+    warmup: WarmupOption = 1,
+    threads: ThreadsOption = 2,
+    max_load: MaxLoadOption = QUIET_LOAD,
+    allow_noisy: AllowNoisyOption = False,
+    demo_accuracy: Annotated[int, typer.Option(
+        metavar="N", help="Instead of the speed run: answer N held-out demo questions with torch, ORT fp32 "
+                          "and ORT int8 and report their accuracy.")] = 0,
+    seed: Annotated[int, typer.Option(help="Held-out seed of --demo-accuracy.")] = 1234,
+) -> None:
+    """ONNX Runtime fp32 and int8 against transformers and our torch backend on a CPU (or demo accuracy)."""
+    from edgeinfer.bench import onnxruntime as ort
+    from edgeinfer.bench.generate import KINDS, GenerateSpec
+
+    with errors_to_exit_codes():
+        if demo_accuracy:
+            _done(ort.accuracy(demo_accuracy, seed, cache / "demo-engines", out))
+            return
+        spec = _spec(GenerateSpec, _model(model, shape, cache), image_size=image_size, new_tokens=new_tokens,
+                            repeats=repeats, warmup=warmup, threads=threads, kinds=KINDS)
+        _done(ort.speed(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo))
+
+
+@bench_app.command("gpu")
+def gpu(
+    *,
+    model: ModelOption = None,
+    shape: ShapeOption = "qwen2-vl-2b",
+    cache: CacheOption = DEFAULT_CACHE,
+    out: OutOption = Path("bench-results"),
+    image_size: Annotated[str, typer.Option(help="WIDTHxHEIGHT of the random pictures.")] = "1024x768",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,16",
+    new_tokens: NewTokensOption = 64,
+    repeats: RepeatsOption = 3,
+    warmup: WarmupOption = 1,
+    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (float16 on boards without "
+                                            "fast bf16).")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="cuda, cuda:N (cpu only to check the code paths).")] = "cuda",
+    kinds: Annotated[str, typer.Option(
+        help="Engines, comma-separated: ours, transformers-static (compiled), transformers-dynamic.")]
+    = "ours,transformers-static,transformers-dynamic",
+    bandwidth_mib: Annotated[int, typer.Option(min=1, help="Buffer size of each bandwidth probe.")] = 1024,
+    max_load: MaxLoadOption = QUIET_LOAD,
+    allow_noisy: AllowNoisyOption = False,
+) -> None:
+    """Decode-only and whole-request tokens/s per batch size, first token, memory, roofline on a GPU."""
+    from edgeinfer.bench.gpu import GpuBenchSpec, bench
+    from edgeinfer.profiles import parse_size
+
+    with errors_to_exit_codes():
+        spec = _spec(GpuBenchSpec, _model(model, shape, cache), image_size=parse_size(image_size),
+                            batch_sizes=tuple(int(b) for b in batch_sizes.split(",")), new_tokens=new_tokens,
+                            repeats=repeats, warmup=warmup, dtype=dtype, device=device, kinds=_kinds(kinds),
+                            bandwidth_mib=bandwidth_mib)
+        _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo))
+
+
+@bench_app.command("kv")
+def kv(
+    *,
+    model: ModelOption = None,
+    shape: ShapeOption = "smolvlm-256m",
+    cache: CacheOption = DEFAULT_CACHE,
+    out: OutOption = Path("bench-results"),
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda where available).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="Default: float32 on a CPU, bfloat16 on CUDA.")] = None,
+    threads: ThreadsOption = 2,
+    repeats: RepeatsOption = 3,
+    parts: Annotated[str, typer.Option(
+        help="Comma-separated: resume, overhead, round_robin, peer (CUDA), drift, demo.")]
+    = "resume,overhead,round_robin,peer,drift,demo",
+    history_tokens: Annotated[int, typer.Option(help="Tokens of the resumed session.")] = 1024,
+    session_tokens: Annotated[int, typer.Option(help="Tokens of each round-robin session's opening.")] = 384,
+    sessions: Annotated[int, typer.Option(min=1, help="Round-robin sessions.")] = 8,
+    rounds: Annotated[int, typer.Option(min=1, help="Round-robin turns per session.")] = 3,
+    new_tokens: NewTokensOption = 16,
+    demo_questions: Annotated[int, typer.Option(help="Demo-model questions of the demo part.")] = 140,
+    max_load: MaxLoadOption = QUIET_LOAD,
+    allow_noisy: AllowNoisyOption = False,
+) -> None:
+    """The KV spill manager: resume, spill overhead, round robin, offloading peer (CUDA), drift."""
+    from edgeinfer.bench.kv import KVBenchSpec, bench
+
+    with errors_to_exit_codes():
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        spec = _spec(KVBenchSpec, model=_model(model, shape, cache), device=device,
+                           dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"), threads=threads,
+                           repeats=repeats, parts=_kinds(parts), history_tokens=history_tokens,
+                           session_tokens=session_tokens, sessions=sessions, rounds=rounds, new_tokens=new_tokens,
+                           demo_questions=demo_questions)
+        _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, say=typer.echo))

@@ -1,0 +1,98 @@
+"""ONNX Runtime benchmark: our ONNX Runtime backend (fp32 and int8) against transformers and our torch backend.
+
+The speed run is ``generate.py``'s method with four kinds (transformers, ours on torch,
+ours on ONNX Runtime fp32 and int8), each in its own worker; the ORT engines are built
+before their worker starts, so export memory never counts as its RSS. The raw file adds
+the decode targets and whether each was met.
+
+``demo_accuracy`` answers held-out questions of the bundled demo model with the torch
+backend, ORT fp32 and ORT int8, and reports each one's accuracy and how often int8 gives
+the fp32 answer (not timed).
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edgeinfer.bench import raw
+from edgeinfer.bench.common import environment
+from edgeinfer.bench.generate import KINDS, GenerateSpec
+from edgeinfer.bench.generate import bench as generate_bench
+from edgeinfer.bench.quiet import QUIET_LOAD
+from edgeinfer.errors import ModelLoadError
+
+TARGETS = {"onnxruntime": 1.5, "onnxruntime-int8": 2.5}  # decode speed-up over transformers
+
+
+def with_targets(data: dict[str, Any]) -> dict[str, Any]:
+    """The raw report with each ORT kind's decode target, its measured ratio and whether it was met."""
+    measured = {kind: data["ratios"].get(kind, {}).get("decode") for kind in TARGETS}
+    return {**data, "targets": {kind: {"decode_vs_transformers": target, "measured": measured[kind],
+                                       "met": measured[kind] is not None and measured[kind] >= target}
+                                for kind, target in TARGETS.items() if kind in data["ratios"]}}
+
+
+def speed(spec: GenerateSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_noisy: bool = False,
+          log: Callable[[str], None] = print) -> Path:
+    """Every kind of ``KINDS`` (or ``spec.kinds``), written as ``cpu-onnxruntime-<model>.json``."""
+    return generate_bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, benchmark="onnxruntime",
+                          stem=f"{spec.device}-onnxruntime-{spec.model.name}", extra=with_targets, log=log)
+
+
+def _normalized(text: str) -> str:
+    return text.strip().strip(string.punctuation + " ").lower()
+
+
+def demo_accuracy(n: int, seed: int, engines_root: Path) -> dict[str, Any]:
+    """Accuracy of torch, ORT fp32 and ORT int8 on the demo model's held-out questions."""
+    from edgeinfer.demo import DEMO_MODEL_DIR, synthetic
+    from edgeinfer.engine import Engine, SamplingParams
+
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise ModelLoadError(f"no demo model at {DEMO_MODEL_DIR}")
+    samples = synthetic.held_out(seed, n)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    variants = {"torch": ("torch", []), "onnxruntime": ("onnxruntime", ["build.precision=fp32"]),
+                "onnxruntime-int8": ("onnxruntime", ["build.precision=int8"])}
+    answers: dict[str, list[str]] = {}
+    for name, (backend, overrides) in variants.items():
+        os.environ["EDGEINFER_ENGINES"] = str(engines_root / name)
+        engine = Engine.load(DEMO_MODEL_DIR, profile="cpu", overrides=overrides, backend=backend)
+        started = time.perf_counter()
+        answers[name] = [_normalized(engine.generate(s.question, [s.image], sampling).text) for s in samples]
+        print(f"{name}: {time.perf_counter() - started:.1f} s for {n} questions", file=sys.stderr)
+    report: dict[str, Any] = {"n": n, "seed": seed, "accuracy": {}, "per_type": {}}
+    for name, got in answers.items():
+        right = [a == s.answer for a, s in zip(got, samples)]
+        report["accuracy"][name] = sum(right) / n
+        report["per_type"][name] = {q: sum(r for r, s in zip(right, samples) if s.qtype == q)
+                                    / max(1, sum(s.qtype == q for s in samples)) for q in synthetic.QTYPES}
+    report["int8_agrees_with_fp32"] = sum(a == b for a, b in zip(answers["onnxruntime-int8"],
+                                                                 answers["onnxruntime"])) / n
+    return report
+
+
+def demo_markdown(report: dict[str, Any]) -> str:
+    lines = ["| engine | demo accuracy |", "|---|---|"]
+    lines += [f"| {name} | {acc:.1%} |" for name, acc in report["accuracy"].items()]
+    lines.append(f"\nint8 answers equal fp32 answers on {report['int8_agrees_with_fp32']:.1%} of "
+                 f"{report['n']} questions (seed {report['seed']}).")
+    return "\n".join(lines) + "\n"
+
+
+def accuracy(n: int, seed: int, engines_root: Path, out: Path) -> Path:
+    """Run ``demo_accuracy`` and write ``demo-eval-onnxruntime.json`` (+ ``.md``) under ``out``."""
+    report = demo_accuracy(n, seed, engines_root)
+    head = raw.header("onnxruntime-demo-accuracy", {"n": n, "seed": seed}, environment("cpu"))
+    path = raw.write(out, "demo-eval-onnxruntime", {**head, **report, "publishable": True}, demo_markdown(report))
+    print(demo_markdown(report))
+    return path
+
+
+__all__ = ["KINDS", "TARGETS", "accuracy", "demo_accuracy", "speed", "with_targets"]

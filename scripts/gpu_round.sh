@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Regenerate every GPU figure of docs/benchmarks.md and docs/kv_cache.md in one run on one GPU.
+#
+#   scripts/gpu_round.sh OUT
+#
+# Writes into OUT (one raw JSON file per benchmark, each with a .md summary beside it):
+#   gpu-qwen2-vl-2b.json    ours vs transformers (static cache + torch.compile, and dynamic), batch 1/4/16,
+#                           decode only and whole request, first token, peak memory, bandwidth best of three
+#   gpu-smolvlm-256m.json   the same on a SmolVLM-256M-shaped checkpoint
+#   kv-cuda.json            KV spill manager: resume, spill overhead end to end, round robin, offloading peer, drift
+#   decode-vs-batch.png     the plot of both gpu files (only where matplotlib is installed: pip install -e '.[plot]')
+#   round.log               everything the commands printed
+# Checkpoints (random weights, published shapes) are built under $EDGEINFER_BENCH_CACHE (default
+# OUT/checkpoints), about 9 GB for Qwen2-VL-2B. No network is used.
+#
+# Budget: about 8 minutes of GPU time on an H200 (most of it transformers' compilation, once per
+# batch size). Every step goes on when an earlier one failed; the script exits non-zero if any did.
+set -euo pipefail
+
+OUT=${1:?usage: scripts/gpu_round.sh OUT_DIR}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+CACHE=${EDGEINFER_BENCH_CACHE:-$OUT/checkpoints}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+cd "$ROOT"
+
+python - <<'EOF'
+import sys
+missing = []
+try:
+    import torch
+except ImportError:
+    sys.exit("gpu_round: torch is not installed")
+if not torch.cuda.is_available():
+    missing.append("no CUDA device is visible to torch")
+for name, why in (("transformers", "the peer"), ("triton", "our fused batch-1 decode (without it the figures are "
+                                                                "not the engine's)"), ("psutil", "the load records")):
+    try:
+        __import__(name)
+    except ImportError:
+        missing.append(f"{name} is not installed ({why})")
+try:
+    import edgeinfer.bench.gpu, edgeinfer.bench.kv, edgeinfer.cli.main  # noqa: F401
+except Exception as error:  # noqa: BLE001 - any import failure stops the round here
+    missing.append(f"edgeinfer does not import: {error}")
+if missing:
+    sys.exit("gpu_round: cannot start: " + "; ".join(missing))
+import transformers
+print(f"gpu_round: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
+EOF
+
+failed=()
+step() {
+    local name=$1
+    shift
+    local started=$SECONDS
+    echo "== $name: edgeinfer $*" | tee -a "$OUT/round.log"
+    if python -m edgeinfer.cli.main "$@" 2>&1 | tee -a "$OUT/round.log"; then
+        echo "== $name: done in $((SECONDS - started)) s" | tee -a "$OUT/round.log"
+    else
+        echo "== $name: FAILED after $((SECONDS - started)) s" | tee -a "$OUT/round.log"
+        failed+=("$name")
+    fi
+}
+step gpu-qwen2-vl-2b bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT" \
+    --image-size 1024x768 --batch-sizes 1,4,16 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
+    --kinds ours,transformers-static,transformers-dynamic
+step gpu-smolvlm-256m bench gpu --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
+    --image-size 1024x768 --batch-sizes 1,4,16 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
+    --kinds ours,transformers-static,transformers-dynamic
+step kv-cuda bench kv --device cuda --dtype bfloat16 --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
+    --parts resume,overhead,round_robin,peer,drift --repeats 3 --sessions 8 --rounds 3 --new-tokens 16
+
+if python -c "import matplotlib" 2>/dev/null; then
+    python scripts/plot_bench.py "$OUT"/gpu-qwen2-vl-2b.json "$OUT"/gpu-smolvlm-256m.json \
+        --out "$OUT/decode-vs-batch.png" 2>&1 | tee -a "$OUT/round.log"
+else
+    echo "gpu_round: no matplotlib here; plot later with: python scripts/plot_bench.py $OUT/gpu-*.json --out $OUT/decode-vs-batch.png" | tee -a "$OUT/round.log"
+fi
+
+echo "gpu_round: $SECONDS s in all; raw files in $OUT" | tee -a "$OUT/round.log"
+if ((${#failed[@]})); then
+    echo "gpu_round: failed: ${failed[*]} (see $OUT/round.log)" >&2
+    exit 1
+fi

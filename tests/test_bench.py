@@ -1,0 +1,307 @@
+"""The benchmarks' own logic: medians of all runs, quiet-run refusal, raw files, the roofline's
+arithmetic, the peer's isolation and the `edgeinfer bench` commands. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from edgeinfer.bench import raw
+from edgeinfer.bench.common import loaded_runtime_modules
+from edgeinfer.bench.gpu import compare, run_figures, summarize
+from edgeinfer.bench.kv import script_rates, scripted_rounds
+from edgeinfer.bench.quiet import LoadTracker, RunLog, ema_step, judge, refuse_if_noisy
+from edgeinfer.bench.roofline import Probe, best_bandwidth_gbs, measure_probes, roofline, roofline_tok_s, step_bytes
+from edgeinfer.bench.stats import Spread, ratio, spread
+from edgeinfer.cli.main import app
+from edgeinfer.errors import LimitExceeded, exit_code_for
+
+# --- medians of all runs --------------------------------------------------------------------------
+
+def test_spread_is_the_median_of_every_run_with_its_range():
+    s = spread([10.0, 30.0, 20.0, 100.0, None])
+    assert (s.median, s.min, s.max, s.n) == (25.0, 10.0, 100.0, 4)  # not the best run (100)
+
+
+def test_spread_of_nothing_is_a_visible_hole():
+    s = spread([None])
+    assert s.n == 0 and math.isnan(s.median)
+
+
+def test_ratio_is_nan_where_either_side_is_missing():
+    assert ratio(4.0, 2.0) == 2.0
+    assert math.isnan(ratio(4.0, 0.0)) and math.isnan(ratio(None, 2.0)) and math.isnan(ratio(math.nan, 1.0))
+
+
+# --- quiet runs -----------------------------------------------------------------------------------
+
+def test_our_share_of_the_load_follows_the_kernels_one_minute_average():
+    share = 0.0
+    for _ in range(12):  # two busy threads for a minute, in 5 s steps
+        share = ema_step(share, cpu_seconds=10.0, seconds=5.0)
+    assert share == pytest.approx(2 * (1 - math.exp(-1)), rel=1e-9)
+    for _ in range(120):
+        share = ema_step(share, cpu_seconds=10.0, seconds=5.0)
+    assert share == pytest.approx(2.0, abs=1e-3)
+    assert ema_step(1.0, 0.0, 0.0) == 1.0  # no time passed, nothing changes
+
+
+def _tracker(cpu_per_s: float) -> LoadTracker:
+    """A tracker on a fake clock and a fake CPU counter: ``cpu_per_s`` busy threads of ours."""
+    now = {"t": 1000.0}
+    tracker = LoadTracker(cpu_seconds=lambda: (now["t"] - 1000.0) * cpu_per_s, clock=lambda: now["t"])
+    tracker._samples.append((now["t"], 0.0))
+    tracker._last_cpu = 0.0
+    for _ in range(30):
+        now["t"] += 2.0
+        tracker.sample()
+    return tracker
+
+
+def test_tracker_interpolates_our_share_between_samples():
+    tracker = _tracker(cpu_per_s=2.0)
+    first, last = tracker._samples[0], tracker._samples[-1]
+    assert tracker.share_at(first[0] - 5) == first[1] and tracker.share_at(last[0] + 5) == last[1]
+    a, b = tracker._samples[10], tracker._samples[11]
+    assert tracker.share_at((a[0] + b[0]) / 2) == pytest.approx((a[1] + b[1]) / 2)
+    assert last[1] == pytest.approx(2 * (1 - math.exp(-1)), rel=1e-6)  # 60 s of two busy threads
+
+
+def _record(label: str, before: float, after: float, timed: bool = True) -> dict:
+    return {"label": label, "timed": timed,
+            "load": {"started": 10.0, "ended": 20.0, "before": [before, 0, 0], "after": [after, 0, 0]}}
+
+
+def test_a_run_is_noisy_when_other_processes_load_goes_over_the_limit():
+    own = {10.0: 0.5, 20.0: 1.9}.get  # our own threads made the load rise during the run
+    records = [_record("ours alone", 0.6, 2.0), _record("others before", 2.6, 2.0),
+               _record("others after", 0.6, 3.6), _record("warm-up", 9.0, 9.0, timed=False)]
+    verdict = judge(records, own, max_load=1.5)
+    assert [r.quiet for r in verdict.runs] == [True, False, False]  # the warm-up does not count
+    assert verdict.runs[2].others == pytest.approx(1.7)
+    assert not verdict.publishable and [r.label for r in verdict.noisy] == ["others before", "others after"]
+    assert judge(records[:1], own, max_load=1.5).publishable
+
+
+def test_noisy_cpu_figures_are_refused_unless_allowed(tmp_path):
+    own = {10.0: 0.0, 20.0: 0.0}.get
+    noisy = judge([_record("a", 5.0, 6.0)], own, max_load=1.5)
+    with pytest.raises(LimitExceeded) as caught:
+        refuse_if_noisy(noisy, tmp_path / "x.json", allow_noisy=False)
+    assert exit_code_for(caught.value) == 2
+    assert caught.value.limit == 1.5 and caught.value.measured == 6.0 and "--allow-noisy" in str(caught.value)
+    refuse_if_noisy(noisy, tmp_path / "x.json", allow_noisy=True)
+    gpu = judge([_record("a", 5.0, 6.0)], own, max_load=1.5, enforced=False)
+    assert gpu.publishable  # a GPU's figures record the load but are not refused for it
+    refuse_if_noisy(gpu, tmp_path / "x.json", allow_noisy=False)
+    with pytest.raises(LimitExceeded):
+        refuse_if_noisy(judge([], own), tmp_path / "x.json", allow_noisy=False)  # no runs: nothing to publish
+
+
+def test_run_log_records_the_load_average_around_each_run():
+    log = RunLog()
+    with log.run("one") as rec:
+        rec["x"] = 1
+    with log.run("warm", timed=False):
+        pass
+    first = log.records[0]
+    assert first["x"] == 1 and first["timed"] and not log.records[1]["timed"]
+    assert len(first["load"]["before"]) == 3 and len(first["load"]["after"]) == 3
+    assert first["load"]["ended"] >= first["load"]["started"]
+
+
+# --- raw files ------------------------------------------------------------------------------------
+
+def test_raw_file_says_what_ran_and_whether_it_may_be_published(tmp_path):
+    own = {10.0: 0.0, 20.0: 0.0}.get
+    verdict = judge([_record("a", 5.0, 6.0)], own, max_load=1.5)
+    head = raw.header("test", {"model": Path("/m"), "sizes": (1, 2)}, {"device": "cpu"}, argv=["edgeinfer", "x"])
+    data = raw.with_verdict({**head, "summary": {"rate": Spread(math.nan, 1.0, 2.0, 2)}}, verdict, allow_noisy=True)
+    path = raw.write(tmp_path / "out", "test", data, "| a |\n")
+    saved = json.loads(path.read_text())
+    assert saved["publishable"] is False and saved["allow_noisy"] is True
+    assert saved["quiet"]["noisy_runs"] == ["a"] and saved["quiet"]["max_load"] == 1.5
+    assert saved["command"] == "edgeinfer x" and saved["schema"] == raw.SCHEMA and "commit" in saved["git"]
+    assert saved["spec"] == {"model": "/m", "sizes": [1, 2]}
+    assert saved["summary"]["rate"] == {"median": None, "min": 1.0, "max": 2.0, "n": 2}  # NaN is null in JSON
+    summary = path.with_suffix(".md").read_text()
+    assert "Not publishable" in summary and "test.json" in summary
+
+
+def test_a_comparison_with_a_failed_engine_or_different_prompts_does_not_stand(tmp_path):
+    from edgeinfer.errors import EdgeInferError
+
+    assert raw.comparison_problems({}, True) == []
+    problems = raw.comparison_problems({"transformers": "boom"}, False)
+    assert problems[0] == "transformers failed" and "like for like" in problems[1]
+    quiet = judge([_record("a", 0.0, 0.0)], {10.0: 0.0, 20.0: 0.0}.get)
+    assert raw.with_verdict({}, quiet, False)["publishable"] is True
+    assert raw.with_verdict({}, quiet, False, problems)["publishable"] is False
+    raw.refuse_if_problems([], tmp_path)
+    with pytest.raises(EdgeInferError, match="like for like"):
+        raw.refuse_if_problems(problems, tmp_path)
+
+
+# --- the GPU benchmark's spans and ratios --------------------------------------------------------------
+
+def test_decode_is_the_time_between_one_token_and_all_of_them():
+    figures = run_figures({"batch": 4, "full_s": 2.0, "first_s": 0.5}, new_tokens=64)
+    assert figures["decode_tok_s"] == pytest.approx(4 * 63 / 1.5)
+    assert figures["request_tok_s"] == pytest.approx(4 * 64 / 2.0)
+    assert figures["first_token_s"] == 0.5
+    assert run_figures({"batch": 1, "full_s": 0.5, "first_s": 0.6}, 64)["decode_tok_s"] is None
+
+
+def _runs(batch: int, pairs: list[tuple[float, float]], warm: tuple[float, float] = (99.0, 0.1)) -> list[dict]:
+    records = [{"batch": batch, "full_s": warm[0], "first_s": warm[1], "timed": False}]
+    return records + [{"batch": batch, "full_s": f, "first_s": s, "timed": True} for f, s in pairs]
+
+
+def test_ratios_are_against_the_fastest_peer_at_each_batch_size_and_span():
+    summaries = {
+        "ours": summarize(_runs(1, [(1.0, 0.1), (1.2, 0.1), (1.1, 0.1)]) + _runs(4, [(2.0, 0.2)]), 8),
+        "transformers-static": summarize(_runs(1, [(2.0, 0.4)]) + _runs(4, [(8.0, 0.4)]), 8),
+        "transformers-dynamic": summarize(_runs(1, [(3.0, 0.2)]) + _runs(4, [(4.0, 0.3)]), 8),
+    }
+    assert summaries["ours"][1]["request_tok_s"].n == 3  # the warm-up is not a run
+    out = compare(summaries)
+    assert out[1]["decode_tok_s"]["fastest_peer"] == "transformers-static"  # 7/1.6 beats 7/2.8
+    assert out[1]["decode_tok_s"]["speedup"] == pytest.approx((7 / 1.0) / (7 / 1.6))
+    assert out[4]["request_tok_s"]["fastest_peer"] == "transformers-dynamic"
+    assert out[1]["first_token_s"]["fastest_peer"] == "transformers-dynamic"  # the peer's quickest first token
+    assert out[1]["first_token_s"]["speedup"] == pytest.approx(0.2 / 0.1)  # > 1: ours is faster
+
+
+# --- roofline ---------------------------------------------------------------------------------------
+
+def test_roofline_arithmetic():
+    assert step_bytes(1000, 10, context=50, batch=4) == 1000 + 4 * 50 * 10
+    assert roofline_tok_s(1.0, 2 * 10**9, 0, context=0, batch=1) == pytest.approx(0.5)
+    assert roofline_tok_s(2.0, 10**9, 0, context=0, batch=4) == pytest.approx(8.0)
+    out = roofline({1: 0.25}, 1.0, 2 * 10**9, 0, context=0)
+    assert out[1] == {"roofline_tok_s": pytest.approx(0.5), "fraction": pytest.approx(0.5)}
+
+
+def test_bandwidth_is_the_best_of_three_recorded_probes():
+    probes = [Probe("copy", 2 * 10**9, 1.0), Probe("sum", 10**9, 0.25), Probe("gemv", 10**9, 0.5)]
+    assert best_bandwidth_gbs(probes) == pytest.approx(4.0)
+    measured = measure_probes("cpu", mib=4, dtype="float32")
+    assert [p.name for p in measured] == ["copy", "sum", "gemv"]
+    assert all(p.gbs > 0 and p.bytes > 0 for p in measured)
+    assert measured[0].bytes == 2 * 4 * 2**20  # a copy reads and writes
+
+
+# --- KV: the scripted conversation both sides run -----------------------------------------------------
+
+def test_scripted_rounds_give_every_session_its_history():
+    sessions = [[{"role": "user", "content": [{"type": "text", "text": f"s{i}"}]}] for i in range(2)]
+    rounds = scripted_rounds(sessions, [["q0a", "q0b"], ["q1a", "q1b"]], [["a0a", "a0b"], ["a1a", "a1b"]])
+    assert rounds[0] == sessions
+    assert [m["role"] for m in rounds[1][0]] == ["user", "assistant", "user"]
+    assert rounds[1][1][1]["content"][0]["text"] == "a0b" and rounds[1][1][2]["content"][0]["text"] == "q1b"
+
+
+def test_script_rates_are_per_pass_over_all_rounds():
+    records = [{"repeat": -1, "timed": False, "generated": 1, "seconds": 100.0},
+               {"repeat": 0, "generated": 10, "seconds": 1.0}, {"repeat": 0, "generated": 10, "seconds": 3.0},
+               {"repeat": 1, "generated": 20, "seconds": 2.0}]
+    assert script_rates(records) == [5.0, 10.0]
+
+
+# --- the peer holds nothing of ours -------------------------------------------------------------------
+
+def test_the_peers_worker_names_any_module_of_our_runtime():
+    modules = {"edgeinfer": 1, "edgeinfer.bench.peer": 1, "edgeinfer.engine.engine": 1, "edgeinfer.kv": 1,
+               "transformers": 1}
+    assert loaded_runtime_modules(modules) == ["edgeinfer.engine.engine", "edgeinfer.kv"]
+
+
+def test_the_peers_module_imports_nothing_of_our_runtime():
+    import subprocess
+
+    code = ("import sys, edgeinfer.bench.peer, edgeinfer.bench._worker; "
+            "from edgeinfer.bench.common import require_nothing_of_ours; require_nothing_of_ours()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# --- the commands ---------------------------------------------------------------------------------------
+
+def test_bench_commands_have_help_and_no_visible_worker():
+    runner = CliRunner()
+    top = runner.invoke(app, ["bench", "--help"])
+    assert top.exit_code == 0
+    for command in ("generate", "onnxruntime", "gpu", "kv"):
+        assert command in top.output
+        result = runner.invoke(app, ["bench", command, "--help"])
+        assert result.exit_code == 0, result.output
+        assert "--out" in result.output and "--worker" not in result.output
+
+
+def test_an_unknown_engine_kind_is_a_usage_error(checkpoint):
+    result = CliRunner().invoke(app, ["bench", "gpu", "--model", str(checkpoint("smolvlm")), "--kinds", "ours,nope"])
+    assert result.exit_code == 2 and "nope" in result.output
+
+
+@pytest.mark.slow
+def test_generate_runs_both_engines_alone_and_refuses_noisy_figures(checkpoint, tmp_path):
+    """The whole command on a tiny checkpoint: two workers, the same prompt, the raw file written
+    and marked unpublishable when the runs are over the load limit (here: any load)."""
+    result = CliRunner().invoke(app, ["bench", "generate", "--model", str(checkpoint("smolvlm")), "--out",
+                                      str(tmp_path), "--image-size", "64", "--new-tokens", "3", "--repeats", "2",
+                                      "--warmup", "0", "--max-load", "-1"])
+    assert result.exit_code == 2, result.output
+    assert "load average" in result.output and "--allow-noisy" in result.output
+    data = json.loads(next(tmp_path.glob("cpu-generate-*.json")).read_text())
+    assert data["publishable"] is False and data["same_prompt"] is True and not data["errors"]
+    assert set(data["runs"]) == {"transformers", "ours"}
+    for runs in data["runs"].values():
+        assert [r["tokens"] for r in runs] == [3, 3] and all("before" in r["load"] for r in runs)
+    assert data["summary"]["ours"]["decode_tok_s"]["n"] == 2
+    assert {"decode", "request", "ttft", "peak_rss"} <= set(data["ratios"]["ours"])
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_code_paths_on_a_cpu(checkpoint, tmp_path):
+    """The GPU benchmark's workers on a CPU (no timing meaning): pairs of calls at two batch sizes,
+    the same prompt ids on both sides, three bandwidth probes recorded."""
+    from edgeinfer.bench.gpu import GpuBenchSpec, bench
+
+    spec = GpuBenchSpec(checkpoint("qwen2_vl"), image_size=(56, 56), batch_sizes=(1, 2), new_tokens=2, repeats=1,
+                        warmup=0, dtype="float32", device="cpu", kinds=("ours", "transformers-dynamic"),
+                        bandwidth_mib=4)
+    path = bench(spec, tmp_path, allow_noisy=True, log=lambda _: None)
+    data = json.loads(path.read_text())
+    assert data["same_prompt"] and not data["errors"]
+    assert [p["name"] for p in data["bandwidth"]["probes"]] == ["copy", "sum", "gemv"]
+    assert {r["batch"] for r in data["runs"]["transformers-dynamic"]} == {1, 2}
+    assert set(data["speedups"]["2"]) >= {"request_tok_s", "first_token_s"}
+
+
+def _plot_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_bench", Path(__file__).parents[1] / "scripts" / "plot_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plot_reads_medians_and_ranges_from_a_gpu_raw_file():
+    plot = _plot_module()
+    report = {"summary": {"ours": {"4": {"decode_tok_s": {"median": 10.0, "min": 8.0, "max": 13.0, "n": 3}},
+                                   "1": {"decode_tok_s": {"median": 5.0, "min": 5.0, "max": 6.0, "n": 3}},
+                                   "16": {"decode_tok_s": {"median": None, "min": None, "max": None, "n": 0}}}}}
+    assert plot.series(report, "ours", "decode_tok_s") == ([1, 4], [5.0, 10.0], [[0.0, 2.0], [1.0, 3.0]])
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
+    plot = _plot_module()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the optional extra is not installed
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[plot\]'"):
+        plot.main([str(tmp_path / "gpu-x.json"), "--out", str(tmp_path / "x.png")])
