@@ -3,13 +3,80 @@ by ``onnx.checker`` whatever torch traced it, and equal to the torch vision engi
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
-from edgeinfer.backends.onnx.export import check_graph, cpu_session, finalize_graph
+from edgeinfer.backends.onnx.build import BuildSpec, build_engines
+from edgeinfer.backends.onnx.export import (
+    VISION_FILE,
+    check_graph,
+    cpu_session,
+    finalize_graph,
+)
+from edgeinfer.backends.onnx.graphs import vision_graph_for
 from edgeinfer.errors import EngineBuildError
+from edgeinfer.models.base import FamilyAdapter
+from edgeinfer.models.export import VisionGraph
+from edgeinfer.models.llava import AnyResVisionGraph
+from edgeinfer.models.loader import load_model
+from edgeinfer.models.qwen2_vl import QwenVisionGraph
+from tests.conftest import noise_image
+
+DECLARED = {"smolvlm": VisionGraph, "idefics3": VisionGraph, "llava": VisionGraph,
+            "llava_next": AnyResVisionGraph, "qwen2_vl": QwenVisionGraph, "qwen2_5_vl": QwenVisionGraph}
+IMAGES = [noise_image(160, 120, seed=1), noise_image(96, 200, seed=2), noise_image(40, 40, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    models: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in models:
+            models[family] = load_model(checkpoint(family))
+        return models[family]
+
+    return get
+
+
+# --------------------------------------------------------------------------- each family declares its graph
+
+
+@pytest.mark.parametrize("family", sorted(DECLARED))
+def test_each_family_declares_a_graph_that_encodes_as_its_vision_engine(loaded, family):
+    """The graph's module and host steps, run in torch, give the vision engine's embeddings."""
+    model = loaded(family)
+    graph = vision_graph_for(model)
+    assert type(graph) is DECLARED[family]
+    assert graph is not None and graph.vision is model.vision
+    for image in IMAGES[:2]:
+        tensors = model.adapter.process_image(image).tensors
+        feeds = graph.feeds(tensors)
+        assert tuple(feeds) == graph.input_names
+        with torch.no_grad():
+            expected = model.vision(**tensors)
+            with graph.exporting():
+                output = graph.module().eval()(*feeds.values())
+            got = graph.finish(output, tensors)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_family_without_a_graph_keeps_its_vision_engine_on_torch(loaded, tmp_path):
+    model = loaded("smolvlm")
+
+    class WithoutGraph(type(model.adapter)):
+        vision_graph = FamilyAdapter.vision_graph  # the contract's default
+
+    bare = dataclasses.replace(model, adapter=WithoutGraph(model.adapter.checkpoint))
+    assert vision_graph_for(bare) is None
+    result = build_engines(bare, BuildSpec.custom("without-graph"), tmp_path, progress=False)
+    assert result.manifest["engines"]["vision"]["runtime"] == "torch"
+    assert not (result.folder / VISION_FILE).exists()
 
 
 # --------------------------------------------------------------------------- repairs after export

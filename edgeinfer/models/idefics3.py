@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, load_module_state
+from edgeinfer.models.export import VisionGraph
 
 _RENAMES = (
     (r"^model\.vision_model\.", "vision.vision_model."),
@@ -65,6 +66,10 @@ class Idefics3Adapter(FamilyAdapter):
             connector = connector_cls(self.config)
         module = TiledVisionEncoder(tower, connector, self.config.vision_config.patch_size)
         return load_module_state(module, tensors, dtype).eval()
+
+    def vision_graph(self, vision):
+        """Tiles + pixel mask -> embeddings, dynamic tile count."""
+        return VisionGraph(vision, ("pixel_values", "pixel_attention_mask"), "tiles")
 
     def process_image(self, image) -> ImageInputs:
         out = self.image_processor(images=[[image]], return_tensors="pt", return_row_col_info=True)
