@@ -108,7 +108,8 @@ def test_build_plan_of_each_profile(exported_graphs, tmp_path, name):
     vision, v = plan.vision, build.vision_batch
     assert {s.name: (s.min, s.opt, s.max) for s in vision.shapes} == {
         "pixel_values": ((5 * v.min, 3, 64, 64), (5 * v.opt, 3, 64, 64), (5 * v.max, 3, 64, 64)),
-        "pixel_attention_mask": ((5 * v.min, 64, 64), (5 * v.opt, 64, 64), (5 * v.max, 64, 64))}
+        "patch_attention_mask": ((5 * v.min, 16), (5 * v.opt, 16), (5 * v.max, 16)),
+        "patch_position_ids": ((5 * v.min, 16), (5 * v.opt, 16), (5 * v.max, 16))}
     # its I/O stays float32 (pixels in, embeddings out), so only build.precision sets flags
     assert vision.flags == {"fp16": ("FP16",), "bf16": ("BF16",), "fp32": ()}[build.precision]
     assert vision.io_dtypes == () and vision.dla_core is None
@@ -180,7 +181,7 @@ def test_a_dim_no_range_covers_and_a_static_mismatch_are_refused(exported_graphs
     ranges = {"batch": (1, 1, 2), "tokens": (1, 1, 8), "block_size": (16,) * 3, "blocks": (1, 8, 8)}
     with pytest.raises(EngineBuildError, match="'block_tables' has a dynamic dim 1 \\(table\\)"):
         shapes_from_dim_ranges(decoder, ranges)
-    wrong = {"pixel_values": (5, 3, 32, 32), "pixel_attention_mask": (5, 32, 32)}
+    wrong = {"pixel_values": (5, 3, 32, 32), "patch_attention_mask": (5, 4), "patch_position_ids": (5, 4)}
     with pytest.raises(EngineBuildError, match="'pixel_values' dim 2 is 64 in the graph, fed 32"):
         shapes_from_samples(vision, {"min": [wrong], "opt": [wrong], "max": [wrong]})
 

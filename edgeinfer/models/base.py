@@ -1,8 +1,8 @@
 """The family adapter contract: what a VLM family tells the runtime.
 
 An adapter knows its checkpoint's weight names (as data), its image processing and
-placeholder expansion, its position ids, and how to build its vision engine. It knows
-nothing about KV tiers or scheduling.
+placeholder expansion, its position ids, how to build its vision engine and that engine's
+export graph. It knows nothing about KV tiers or scheduling.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from edgeinfer.models.decoder import Decoder, DecoderConfig, load_decoder_weights, rope_inv_freq
+from edgeinfer.models.export import VisionGraph
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,11 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def build_vision(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
         """The vision engine: ``module(**ImageInputs.tensors) -> [num_tokens, text_hidden]``."""
+
+    def vision_graph(self, vision: nn.Module) -> VisionGraph | None:
+        """The exportable graph of ``vision`` (what :meth:`build_vision` built); None keeps
+        the vision engine on torch."""
+        return None
 
     @property
     def vision_hidden(self) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 from edgeinfer.errors import ModelLoadError
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, load_module_state
 from edgeinfer.models.decoder import DecoderConfig
+from edgeinfer.models.export import VISION_OUTPUT, VisionGraph
 
 # transformers 5 names first, then the names checkpoints are saved (and published) with. The
 # tower's own ``vision_model.`` level is gone from transformers 5's CLIP and SigLIP modules.
@@ -112,6 +113,37 @@ class AnyResVisionEncoder(LlavaVisionEncoder):
         return torch.cat((base, grid))
 
 
+class CropFeatures(nn.Module):
+    """LLaVA-NeXT's tower + projector over crops: [n, 3, S, S] -> [n, tokens, text_hidden]."""
+
+    def __init__(self, vision: AnyResVisionEncoder) -> None:
+        super().__init__()
+        self.vision = vision
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.vision.crop_features(pixel_values)
+
+
+class AnyResVisionGraph(VisionGraph):
+    """LLaVA-NeXT: crop features in the graph; the any-res packing, whose shapes follow the
+    image size, on the host through the encoder's own ``forward``."""
+
+    def __init__(self, vision: AnyResVisionEncoder) -> None:
+        super().__init__(vision, ("pixel_values",), "crops")
+
+    def module(self) -> nn.Module:
+        return CropFeatures(self.vision)
+
+    def dynamic_axes(self):
+        return {"pixel_values": {0: "crops"}, VISION_OUTPUT: {0: "crops"}}
+
+    def finish(self, output, tensors):
+        packer = copy.copy(self.vision)  # shares the weights; only crop_features is replaced
+        packer.crop_features = lambda pixel_values: output.to(pixel_values.dtype)
+        with torch.no_grad():
+            return packer(tensors["pixel_values"], tensors["image_size"])
+
+
 class LlavaAdapter(FamilyAdapter):
     architectures = ("LlavaForConditionalGeneration",)
     weight_renames = _LLAVA_RENAMES
@@ -168,6 +200,10 @@ class LlavaAdapter(FamilyAdapter):
     def build_vision(self, tensors, dtype):
         module = LlavaVisionEncoder(self.build_tower(), self.build_projector(), self.layers, self.drop_cls)
         return finish_vision(load_module_state(module, tensors, dtype))
+
+    def vision_graph(self, vision):
+        """LLaVA-1.5: crops -> embeddings, dynamic crop count."""
+        return VisionGraph(vision, ("pixel_values",), "crops")
 
     def process_image(self, image) -> ImageInputs:
         pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]  # [1, 3, H, W]
@@ -226,6 +262,9 @@ class LlavaNextAdapter(LlavaAdapter):
         module = AnyResVisionEncoder(self.build_tower(), self.build_projector(), self.layers, self.drop_cls,
                                      newline, self.grid_pinpoints, self.crop_size, self.patch_size)
         return finish_vision(load_module_state(module, tensors, dtype))
+
+    def vision_graph(self, vision):
+        return AnyResVisionGraph(vision)
 
     def process_image(self, image) -> ImageInputs:
         out = self.image_processor(images=[image], return_tensors="pt")

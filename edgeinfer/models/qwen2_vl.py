@@ -16,7 +16,9 @@ prompt's last position is smaller than its length, and generated tokens continue
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import types
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from torch import nn
 
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout, load_module_state
 from edgeinfer.models.decoder import DecoderConfig, rotate_half
+from edgeinfer.models.export import VISION_OUTPUT, VisionGraph
 
 # transformers 5 saves the legacy hub names; its in-memory names come first because the
 # legacy text prefix ``model.`` would also match them.
@@ -105,6 +108,86 @@ def _each_segment(segments: list[int]):
     return attend
 
 
+def _segment_attention(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
+    """Qwen vision attention over packed segments through a block-diagonal mask.
+
+    transformers splits the sequence at ``cu_seqlens.tolist()``, which a trace would freeze;
+    the mask keeps the segment boundaries an input of the graph.
+    """
+    n = hidden_states.shape[0]
+    segment = (torch.arange(n, device=hidden_states.device)[:, None] >= cu_seqlens[None, 1:]).sum(-1)
+    mask = (segment[:, None] == segment[None, :])[None, None]
+    return vision_attention(self, hidden_states, *position_embeddings,
+                            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling))
+
+
+class QwenTower(nn.Module):
+    """The Qwen tower with its grid-derived index tensors as inputs instead of ``grid_thw``."""
+
+    def __init__(self, visual: nn.Module, windowed: bool) -> None:
+        super().__init__()
+        self.visual = visual
+        self.windowed = windowed
+
+    def forward(self, pixel_values, position_ids, cu_seqlens, window_index=None, cu_window_seqlens=None):
+        given = {"position_ids": position_ids, "cu_seqlens": cu_seqlens}
+        if self.windowed:
+            given |= {"window_index": window_index, "cu_window_seqlens": cu_window_seqlens}
+        # With every index tensor given, the tower never reads grid_thw.
+        unused_grid = torch.zeros(1, 3, dtype=torch.int64)
+        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        return self.visual(pixel_values, grid_thw=unused_grid, **given).pooler_output
+
+
+class QwenVisionGraph(VisionGraph):
+    """Qwen2-VL / Qwen2.5-VL: flattened patches + rotary position ids + segment (and window)
+    boundaries -> merged embeddings, dynamic patch count. The host derives the position
+    ids, ``cu_seqlens`` and window order from ``image_grid_thw`` with transformers' own
+    functions, and the graph attends within segments through a block-diagonal mask."""
+
+    independent_rows = False  # the patches of an image attend to each other
+
+    def __init__(self, vision: QwenVisionEncoder) -> None:
+        visual = vision.visual
+        self.windowed = hasattr(visual, "fullatt_block_indexes")
+        names = ("pixel_values", "position_ids", "cu_seqlens")
+        super().__init__(vision, names + (("window_index", "cu_window_seqlens") if self.windowed else ()), "patches")
+
+    def module(self) -> nn.Module:
+        return QwenTower(self.vision.visual, self.windowed)
+
+    def dynamic_axes(self):
+        axes = {"pixel_values": {0: "patches"}, "position_ids": {0: "patches"}, "cu_seqlens": {0: "segments"},
+                VISION_OUTPUT: {0: "image_tokens"}}
+        if self.windowed:
+            axes |= {"window_index": {0: "image_tokens"}, "cu_window_seqlens": {0: "windows"}}
+        return axes
+
+    def feeds(self, tensors):
+        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+        visual, grid = self.vision.visual, tensors["image_grid_thw"]
+        feeds = {"pixel_values": tensors["pixel_values"].float(),
+                 "position_ids": get_vision_position_ids(grid, visual.spatial_merge_size),
+                 "cu_seqlens": get_vision_cu_seqlens(grid).to(torch.int64)}
+        if self.windowed:
+            order, windows = get_vision_window_index(grid, visual.spatial_merge_size, visual.window_size,
+                                                     visual.patch_size)
+            feeds |= {"window_index": order, "cu_window_seqlens": windows.to(torch.int64)}
+        return feeds
+
+    @contextlib.contextmanager
+    def exporting(self):
+        attentions = [block.attn for block in self.vision.visual.blocks]
+        for attn in attentions:
+            attn.forward = types.MethodType(_segment_attention, attn)
+        try:
+            yield
+        finally:
+            for attn in attentions:
+                del attn.forward
+
+
 def mrope_positions(token_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
                     merge_size: int) -> torch.Tensor:
     """[3, T] positions as transformers' ``get_rope_index`` computes them for images.
@@ -182,6 +265,9 @@ class Qwen2VLAdapter(FamilyAdapter):
         # The rotary frequencies are a non-persistent buffer, so nothing loaded them off meta.
         tower.rotary_pos_emb = rotary_cls(tower.config)
         return module.eval()
+
+    def vision_graph(self, vision):
+        return QwenVisionGraph(vision)
 
     def process_image(self, image) -> ImageInputs:
         out = self.image_processor(images=[image], return_tensors="pt")

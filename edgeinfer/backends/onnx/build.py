@@ -42,7 +42,7 @@ from edgeinfer.errors import EngineBuildError
 
 MANIFEST_SCHEMA = 1
 # Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
-EXPORT_REVISION = 4
+EXPORT_REVISION = 5
 MANIFEST = "manifest.json"
 ENGINES_ENV = "EDGEINFER_ENGINES"
 # fp32 graph vs torch: largest absolute logit difference allowed, relative to the logits' scale.

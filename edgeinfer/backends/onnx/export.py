@@ -77,26 +77,52 @@ def _quiet_exporter() -> Iterator[None]:
 def finalize_graph(path: Path) -> None:
     """Fix what the TorchScript exporter gets wrong and move large weights beside the graph.
 
-    The exporter types some index tensors float (a ``torch.full`` without a dtype feeding
-    ``torch.where``); Gather takes integers only, so such indices get an exact Cast to int64.
+    Some torch versions type an integer tensor float (a ``torch.full`` without a dtype). Two
+    places then break: a Gather whose indices are float (it takes integers only) gets an
+    exact Cast of its indices to int64, and a ScatterND whose ``updates`` differ in type
+    from its ``data`` (which ``onnx.checker`` and ONNX Runtime refuse) gets its updates
+    cast to the data's type. The checks after export say whether a cast value mattered.
     """
     import onnx
-    from onnx import TensorProto, helper
 
     model = onnx.load(str(path))
-    types_ = value_types(model)
+    # A repaired node can make the type of a later value known, hence a new pass until none repairs.
+    while _repair_element_types(model, value_types(model)):
+        pass
+    save_graph(model, path)
+
+
+SCATTERS = ("ScatterND", "ScatterElements")
+
+
+def _repair_element_types(model, types_: dict[str, int]) -> int:
+    """Cast nodes put before the inputs whose element type breaks their node; returns how many."""
+    from onnx import TensorProto
+
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
     nodes = []
     for node in model.graph.node:
         if node.op_type == "Gather" and types_.get(node.input[1]) in floats:
-            index = node.input[1] + "_int64"
-            nodes.append(helper.make_node("Cast", [node.input[1]], [index], to=TensorProto.INT64,
-                                          name=f"{node.name}_index_to_int64"))
-            node.input[1] = index
+            nodes.append(_cast_input(node, 1, TensorProto.INT64, "index_to_int64"))
+        if node.op_type in SCATTERS:
+            data, updates = types_.get(node.input[0]), types_.get(node.input[2])
+            if data and updates and data != updates:
+                nodes.append(_cast_input(node, 2, data, "updates_to_data_type"))
         nodes.append(node)
+    repaired = len(nodes) - len(model.graph.node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    save_graph(model, path)
+    return repaired
+
+
+def _cast_input(node, index: int, to: int, what: str):
+    """A Cast node of ``node.input[index]`` to element type ``to``; ``node`` reads the cast value."""
+    from onnx import helper
+
+    source = node.input[index]
+    cast = f"{source}_{what}"
+    node.input[index] = cast
+    return helper.make_node("Cast", [source], [cast], to=to, name=f"{node.name}_{what}")
 
 
 def value_types(model) -> dict[str, int]:
@@ -131,11 +157,15 @@ def graph_files(folder: Path, name: str) -> list[str]:
 
 def check_graph(path: Path) -> None:
     import onnx
+    import transformers
 
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise EngineBuildError(f"onnx.checker rejects the graph: {exc}", artifact=str(path)) from exc
+        # What the exporter writes depends on these versions: the message names them.
+        versions = f"torch {torch.__version__}, transformers {transformers.__version__}, onnx {onnx.__version__}"
+        raise EngineBuildError(f"onnx.checker rejects the graph exported with {versions}: {exc}",
+                               artifact=str(path)) from exc
 
 
 def graph_io(path: Path) -> dict[str, dict[str, dict[str, Any]]]:

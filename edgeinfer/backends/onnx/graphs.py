@@ -11,36 +11,33 @@ and pool (a per-layer slice ``pool[layer]`` would be a Gather that copies a whol
 the pool every step), and runs the decoder's weights through :class:`GraphLayer`, an
 arrangement of ``DecoderLayer.forward`` in about half the nodes.
 
-The vision graph of each family holds the heavy part of its tower; what depends on the
-image grid as Python values is computed on the host by :class:`VisionGraph`:
+Each family declares its vision graph (:class:`~edgeinfer.models.export.VisionGraph`)
+through its adapter's ``vision_graph``: the heavy part of its tower in the graph, what
+depends on the image grid as Python values computed on the host:
 
-- SmolVLM / Idefics3: tiles + pixel mask -> embeddings, dynamic tile count;
-- LLaVA-1.5: crops -> embeddings, dynamic crop count;
-- LLaVA-NeXT: crops -> per-crop features in the graph; the any-res packing (unpadding,
-  row newlines) runs on the host, as its shapes follow the image size;
-- Qwen2-VL / Qwen2.5-VL: flattened patches + rotary position ids + segment (and window)
-  boundaries -> merged embeddings, dynamic patch count; the host derives the position
-  ids, ``cu_seqlens`` and window order from ``image_grid_thw`` with transformers' own
-  functions, and the graph attends within segments through a block-diagonal mask.
+- SmolVLM / Idefics3 (``models/idefics3.py``): tiles + patch mask + patch position ids ->
+  embeddings, dynamic tile count;
+- LLaVA-1.5 (``models/llava.py``): crops -> embeddings, dynamic crop count;
+- LLaVA-NeXT (``models/llava.py``): crops -> per-crop features in the graph; the any-res
+  packing (unpadding, row newlines) runs on the host, as its shapes follow the image size;
+- Qwen2-VL / Qwen2.5-VL (``models/qwen2_vl.py``): flattened patches + rotary position ids +
+  segment (and window) boundaries -> merged embeddings, dynamic patch count.
 """
 
 from __future__ import annotations
-
-import contextlib
-import copy
-import types
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.models.decoder import Decoder, _linear, reshape_tail
-from edgeinfer.models.qwen2_vl import vision_attention
+from edgeinfer.models.export import VISION_OUTPUT, VisionGraph
+
+__all__ = ["DECODER_INPUTS", "DECODER_OUTPUTS", "VISION_OUTPUT", "DecoderGraph", "VisionGraph", "decoder_axes",
+           "decoder_example", "vision_graph_for"]
 
 DECODER_INPUTS = ("inputs_embeds", "position_ids", "k_pool", "v_pool", "block_tables", "context_lens")
 DECODER_OUTPUTS = ("logits", "new_k", "new_v")
-VISION_OUTPUT = "image_embeds"
 
 
 # --------------------------------------------------------------------------- the decoder graph
@@ -220,156 +217,6 @@ def decoder_example(decoder: Decoder, *, batch: int, tokens: int, block_size: in
 # --------------------------------------------------------------------------- the vision graphs
 
 
-class VisionGraph:
-    """One family's vision engine as a graph: which module is exported, its inputs, and the
-    host steps around it. The default is the adapter's vision module as it is, whose
-    inputs are ``ImageInputs.tensors`` with a dynamic first axis.
-
-    ``independent_rows``: the first axis holds independent pictures (tiles, crops) whose
-    outputs are concatenated in order, so the runtime may run them one at a time.
-    """
-
-    independent_rows = True
-
-    def __init__(self, vision: nn.Module, input_names: tuple[str, ...], axis_name: str) -> None:
-        self.vision = vision
-        self.input_names = input_names
-        self.axis_name = axis_name
-
-    def module(self) -> nn.Module:
-        return self.vision
-
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        return {**{name: {0: self.axis_name} for name in self.input_names}, VISION_OUTPUT: {0: "image_tokens"}}
-
-    def feeds(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """ImageInputs.tensors -> the graph's inputs."""
-        return {name: tensors[name] for name in self.input_names}
-
-    def finish(self, output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The graph's output -> the image embeddings [num_tokens, text_hidden]."""
-        return output
-
-    @contextlib.contextmanager
-    def exporting(self) -> Iterator[None]:
-        """Changes to the module that hold only while it is traced."""
-        yield
-
-
-class CropFeatures(nn.Module):
-    """LLaVA-NeXT's tower + projector over crops: [n, 3, S, S] -> [n, tokens, text_hidden]."""
-
-    def __init__(self, vision: nn.Module) -> None:
-        super().__init__()
-        self.vision = vision
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.vision.crop_features(pixel_values)
-
-
-class AnyResVisionGraph(VisionGraph):
-    """LLaVA-NeXT: crop features in the graph; the any-res packing, whose shapes follow the
-    image size, on the host through the encoder's own ``forward``."""
-
-    def module(self) -> nn.Module:
-        return CropFeatures(self.vision)
-
-    def dynamic_axes(self):
-        return {"pixel_values": {0: "crops"}, VISION_OUTPUT: {0: "crops"}}
-
-    def finish(self, output, tensors):
-        packer = copy.copy(self.vision)  # shares the weights; only crop_features is replaced
-        packer.crop_features = lambda pixel_values: output.to(pixel_values.dtype)
-        with torch.no_grad():
-            return packer(tensors["pixel_values"], tensors["image_size"])
-
-
-def _segment_attention(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
-    """Qwen vision attention over packed segments through a block-diagonal mask.
-
-    transformers splits the sequence at ``cu_seqlens.tolist()``, which a trace would freeze;
-    the mask keeps the segment boundaries an input of the graph.
-    """
-    n = hidden_states.shape[0]
-    segment = (torch.arange(n, device=hidden_states.device)[:, None] >= cu_seqlens[None, 1:]).sum(-1)
-    mask = (segment[:, None] == segment[None, :])[None, None]
-    return vision_attention(self, hidden_states, *position_embeddings,
-                            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling))
-
-
-class QwenTower(nn.Module):
-    """The Qwen tower with its grid-derived index tensors as inputs instead of ``grid_thw``."""
-
-    def __init__(self, visual: nn.Module, windowed: bool) -> None:
-        super().__init__()
-        self.visual = visual
-        self.windowed = windowed
-
-    def forward(self, pixel_values, position_ids, cu_seqlens, window_index=None, cu_window_seqlens=None):
-        given = {"position_ids": position_ids, "cu_seqlens": cu_seqlens}
-        if self.windowed:
-            given |= {"window_index": window_index, "cu_window_seqlens": cu_window_seqlens}
-        # With every index tensor given, the tower never reads grid_thw.
-        unused_grid = torch.zeros(1, 3, dtype=torch.int64)
-        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
-        return self.visual(pixel_values, grid_thw=unused_grid, **given).pooler_output
-
-
-class QwenVisionGraph(VisionGraph):
-    independent_rows = False  # the patches of an image attend to each other
-
-    def __init__(self, vision: nn.Module) -> None:
-        visual = vision.visual
-        self.windowed = hasattr(visual, "fullatt_block_indexes")
-        names = ("pixel_values", "position_ids", "cu_seqlens")
-        super().__init__(vision, names + (("window_index", "cu_window_seqlens") if self.windowed else ()), "patches")
-
-    def module(self) -> nn.Module:
-        return QwenTower(self.vision.visual, self.windowed)
-
-    def dynamic_axes(self):
-        axes = {"pixel_values": {0: "patches"}, "position_ids": {0: "patches"}, "cu_seqlens": {0: "segments"},
-                VISION_OUTPUT: {0: "image_tokens"}}
-        if self.windowed:
-            axes |= {"window_index": {0: "image_tokens"}, "cu_window_seqlens": {0: "windows"}}
-        return axes
-
-    def feeds(self, tensors):
-        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
-
-        visual, grid = self.vision.visual, tensors["image_grid_thw"]
-        feeds = {"pixel_values": tensors["pixel_values"].float(),
-                 "position_ids": get_vision_position_ids(grid, visual.spatial_merge_size),
-                 "cu_seqlens": get_vision_cu_seqlens(grid).to(torch.int64)}
-        if self.windowed:
-            order, windows = get_vision_window_index(grid, visual.spatial_merge_size, visual.window_size,
-                                                     visual.patch_size)
-            feeds |= {"window_index": order, "cu_window_seqlens": windows.to(torch.int64)}
-        return feeds
-
-    @contextlib.contextmanager
-    def exporting(self):
-        attentions = [block.attn for block in self.vision.visual.blocks]
-        for attn in attentions:
-            attn.forward = types.MethodType(_segment_attention, attn)
-        try:
-            yield
-        finally:
-            for attn in attentions:
-                del attn.forward
-
-
 def vision_graph_for(model) -> VisionGraph | None:
-    """The vision graph of a loaded model's family; None keeps its vision engine on torch."""
-    name = type(model.vision).__name__
-    if name == "TiledVisionEncoder":
-        return VisionGraph(model.vision, ("pixel_values", "pixel_attention_mask"), "tiles")
-    if name == "AnyResVisionEncoder":
-        return AnyResVisionGraph(model.vision, ("pixel_values",), "crops")
-    if name == "LlavaVisionEncoder":
-        return VisionGraph(model.vision, ("pixel_values",), "crops")
-    if name == "QwenVisionEncoder":
-        return QwenVisionGraph(model.vision)
-    return None
-
-
+    """The vision graph a loaded model's family declares; None keeps its vision engine on torch."""
+    return model.adapter.vision_graph(model.vision)
