@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from edgeinfer.backends.onnx.export import DECODER_FILE, OPSET, VISION_FILE
 
-from edgeinfer.backends.onnx.build import MANIFEST, BuildSpec, build_engines, engine_problems, model_fingerprint
+from edgeinfer.artifacts import MANIFEST, checkpoint_fingerprint
+from edgeinfer.backends.onnx.build import BuildSpec, build_engines, engine_problems
 
 from edgeinfer.backends.onnx.graphs import decoder_example
 from edgeinfer.backends.onnx.runtime import CPU, CUDA, TENSORRT, open_engines, select_providers
@@ -63,7 +64,7 @@ def smolvlm_reference(checkpoint):
 def test_build_writes_checked_graphs_and_manifest(checkpoint, engines):
     path = checkpoint("smolvlm")
     result = build_engines(load_model(path), BuildSpec.custom("export"), engines, progress=False)
-    folder, manifest = result.folder, result.manifest
+    folder, manifest = result.folder, result.manifest.to_json()
     assert folder == engines / path.name / "export" and not result.skipped
     for name in (VISION_FILE, DECODER_FILE):
         onnx.checker.check_model(str(folder / name), full_check=True)
@@ -71,7 +72,7 @@ def test_build_writes_checked_graphs_and_manifest(checkpoint, engines):
     fingerprint = manifest["fingerprint"]
     assert fingerprint["tensorrt"] is None and fingerprint["sm"] is None and fingerprint["profile"] is None
     assert set(fingerprint["onnx"]) == {VISION_FILE, DECODER_FILE}
-    assert fingerprint["model"] == model_fingerprint(path)
+    assert fingerprint["model"] == checkpoint_fingerprint(path)
     assert manifest["model"] == path.name and manifest["model_dir"] == str(path.resolve())
     assert {"torch", "onnx", "onnxruntime", "transformers"} <= set(manifest["versions"])
     decoder = manifest["engines"]["decoder"]
@@ -202,7 +203,7 @@ def test_stale_and_corrupt_artifacts_are_named(checkpoint, engines):
     from edgeinfer.profiles import load_profile
 
     path = checkpoint("smolvlm")
-    model, model_fp = load_model(path), model_fingerprint(path)
+    model, model_fp = load_model(path), checkpoint_fingerprint(path)
     spec = BuildSpec.from_profile(load_profile("cpu"))
     folder = build_engines(model, spec, engines, progress=False).folder
     assert engine_problems(folder, spec, model_fp) == []
@@ -288,7 +289,7 @@ def test_requesting_an_absent_provider_fails_the_load(checkpoint, engines, monke
 def test_int8_quantizes_the_decoder_weights(checkpoint, engines):
     path = checkpoint("smolvlm")
     result = build_engines(load_model(path), BuildSpec.custom("int8", precision="int8"), engines, progress=False)
-    decoder = result.manifest["engines"]["decoder"]
+    decoder = result.manifest.engine("decoder").document
     assert decoder["precision"] == "int8" and decoder["quantization"]["weights"] == "int8 per channel"
     ops = {node.op_type for node in onnx.load(str(result.folder / DECODER_FILE)).graph.node}
     assert ops & {"MatMulInteger", "DynamicQuantizeMatMul"}

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from edgeinfer.artifacts import prefix_cache_root
 from edgeinfer.backends.base import resolve_backend
 from edgeinfer.engine.prompt import (
     Message, expand_images, merge_embeddings, normalize_messages, render_chat, tokenize, user_message,
@@ -26,7 +27,7 @@ from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.errors import BackendUnavailableError, LimitExceeded, RequestError
 from edgeinfer.kv.disk import default_cache_dir
-from edgeinfer.kv.hashing import fingerprint as kv_fingerprint, image_spans
+from edgeinfer.kv.hashing import image_spans
 from edgeinfer.kv.manager import KVManager, KVManagerConfig
 from edgeinfer.kv.metrics import KVMetrics
 from edgeinfer.kv.pool import BlockPool, BlockTable, KVCache
@@ -213,14 +214,12 @@ class Engine:
         return {**self._counters, **self.kv_manager.counters()}
 
     def _fingerprint(self) -> bytes:
-        """The model's identity for the prefix cache: a different model never shares a block, nor
-        does the same checkpoint run by another backend or built for another profile (other K/V)."""
-        folder = self.adapter.checkpoint.path
-        files = [f for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".jinja")]
+        """The root of the prefix cache's keys: a different model never shares a block, nor does
+        the same checkpoint run in another dtype, by another backend or from another build (other K/V)."""
         build = "" if self.backend == "torch" else \
             f"{self.config.profile_name}|{getattr(self.decoder_engine, 'build_identity', '')}"
-        extra = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.backend}|{build}"
-        return kv_fingerprint(files, extra=extra)
+        runs = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.backend}|{build}"
+        return prefix_cache_root(self.adapter.checkpoint.path, runs)
 
     def kv_metrics(self) -> KVMetrics:
         """A snapshot of the KV tiers (also iterable as (name, labels, value) metric triples)."""
@@ -253,7 +252,7 @@ class Engine:
 
             built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
             # This load's own model: ORT holds those weights now.
-            release_replaced_weights(model, vision=built.manifest["engines"]["vision"].get("runtime") == "onnxruntime")
+            release_replaced_weights(model, vision=built.manifest.engine("vision").runtime == "onnxruntime")
         engines = None
         if backend == "tensorrt":
             from edgeinfer.backends.tensorrt.runtime import open_engines as open_tensorrt
