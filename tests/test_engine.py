@@ -178,6 +178,7 @@ def test_request_over_the_context_limit_names_it(checkpoint):
 
 
 def bursting_engine(path, **config):
+    from edgeinfer.backends.base import Engines
     from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
     from edgeinfer.backends.torch.eager import TorchVisionEngine
     from edgeinfer.models.loader import load_model
@@ -186,7 +187,7 @@ def bursting_engine(path, **config):
     model = load_model(path, config.torch_dtype, config.device)
     decoder = CudaGraphDecoderEngine(model.decoder, config.max_batch_size, -(-config.max_context // config.block_size),
                                      compile_layers=False)
-    return Engine(model, config, engines=(decoder, TorchVisionEngine(model.vision)))
+    return Engine(model, config, Engines(decoder, TorchVisionEngine(model.vision), "torch", "fp32", bursts=decoder))
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # 1-D positions and M-RoPE

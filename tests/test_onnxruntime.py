@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from edgeinfer.backends.onnx.export import DECODER_FILE, OPSET, VISION_FILE
 
-from edgeinfer.artifacts import MANIFEST, checkpoint_fingerprint
+from edgeinfer.artifacts import MANIFEST, checkpoint_fingerprint, read_manifest
 from edgeinfer.backends.onnx.build import BuildSpec, build_engines, engine_problems
 
 from edgeinfer.backends.onnx.graphs import decoder_example
@@ -296,6 +296,23 @@ def test_int8_quantizes_the_decoder_weights(checkpoint, engines):
     assert (result.folder / DECODER_FILE).stat().st_size < 0.8 * (engines / path.name / "export" / DECODER_FILE
                                                                     ).stat().st_size
     engine = Engine.load(path, backend="onnxruntime", config=config(profile_name="int8"))
+    assert len(engine.generate(*QUESTIONS[0], FORCED).token_ids) == FORCED.max_new_tokens
+
+
+def test_an_int8_build_is_reused_and_a_stale_one_rebuilt_as_int8(checkpoint, engines, capfd):
+    """A named onnxruntime backend runs the precision that was built, and builds only when that
+    build is unusable; an int8 build is never replaced by an fp32 one."""
+    path = checkpoint("smolvlm")
+    folder = build_engines(load_model(path), BuildSpec.custom("kept", precision="int8"), engines,
+                           progress=False).folder
+    stamp = (folder / DECODER_FILE).stat().st_mtime_ns
+    engine = Engine.load(path, backend="onnxruntime", config=config(profile_name="kept"))
+    assert (engine.engines.backend, engine.engines.precision) == ("onnxruntime", "int8")
+    assert (folder / DECODER_FILE).stat().st_mtime_ns == stamp
+    (folder / DECODER_FILE).write_bytes(b"truncated")
+    engine = Engine.load(path, backend="onnxruntime", config=config(profile_name="kept"))
+    assert f"{folder / DECODER_FILE}: corrupt or changed" in capfd.readouterr().err
+    assert engine.engines.precision == "int8" == read_manifest(folder).precision
     assert len(engine.generate(*QUESTIONS[0], FORCED).token_ids) == FORCED.max_new_tokens
 
 

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from edgeinfer.artifacts import prefix_cache_root
-from edgeinfer.backends.base import resolve_backend
+from edgeinfer.backends.base import Engines
 from edgeinfer.engine.prompt import (
     Message, expand_images, merge_embeddings, normalize_messages, render_chat, tokenize, user_message,
 )
 from edgeinfer.engine.sampling import SamplingParams, draw, filtered_probs, make_generator
 from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
-from edgeinfer.errors import BackendUnavailableError, LimitExceeded, RequestError
+from edgeinfer.errors import LimitExceeded, RequestError
 from edgeinfer.kv.disk import default_cache_dir
 from edgeinfer.kv.hashing import image_spans
 from edgeinfer.kv.manager import KVManager, KVManagerConfig
@@ -164,25 +164,24 @@ def image_key(image) -> tuple[Any, str]:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig, backend: str = "torch", *,
-                 engines: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig, engines: Engines, profile: Any = None) -> None:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.model = model
-        self.profile = None  # the DeviceProfile this engine was sized from, when loaded from one
+        self.profile = profile  # the DeviceProfile this engine was sized from, when loaded from one
         self.adapter = model.adapter
         self.config = config
-        self.backend = backend
-        # ``engines``: a (decoder, vision) pair opened by the caller (the tensorrt backend checks them
-        # against the profile in ``load``).
-        self.decoder_engine, self.vision_engine = engines or self._engines(backend)
+        # What runs, chosen by edgeinfer.backends.registry; its optional abilities are declared there.
+        self.engines = engines
+        self.backend = engines.backend
+        self.decoder_engine, self.vision_engine = engines.decoder, engines.vision
         cfg = model.decoder.cfg
         num_blocks = pool_blocks(config, cfg)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                           config.torch_dtype, config.device)
         self.kv_manager = KVManager(self.pool, self.kv, config.kv_manager_config(), self._fingerprint())
-        bursts = config.decode_burst if hasattr(self.decoder_engine, "decode_burst") else 1
+        bursts = config.decode_burst if engines.bursts is not None else 1
         self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context,
                                    lookahead=bursts)
         self.stop_ids = frozenset(self.adapter.stop_token_ids())
@@ -192,8 +191,7 @@ class Engine:
         self._counters = {"vision_runs": 0, "vision_reused": 0, "prefill_tokens": 0, "decode_steps": 0,
                           "decode_bursts": 0, "decode_bursts_ahead": 0}
         self.vision_compile_error: str | None = None
-        if config.vision_compile_sizes and config.device.startswith("cuda") and hasattr(self.vision_engine,
-                                                                                         "compile_for"):
+        if config.vision_compile_sizes and config.device.startswith("cuda") and engines.compiler is not None:
             self._compile_vision(config.vision_compile_sizes)
 
     def _compile_vision(self, sizes: Seq[tuple[int, int]]) -> None:
@@ -203,7 +201,7 @@ class Engine:
 
         inputs = [self.adapter.process_image(Image.new("RGB", size)).tensors for size in sizes]
         try:
-            self.vision_engine.compile_for(inputs)
+            self.engines.compiler.compile_for(inputs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager tower
             self.vision_compile_error = f"{type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"compiling the vision tower failed, it runs eagerly: {self.vision_compile_error}")
@@ -216,9 +214,9 @@ class Engine:
     def _fingerprint(self) -> bytes:
         """The root of the prefix cache's keys: a different model never shares a block, nor does
         the same checkpoint run in another dtype, by another backend or from another build (other K/V)."""
-        build = "" if self.backend == "torch" else \
-            f"{self.config.profile_name}|{getattr(self.decoder_engine, 'build_identity', '')}"
-        runs = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.backend}|{build}"
+        engines = self.engines
+        build = "" if engines.backend == "torch" else f"{self.config.profile_name}|{engines.build_identity}"
+        runs = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{engines.backend}|{build}"
         return prefix_cache_root(self.adapter.checkpoint.path, runs)
 
     def kv_metrics(self) -> KVMetrics:
@@ -231,38 +229,32 @@ class Engine:
 
     # --- construction ------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, profile: Any = None, backend: str = "torch", overrides: Seq[str] = (),
-             config: EngineConfig | None = None, trust_remote_code: bool = False) -> "Engine":
-        """Load a checkpoint folder. ``profile`` is a name, a YAML path, a DeviceProfile or None (auto)."""
-        backend = resolve_backend(backend)
+    def load(cls, path: str | Path, profile: Any = None, backend: str = "auto", overrides: Seq[str] = (),
+             config: EngineConfig | None = None, trust_remote_code: bool = False,
+             engines_root: str | Path | None = None) -> "Engine":
+        """Load a checkpoint folder. ``profile`` is a name, a YAML path, a DeviceProfile or None (auto).
+
+        ``backend`` ``auto`` runs the fastest engines built and fresh for the profile under
+        ``engines_root`` (None: ``$EDGEINFER_ENGINES``, else ``./engines``), else torch; a named
+        backend must be installed (:mod:`edgeinfer.backends.registry` decides). The loaded model
+        belongs to the engine: its backend may re-lay out or free the weights it replaces.
+        """
+        from edgeinfer.backends.registry import Backend, open_engines, require_backend
+
+        chosen = require_backend(backend)  # an unknown or missing backend fails before the model loads
         device_profile = None
         if config is None:
             device_profile = _profile(profile, overrides)
             config = EngineConfig.from_profile(device_profile)
-        elif backend in ("onnxruntime", "tensorrt") and profile is not None:
+        elif chosen is not Backend.TORCH and profile is not None:
             from dataclasses import replace
 
             # An explicit config keeps its sizes and runs the engines built for ``profile``.
             device_profile = _profile(profile, overrides)
             config = replace(config, profile_name=device_profile.name)
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
-        if backend == "onnxruntime":
-            from edgeinfer.backends.onnx.build import ensure_engines
-            from edgeinfer.backends.onnx.runtime import release_replaced_weights
-
-            built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
-            # This load's own model: ORT holds those weights now.
-            release_replaced_weights(model, vision=built.manifest.engine("vision").runtime == "onnxruntime")
-        engines = None
-        if backend == "tensorrt":
-            from edgeinfer.backends.tensorrt.runtime import open_engines as open_tensorrt
-
-            # Refuses stale engines, never builds; frees the torch weights the engines replace.
-            opened = open_tensorrt(model, device_profile, config)
-            engines = (opened.decoder, opened.vision)
-        engine = cls(model, config, backend, engines=engines)
-        engine.profile = device_profile
-        return engine
+        engines = open_engines(chosen, model, device_profile, config, engines_root)
+        return cls(model, config, engines, profile=device_profile)
 
     def image_rules(self) -> ImageRules:
         """Preflight rules for this engine: the stricter of the profile's and the model's limits."""
@@ -272,26 +264,6 @@ class Engine:
         return ImageRules.from_profile(images, model_max_side=limits.get("max_side"),
                                        model_max_pixels=limits.get("max_pixels"),
                                        model_min_side=limits.get("min_side"))
-
-    def _engines(self, backend: str):
-        if backend == "torch":
-            from edgeinfer.backends.torch.eager import TorchDecoderEngine, TorchVisionEngine
-
-            vision = TorchVisionEngine(self.model.vision)
-            if self.config.cuda_graphs and self.config.device.startswith("cuda"):
-                from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
-
-                max_blocks = -(-self.config.max_context // self.config.block_size)
-                return CudaGraphDecoderEngine(self.model.decoder, self.config.max_batch_size, max_blocks,
-                                              fused=self.config.fused_decode,
-                                              prefill_graphs=self.config.prefill_graphs), vision
-            return TorchDecoderEngine(self.model.decoder), vision
-        if backend == "onnxruntime":
-            from edgeinfer.backends.onnx.runtime import open_engines
-
-            engines = open_engines(self.model, self.config)
-            return engines.decoder, engines.vision
-        raise BackendUnavailableError(f"backend {backend!r} has no engine for this model yet; build it first")
 
     # --- requests ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -424,7 +396,7 @@ class Engine:
         scheduler's accounting never runs behind.
         """
         burst = self.config.decode_burst
-        if burst <= 1 or not hasattr(self.decoder_engine, "decode_burst") or self.scheduler.waiting:
+        if burst <= 1 or self.engines.bursts is None or self.scheduler.waiting:
             return 1
         made = [len(s.generated) + ahead for s in seqs]
         if any(not s.sampling.greedy or (n < s.sampling.min_new_tokens and s.stop_token_ids)
@@ -436,7 +408,7 @@ class Engine:
 
     def _burst(self, seqs: Seq[Sequence], steps: int):
         last, positions = _decode_inputs(seqs)
-        ids = self.decoder_engine.decode_burst(last, positions, self.kv.k, self.kv.v, _block_tables(seqs),
+        ids = self.engines.bursts.decode_burst(last, positions, self.kv.k, self.kv.v, _block_tables(seqs),
                                                torch.tensor([s.num_cached for s in seqs]), steps)
         if ids is not None:
             self._count_burst(steps)
@@ -473,16 +445,16 @@ class Engine:
         after a stop inside it (its slots are past its length, and its freed blocks are
         reused only by work queued behind).
         """
-        follow = getattr(self.decoder_engine, "continue_burst", None)
+        bursts = self.engines.bursts
         seqs = done.seqs
-        if follow is None or tuple(self.scheduler.running) != seqs or \
+        if bursts is None or tuple(self.scheduler.running) != seqs or \
                 any(len(s.generated) + done.steps >= s.sampling.max_new_tokens for s in seqs):
             return None
         for seq in seqs:
             self.scheduler.reserve(seq, min(done.steps + self.config.decode_burst,
                                             seq.sampling.max_new_tokens - len(seq.generated)))
         steps = self._burst_length(seqs, ahead=done.steps)
-        if steps < 2 or (ids := follow(self.kv.k, self.kv.v, _block_tables(seqs), steps)) is None:
+        if steps < 2 or (ids := bursts.continue_burst(self.kv.k, self.kv.v, _block_tables(seqs), steps)) is None:
             return None
         self._count_burst(steps)
         self._counters["decode_bursts_ahead"] += 1

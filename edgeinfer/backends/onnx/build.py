@@ -301,16 +301,3 @@ def _manifest(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSpec
         "versions": library_versions(),
         "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def ensure_engines(model, profile, config, root: str | Path | None = None) -> BuildResult:
-    """The engines ``Engine.load`` runs: built from ``profile`` (a DeviceProfile, or None for an
-    engine configured without one), rebuilt with a progress bar when missing or stale."""
-    spec = BuildSpec.from_profile(profile) if profile is not None else \
-        BuildSpec.custom(config.profile_name, config.block_size)
-    result = build_engines(model, spec, root)
-    if not result.skipped and result.reasons:
-        import sys
-
-        print(f"built {result.folder}, because " + "; ".join(result.reasons), file=sys.stderr)
-    return result

@@ -229,10 +229,8 @@ def open_engines(model, config, root: str | Path | None = None,
     # engine runs long graphs back to back and keeps spinning.
     session = make_session(folder / manifest.engine("decoder").file, chosen, config.threads, spin=False)
     decoder_engine = OrtDecoderEngine(session, table.detach(), decoder.cfg.num_layers, decoder.cfg.vocab_size)
-    opened = OrtEngines(decoder_engine, _vision_engine(model, folder, manifest, chosen, config.threads),
-                        tuple(chosen), folder, manifest)
-    decoder_engine.build_identity = opened.build_identity
-    return opened
+    return OrtEngines(decoder_engine, _vision_engine(model, folder, manifest, chosen, config.threads),
+                      tuple(chosen), folder, manifest)
 
 
 def _vision_engine(model, folder: Path, manifest: Manifest, providers: Sequence[str], threads: int | None):

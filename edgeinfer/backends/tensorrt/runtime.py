@@ -458,9 +458,7 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
         vision = TorchVisionEngine(model.vision)
     if announce:
         print(f"tensorrt {trt.__version__}: {folder}", file=sys.stderr)
-    opened = TrtEngines(decoder_engine, vision, folder, manifest)
-    decoder_engine.build_identity = opened.build_identity
-    return opened
+    return TrtEngines(decoder_engine, vision, folder, manifest)
 
 
 def _runner(runtime, path: Path, entry: PlanEntry) -> TrtRunner:
