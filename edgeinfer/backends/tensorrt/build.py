@@ -50,6 +50,7 @@ from edgeinfer.artifacts import (
     write_manifest,
 )
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
+from edgeinfer.kv.sizing import block_bytes, pool_blocks
 
 VISION_PLAN = "vision.plan"
 DECODER_PLAN = "decoder.plan"
@@ -566,11 +567,14 @@ def onnx_spec(profile):
     return BuildSpec(profile.name, profile_fingerprint(profile), "fp32", profile.kv.block_size, shapes)
 
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def pool_blocks_for(profile, decoder_cfg) -> int:
     """The device KV blocks an engine loaded from ``profile`` allocates (the pool's length)."""
-    from edgeinfer.engine.engine import EngineConfig, pool_blocks
-
-    return pool_blocks(EngineConfig.from_profile(profile), decoder_cfg)
+    per_block = block_bytes(decoder_cfg.num_layers, profile.kv.block_size, decoder_cfg.kv_size,
+                            _DTYPE_BYTES[profile.runtime.dtype])
+    return pool_blocks(profile.memory.kv_device_budget_mb, per_block, profile.kv.device_blocks)
 
 
 def plan_for_model(model, profile, folder: Path, target: BuildTarget, root: Path) -> TensorRTBuildPlan:

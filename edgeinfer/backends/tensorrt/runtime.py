@@ -50,6 +50,7 @@ from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISI
 from edgeinfer.backends.tensorrt.build import DECODER_PLAN, VISION_PLAN, import_tensorrt, trt_logger
 from edgeinfer.backends.torch.cuda_graphs import bucket_for, buckets
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError, LimitExceeded
+from edgeinfer.kv.sizing import block_bytes, pool_blocks
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
                  "INT32": torch.int32, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
@@ -394,9 +395,9 @@ class TrtEngines:
 
 def engine_pool_blocks(config, decoder_cfg) -> int:
     """The device KV blocks the engine allocates for ``config`` (an engine input dim of the plan)."""
-    from edgeinfer.engine.engine import pool_blocks
-
-    return pool_blocks(config, decoder_cfg)
+    per_block = block_bytes(decoder_cfg.num_layers, config.block_size, decoder_cfg.kv_size,
+                            config.torch_dtype.itemsize)
+    return pool_blocks(config.kv_budget_mb, per_block, config.num_blocks)
 
 
 def this_machine(pool: int | None) -> TensorRTTarget:
