@@ -3,18 +3,14 @@
 The software stack is read once into an :class:`Environment` (the boundary a test may
 replace); the machine is read under ``root`` like :mod:`edgeinfer.device`.
 
-Engine manifests (``engines/<model>/<profile>/manifest.json``) are compared through
-their ``fingerprint`` object::
-
-    {"model": "...", "model_dir": "...", "profile": "<profile name>",
-     "fingerprint": {"tensorrt": "10.3.0" | null, "sm": "8.7" | null,
-                     "profile": "<profile_fingerprint()>",
-                     "onnx": {"vision.onnx": "<sha256>", "decoder.onnx": "<sha256>"}}}
+Built engines (``<engines>/<model>/<profile>/manifest.json``) go through the one staleness
+check of :mod:`edgeinfer.artifacts`, the check a load makes: against the profile of their
+name as it reads now, the checkpoint they were built from where its folder is still there,
+this edgeinfer's graph format, and, for a TensorRT build, this machine's TensorRT and GPU.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -25,6 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from edgeinfer.artifacts import (
+    CHECKPOINT_CONFIG,
+    Expected,
+    ManifestError,
+    TensorRTTarget,
+    checkpoint_fingerprint,
+    manifest_paths,
+    read_manifest,
+    rebuild_command,
+    stale_reasons,
+)
 from edgeinfer.device import DeviceInfo, detect_device, jetpack_for_l4t, read_swaps, tensorrt_matches_jetpack
 from edgeinfer.errors import ProfileError
 from edgeinfer.power import read_clocks, read_power_mode
@@ -343,58 +350,6 @@ def check_model_files(model_dir: Path) -> list[Check]:
 # --------------------------------------------------------------------------- engines
 
 
-HASH_CACHE = ".sha256-cache.json"  # beside built engines: {file: [size, mtime_ns, sha256]}
-
-
-def file_sha256(path: Path, *, remember: bool = False) -> str:
-    """sha256 of a file. With ``remember`` (engine folders), the digest is kept in the folder's
-    ``.sha256-cache.json`` under the file's size and modification time, so multi-GB engines
-    are read once rather than at every start; any write to the file invalidates it."""
-    stat = path.stat()
-    key = [stat.st_size, stat.st_mtime_ns]
-    store = path.parent / HASH_CACHE
-    entries: dict[str, Any] = {}
-    if remember:
-        loaded = _read_json(store)
-        entries = loaded if isinstance(loaded, dict) else {}
-        hit = entries.get(path.name)
-        if isinstance(hit, list) and len(hit) == 3 and hit[:2] == key:
-            return hit[2]
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    if remember:
-        entries[path.name] = [*key, digest.hexdigest()]
-        try:
-            temporary = store.with_suffix(".tmp")
-            temporary.write_text(json.dumps(entries))
-            temporary.replace(store)
-        except OSError:
-            pass  # a read-only folder: hash again next time
-    return digest.hexdigest()
-
-
-def changed_files(folder: Path, digests: dict[str, str]) -> list[tuple[str, str]]:
-    """(name, "missing" | "changed") for each file of ``digests`` that is absent from ``folder``
-    or whose sha256 differs."""
-    out = []
-    for name, digest in digests.items():
-        path = folder / name
-        if not path.is_file():
-            out.append((name, "missing"))
-        elif file_sha256(path, remember=True) != digest:
-            out.append((name, "changed"))
-    return out
-
-
-def file_problems(folder: Path, digests: dict[str, str]) -> list[str]:
-    """``changed_files`` as the build's reasons: one line a file, naming its path."""
-    return [f"{folder / name}: missing" if what == "missing"
-            else f"{folder / name}: corrupt or changed (sha256 differs from the manifest)"
-            for name, what in changed_files(folder, digests)]
-
-
 def _profile_fingerprint_of(name: str) -> str | None:
     try:
         return profile_fingerprint(load_profile(name))
@@ -402,36 +357,43 @@ def _profile_fingerprint_of(name: str) -> str | None:
         return None
 
 
-def stale_reasons(manifest: dict[str, Any], folder: Path, *, tensorrt: str | None, sm: str | None) -> list[str]:
-    """Why an engine built from ``manifest`` no longer fits this machine and profile."""
-    built = manifest.get("fingerprint") or {}
-    reasons = []
-    if built.get("tensorrt") and built["tensorrt"] != tensorrt:
-        reasons.append(f"TensorRT {built['tensorrt']} -> {tensorrt or 'absent'}")
-    if built.get("sm") and sm and built["sm"] != sm:
-        reasons.append(f"GPU sm {built['sm']} -> {sm}")
-    current = _profile_fingerprint_of(str(manifest.get("profile", "")))
-    if built.get("profile") and built["profile"] != current:
-        reasons.append(f"profile {manifest.get('profile')!r} changed")
-    reasons += [f"{name} changed" for name, _ in changed_files(folder, built.get("onnx") or {})]
-    return reasons
+def _graph_format():
+    """The ONNX graph format this edgeinfer writes; None where the onnx backend does not import."""
+    try:
+        from edgeinfer.backends.onnx.build import GRAPH_FORMAT
+    except ImportError:
+        return None
+    return GRAPH_FORMAT
+
+
+def _checkpoint_of(manifest) -> str | None:
+    """The fingerprint of the checkpoint a build was made from, where its folder is still there."""
+    folder = Path(manifest.model_dir) if manifest.model_dir else None
+    return checkpoint_fingerprint(folder) if folder is not None and (folder / CHECKPOINT_CONFIG).is_file() else None
+
+
+def engine_expectation(manifest, env: Environment, device: DeviceInfo) -> Expected:
+    """What a build must match on this machine, as far as doctor knows: the profile of its name,
+    its checkpoint, this edgeinfer's graphs and, where TensorRT plans were built, this TensorRT and GPU."""
+    machine = TensorRTTarget(env.tensorrt, None, device.sm, required=False)
+    return Expected(manifest.profile, _profile_fingerprint_of(manifest.profile), _checkpoint_of(manifest),
+                    graphs=_graph_format(), tensorrt=machine)
 
 
 def check_engines(engines_dir: Path, env: Environment, device: DeviceInfo) -> list[Check]:
     checks = []
-    for path in sorted(engines_dir.glob("*/*/manifest.json")):
-        manifest = _read_json(path)
+    for path in manifest_paths(engines_dir):
         label = f"engine {path.parent.parent.name}/{path.parent.name}"
-        if not isinstance(manifest, dict):
-            checks.append(_fail(label, f"{path} is not JSON", f"rm -r {path.parent}"))
+        try:
+            manifest = read_manifest(path.parent)
+        except ManifestError as exc:
+            checks.append(_fail(label, str(exc), f"rm -r {path.parent}"))
             continue
-        reasons = stale_reasons(manifest, path.parent, tensorrt=env.tensorrt, sm=device.sm)
+        reasons = stale_reasons(manifest, engine_expectation(manifest, env, device))
         if not reasons:
             checks.append(_pass(label, "fingerprint matches"))
             continue
-        model = manifest.get("model_dir") or manifest.get("model") or path.parent.parent.name
-        rebuild = f"edgeinfer build --model {model} --profile {manifest.get('profile', path.parent.name)}"
-        checks.append(_fail(label, "stale: " + "; ".join(reasons), rebuild))
+        checks.append(_fail(label, "stale: " + "; ".join(reasons), rebuild_command(manifest)))
     return checks
 
 

@@ -98,7 +98,7 @@ def build(model_dir: Path, profile, args) -> dict:
 
     started = time.perf_counter()
     result = build_tensorrt_engines(model_dir, profile, args.engines, force=args.force)
-    section = result.manifest["tensorrt"]
+    section = result.manifest.to_json()["tensorrt"]
     sizes = {name: round((result.folder / name).stat().st_size / 2**20, 2) for name in section["plans"]}
     return {"folder": str(result.folder), "skipped": result.skipped, "wall_s": round(time.perf_counter() - started, 1),
             "build_seconds": section.get("build_seconds", {}), "plan_mib": sizes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -127,3 +128,68 @@ def test_a_later_run_restores_the_prompt_from_the_disk_tier(tmp_path):
     assert second["cache"]["restored_blocks"] > 0 and second["cache"]["vision_reused"] == 1
     assert second["cache"]["prefix_tokens_reused"] == second["usage"]["prompt_tokens"] - 1
     assert second["token_ids"] == first["token_ids"]
+
+
+# --------------------------------------------------------------------------- which backend runs
+
+
+@pytest.fixture(scope="module")
+def int8_build(tmp_path_factory):
+    """The demo model's int8 ONNX Runtime build for the cpu profile, in an engines root of its own."""
+    root = tmp_path_factory.mktemp("engines")
+    done = edgeinfer("build", "--backend", "onnxruntime", "--precision", "int8", "--profile", "cpu",
+                     "--engines", str(root), "--json")
+    assert done.returncode == 0, done.stderr
+    return root, Path(json.loads(done.stdout)["folder"])
+
+
+def built_files(folder: Path) -> dict[str, int]:
+    """Modification times of the build's graphs and manifest: a rebuild rewrites them all."""
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix in (".onnx", ".data", ".json")
+            and not p.name.startswith(".")}
+
+
+def ask_demo(root: Path, tmp_path: Path, *args: str) -> tuple[dict, str]:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the disk tier stays in this test
+    done = edgeinfer("run", "--engines", str(root), "--profile", "cpu", "--image", str(REPO / "examples" / "demo.jpg"),
+                     "--max-tokens", "4", "--json", *args, "What color is the circle?", env=env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout), done.stderr
+
+
+@pytest.mark.parametrize("backend", ["auto", "onnxruntime"])
+def test_run_after_an_int8_build_uses_onnxruntime_int8_without_rebuilding(int8_build, tmp_path, backend):
+    root, folder = int8_build
+    before = built_files(folder)
+    report, stderr = ask_demo(root, tmp_path, "--backend", backend)
+    assert (report["backend"], report["precision"]) == ("onnxruntime", "int8")
+    assert report["answer"] == "red" and report["stale_engines"] == []
+    assert f"onnxruntime: {folder} (int8)" in stderr and "because" not in stderr
+    assert built_files(folder) == before, "the int8 build must be reused, not rebuilt"
+
+
+def test_auto_names_a_stale_build_with_its_rebuild_command_and_runs_torch(int8_build, tmp_path):
+    root, folder = int8_build
+    before = built_files(folder)
+    # runtime.max_batch_size is one of the settings a build is made for: the build no longer fits.
+    report, stderr = ask_demo(root, tmp_path, "--set", "runtime.max_batch_size=1")
+    assert (report["backend"], report["precision"]) == ("torch", "fp32") and report["answer"] == "red"
+    [note] = report["stale_engines"]
+    assert note.startswith(f"{folder}: stale onnxruntime engines, not used (profile 'cpu' changed since the build)")
+    assert note.endswith("rebuild: edgeinfer build --backend onnxruntime --model "
+                         f"{Path(json.loads((folder / 'manifest.json').read_text())['model_dir'])} --profile cpu "
+                         "--precision int8 --set runtime.max_batch_size=1")
+    assert note in stderr
+    assert built_files(folder) == before, "a stale build is named, never silently replaced"
+
+
+def test_with_no_engines_built_run_answers_through_torch(tmp_path):
+    report, _ = ask_demo(tmp_path / "no-engines", tmp_path)
+    assert (report["backend"], report["precision"], report["stale_engines"]) == ("torch", "fp32", [])
+    assert report["answer"] == "red"
+
+
+def test_an_unknown_backend_is_refused_with_the_valid_names():
+    done = edgeinfer("run", "--backend", "onnx", "what ?")
+    assert done.returncode == 4 and "Traceback" not in done.stderr
+    assert "unknown backend 'onnx'; choose one of: auto, torch, onnxruntime, tensorrt" in done.stderr

@@ -17,10 +17,11 @@ from edgeinfer.doctor import (
     check_engines,
     check_model_architecture,
     check_model_files,
-    file_sha256,
     probe_environment,
     run_checks,
 )
+from edgeinfer.artifacts import MANIFEST_SCHEMA, file_sha256
+from edgeinfer.backends.onnx.build import GRAPH_FORMAT
 from edgeinfer.profiles import load_profile, profile_fingerprint
 
 try:
@@ -174,7 +175,9 @@ def write_engine(engines: Path, *, tensorrt: str | None = "10.3.0", sm: str | No
     folder = engines / "smolvlm" / profile
     folder.mkdir(parents=True)
     (folder / "decoder.onnx").write_bytes(b"onnx-bytes")
-    manifest = {"model": "smolvlm", "model_dir": "models/smolvlm", "profile": profile,
+    manifest = {"schema": MANIFEST_SCHEMA, "backend": "onnxruntime", "model": "smolvlm",
+                "model_dir": "models/smolvlm", "profile": profile, "precision": "fp32",
+                "export_revision": GRAPH_FORMAT.export_revision, "opset": GRAPH_FORMAT.opset,
                 "fingerprint": {"tensorrt": tensorrt, "sm": sm,
                                 "profile": fingerprint or profile_fingerprint(load_profile(profile)),
                                 "onnx": {"decoder.onnx": file_sha256(folder / "decoder.onnx")}}}
@@ -193,23 +196,23 @@ def test_matching_engine_passes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "env", "reason"), [
-    ({"tensorrt": "8.6.2"}, {}, "TensorRT 8.6.2 -> 10.3.0"),
-    ({"sm": "8.9"}, {}, "GPU sm 8.9 -> 8.7"),
+    ({"tensorrt": "8.6.2"}, {}, "built with TensorRT 8.6.2, this machine has 10.3.0"),
+    ({"sm": "8.9"}, {}, "built with GPU SM 8.9, this machine has 8.7"),
     ({"fingerprint": "0" * 16}, {}, "profile 'cpu' changed"),
-    ({}, {"tensorrt": None}, "TensorRT 10.3.0 -> absent"),
+    ({}, {"tensorrt": None}, "built with TensorRT 10.3.0, this machine has none"),
 ])
 def test_stale_engine_fails_with_the_rebuild_command(tmp_path: Path, kwargs, env, reason: str) -> None:
     write_engine(tmp_path / "engines", **kwargs)
     [check] = check_engines(tmp_path / "engines", jetson_env(**env), orin_device(tmp_path))
     assert check.status == "fail" and reason in check.detail
-    assert check.fix == "edgeinfer build --model models/smolvlm --profile cpu"
+    assert check.fix == "edgeinfer build --backend tensorrt --model models/smolvlm --profile cpu"
 
 
 def test_changed_onnx_makes_the_engine_stale(tmp_path: Path) -> None:
     folder = write_engine(tmp_path / "engines")
     (folder / "decoder.onnx").write_bytes(b"re-exported")
     [check] = check_engines(tmp_path / "engines", jetson_env(), orin_device(tmp_path))
-    assert "decoder.onnx changed" in check.detail
+    assert "decoder.onnx: corrupt or changed" in check.detail
 
 
 # --------------------------------------------------------------------------- the command
@@ -233,14 +236,14 @@ def test_doctor_exits_non_zero_on_a_stale_engine(tmp_path: Path) -> None:
     result = runner.invoke(app, ["doctor", "--root", str(make_cpu(tmp_path / "root")),
                                  "--engines", str(tmp_path / "engines"), "--profile", "cpu"])
     assert result.exit_code == 1
-    assert "edgeinfer build --model" in result.stdout
+    assert "edgeinfer build --backend onnxruntime --model" in result.stdout
 
 
 def test_remembered_digests_follow_every_write(tmp_path: Path) -> None:
     import hashlib
     import os
 
-    from edgeinfer.doctor import HASH_CACHE, file_sha256
+    from edgeinfer.artifacts import HASH_CACHE, file_sha256
 
     path = tmp_path / "decoder.onnx"
     path.write_bytes(b"a" * 1000)

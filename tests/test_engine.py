@@ -187,7 +187,23 @@ def bursting_engine(path, **config):
     model = load_model(path, config.torch_dtype, config.device)
     decoder = CudaGraphDecoderEngine(model.decoder, config.max_batch_size, -(-config.max_context // config.block_size),
                                      compile_layers=False)
-    return Engine(model, config, Engines(decoder, TorchVisionEngine(model.vision), "torch", config.dtype, bursts=decoder))
+    return Engine(model, config, Engines(decoder, TorchVisionEngine(model.vision), "torch", "fp32", bursts=decoder))
+
+
+def test_the_cuda_graph_engine_changes_no_global_torch_setting(checkpoint):
+    """The compiled layers get room for many variants only inside their own calls."""
+    import torch
+
+    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine, _recompile_limit_name
+    from edgeinfer.models.loader import load_model
+
+    name = _recompile_limit_name()
+    before = getattr(torch._dynamo.config, name)
+    decoder = load_model(checkpoint("smolvlm")).decoder
+    strides = [p.stride() for p in decoder.parameters()]
+    engine = CudaGraphDecoderEngine(decoder, 4, 64)  # layers compiled, not handed the decoder
+    assert getattr(torch._dynamo.config, name) == before
+    assert [p.stride() for p in decoder.parameters()] == strides and engine.weight_layout is None
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # 1-D positions and M-RoPE

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from edgeinfer.backends.onnx.export import DECODER_FILE, OPSET, VISION_FILE
 
-from edgeinfer.backends.onnx.build import MANIFEST, BuildSpec, build_engines, engine_problems, model_fingerprint
+from edgeinfer.artifacts import MANIFEST, checkpoint_fingerprint, read_manifest
+from edgeinfer.backends.onnx.build import BuildSpec, build_engines, engine_problems
 
 from edgeinfer.backends.onnx.graphs import decoder_example
 from edgeinfer.backends.onnx.runtime import CPU, CUDA, TENSORRT, open_engines, select_providers
@@ -63,7 +64,7 @@ def smolvlm_reference(checkpoint):
 def test_build_writes_checked_graphs_and_manifest(checkpoint, engines):
     path = checkpoint("smolvlm")
     result = build_engines(load_model(path), BuildSpec.custom("export"), engines, progress=False)
-    folder, manifest = result.folder, result.manifest
+    folder, manifest = result.folder, result.manifest.to_json()
     assert folder == engines / path.name / "export" and not result.skipped
     for name in (VISION_FILE, DECODER_FILE):
         onnx.checker.check_model(str(folder / name), full_check=True)
@@ -71,7 +72,7 @@ def test_build_writes_checked_graphs_and_manifest(checkpoint, engines):
     fingerprint = manifest["fingerprint"]
     assert fingerprint["tensorrt"] is None and fingerprint["sm"] is None and fingerprint["profile"] is None
     assert set(fingerprint["onnx"]) == {VISION_FILE, DECODER_FILE}
-    assert fingerprint["model"] == model_fingerprint(path)
+    assert fingerprint["model"] == checkpoint_fingerprint(path)
     assert manifest["model"] == path.name and manifest["model_dir"] == str(path.resolve())
     assert {"torch", "onnx", "onnxruntime", "transformers"} <= set(manifest["versions"])
     decoder = manifest["engines"]["decoder"]
@@ -202,7 +203,7 @@ def test_stale_and_corrupt_artifacts_are_named(checkpoint, engines):
     from edgeinfer.profiles import load_profile
 
     path = checkpoint("smolvlm")
-    model, model_fp = load_model(path), model_fingerprint(path)
+    model, model_fp = load_model(path), checkpoint_fingerprint(path)
     spec = BuildSpec.from_profile(load_profile("cpu"))
     folder = build_engines(model, spec, engines, progress=False).folder
     assert engine_problems(folder, spec, model_fp) == []
@@ -288,13 +289,30 @@ def test_requesting_an_absent_provider_fails_the_load(checkpoint, engines, monke
 def test_int8_quantizes_the_decoder_weights(checkpoint, engines):
     path = checkpoint("smolvlm")
     result = build_engines(load_model(path), BuildSpec.custom("int8", precision="int8"), engines, progress=False)
-    decoder = result.manifest["engines"]["decoder"]
+    decoder = result.manifest.engine("decoder").document
     assert decoder["precision"] == "int8" and decoder["quantization"]["weights"] == "int8 per channel"
     ops = {node.op_type for node in onnx.load(str(result.folder / DECODER_FILE)).graph.node}
     assert ops & {"MatMulInteger", "DynamicQuantizeMatMul"}
     assert (result.folder / DECODER_FILE).stat().st_size < 0.8 * (engines / path.name / "export" / DECODER_FILE
                                                                     ).stat().st_size
     engine = Engine.load(path, backend="onnxruntime", config=config(profile_name="int8"))
+    assert len(engine.generate(*QUESTIONS[0], FORCED).token_ids) == FORCED.max_new_tokens
+
+
+def test_an_int8_build_is_reused_and_a_stale_one_rebuilt_as_int8(checkpoint, engines, capfd):
+    """A named onnxruntime backend runs the precision that was built, and builds only when that
+    build is unusable; an int8 build is never replaced by an fp32 one."""
+    path = checkpoint("smolvlm")
+    folder = build_engines(load_model(path), BuildSpec.custom("kept", precision="int8"), engines,
+                           progress=False).folder
+    stamp = (folder / DECODER_FILE).stat().st_mtime_ns
+    engine = Engine.load(path, backend="onnxruntime", config=config(profile_name="kept"))
+    assert (engine.engines.backend, engine.engines.precision) == ("onnxruntime", "int8")
+    assert (folder / DECODER_FILE).stat().st_mtime_ns == stamp
+    (folder / DECODER_FILE).write_bytes(b"truncated")
+    engine = Engine.load(path, backend="onnxruntime", config=config(profile_name="kept"))
+    assert f"{folder / DECODER_FILE}: corrupt or changed" in capfd.readouterr().err
+    assert engine.engines.precision == "int8" == read_manifest(folder).precision
     assert len(engine.generate(*QUESTIONS[0], FORCED).token_ids) == FORCED.max_new_tokens
 
 

@@ -17,7 +17,6 @@ from edgeinfer.device import CudaProbe, detect_device
 from edgeinfer.errors import ProfileError, exit_code_for
 from edgeinfer.profiles import (
     PROFILE_ENV,
-    DeviceProfile,
     MemoryConfig,
     choose_profile,
     list_profiles,

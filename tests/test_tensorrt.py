@@ -15,14 +15,22 @@ from typer.testing import CliRunner
 
 from edgeinfer.backends.onnx.export import DECODER_FILE, VISION_FILE
 
-from edgeinfer.backends.onnx.build import MANIFEST, read_manifest
+from edgeinfer.artifacts import (
+    MANIFEST,
+    Expected,
+    TensorRTFingerprint,
+    TensorRTTarget,
+    file_sha256,
+    read_manifest,
+    stale_reasons,
+)
+from edgeinfer.backends.onnx.build import GRAPH_FORMAT
 from edgeinfer.backends.tensorrt.runtime import DecodeGraphPlan, ShapeLimits, clipped_buckets
 from edgeinfer.backends.tensorrt.build import (
     DECODER_PLAN,
     VISION_PLAN,
     BuildMemoryError,
     BuildTarget,
-    EngineFingerprint,
     MemoryEstimate,
     check_build_memory,
     plan_build,
@@ -31,12 +39,10 @@ from edgeinfer.backends.tensorrt.build import (
     read_graph,
     shapes_from_dim_ranges,
     shapes_from_samples,
-    stale_engine_reasons,
     tensorrt_section,
     timing_cache_path,
     vision_samples,
 )
-from edgeinfer.doctor import file_sha256
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError, LimitExceeded
 from edgeinfer.profiles import list_profiles, load_profile, profile_fingerprint
 
@@ -267,15 +273,17 @@ def test_memory_guard_on_a_discrete_gpu_checks_gpu_memory(exported_graphs, tmp_p
 
 @pytest.fixture
 def built_folder(exported_graphs, tmp_path):
-    """A copy of the exported graphs with a TensorRT section; the plan files hold bytes that
-    stand in for engines here: the check reads only their hashes, it never runs them."""
+    """A copy of the exported graphs, recorded as built for the cuda profile, with a TensorRT
+    section; the plan files hold bytes that stand in for engines here: the check reads only
+    their hashes, it never runs them. Returns the folder and what this machine expects of it."""
     _, source = exported_graphs("smolvlm")
     folder = tmp_path / "smolvlm" / "cuda"
     shutil.copytree(source, folder)
-    manifest = read_manifest(folder)
+    manifest = json.loads((folder / MANIFEST).read_text())
     profile = load_profile("cuda")
     plan = plan_of(exported_graphs, "smolvlm", profile, H200, tmp_path)
-    fingerprint = EngineFingerprint(H200.tensorrt, H200.gpu, H200.sm, profile_fingerprint(profile),
+    manifest["profile"], manifest["fingerprint"]["profile"] = "cuda", profile_fingerprint(profile)
+    fingerprint = TensorRTFingerprint(H200.tensorrt, H200.gpu, H200.sm, profile_fingerprint(profile),
                                     manifest["fingerprint"]["onnx"], plan.decoder.shape("k_pool").max[1])
     plans = {}
     for name in (VISION_PLAN, DECODER_PLAN):
@@ -283,47 +291,56 @@ def built_folder(exported_graphs, tmp_path):
         plans[name] = file_sha256(folder / name)
     manifest["tensorrt"] = tensorrt_section(plan, fingerprint, plans, {"vision": 1.0, "decoder": 2.0})
     (folder / MANIFEST).write_text(json.dumps(manifest))
-    return folder, fingerprint
+    machine = TensorRTTarget(H200.tensorrt, H200.gpu, H200.sm, fingerprint.pool_blocks)
+    return folder, Expected("cuda", profile_fingerprint(profile), graphs=GRAPH_FORMAT, tensorrt=machine)
 
 
 def test_fingerprint_accepts_its_own_build(built_folder):
-    folder, fingerprint = built_folder
-    assert stale_engine_reasons(read_manifest(folder), folder, fingerprint) == []
+    folder, expected = built_folder
+    assert stale_reasons(read_manifest(folder), expected) == []
 
 
 @pytest.mark.parametrize(("change", "reason"), [
     ({"tensorrt": "10.4.0"}, "built with TensorRT 10.13.3, this machine has 10.4.0"),
     ({"gpu": "NVIDIA H100 80GB HBM3"}, "built with GPU NVIDIA H200, this machine has NVIDIA H100 80GB HBM3"),
     ({"sm": "8.9"}, "built with GPU SM 9.0, this machine has 8.9"),
-    ({"profile": "0" * 16}, "profile 'export' changed since the build"),
-    ({"onnx": {DECODER_FILE: "0" * 64}}, "built from other ONNX graphs (ONNX hash changed)"),
     ({"pool_blocks": 4}, "built for a KV pool of 1048576 blocks, this one has 4"),
 ])
 def test_fingerprint_refuses_stale_engines(built_folder, change, reason):
-    folder, fingerprint = built_folder
-    assert stale_engine_reasons(read_manifest(folder), folder, dataclasses.replace(fingerprint, **change)) == [reason]
+    folder, expected = built_folder
+    machine = dataclasses.replace(expected.tensorrt, **change)
+    assert stale_reasons(read_manifest(folder), dataclasses.replace(expected, tensorrt=machine)) == [reason]
+
+
+def test_fingerprint_refuses_another_profile_and_other_graphs(built_folder):
+    folder, expected = built_folder
+    other = dataclasses.replace(expected, profile_fingerprint="0" * 16)
+    assert stale_reasons(read_manifest(folder), other) == ["profile 'cuda' changed since the build"]
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["tensorrt"]["fingerprint"]["onnx"][DECODER_FILE] = "0" * 64
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    assert stale_reasons(read_manifest(folder), expected) == ["built from other ONNX graphs (ONNX hash changed)"]
 
 
 def test_fingerprint_refuses_corrupt_missing_and_absent_engines(built_folder):
-    folder, fingerprint = built_folder
+    folder, expected = built_folder
     plan = folder / DECODER_PLAN
     data = bytearray(plan.read_bytes())
     data[3] ^= 0xFF
     plan.write_bytes(bytes(data))
-    assert stale_engine_reasons(read_manifest(folder), folder, fingerprint) == [
+    assert stale_reasons(read_manifest(folder), expected) == [
         f"{plan}: corrupt or changed (sha256 differs from the manifest)"]
     (folder / VISION_PLAN).unlink()
-    assert f"{folder / VISION_PLAN}: missing" in stale_engine_reasons(read_manifest(folder), folder, fingerprint)
+    assert f"{folder / VISION_PLAN}: missing" in stale_reasons(read_manifest(folder), expected)
     manifest = read_manifest(folder)
-    assert stale_engine_reasons(manifest | {"tensorrt": None}, folder, fingerprint) == [
-        f"{folder}: no TensorRT engines built"]
-    old = manifest | {"tensorrt": manifest["tensorrt"] | {"schema": 0}}
-    assert "schema 0" in stale_engine_reasons(old, folder, fingerprint)[0]
+    assert stale_reasons(dataclasses.replace(manifest, tensorrt=None), expected) == ["no TensorRT engines built"]
+    old = dataclasses.replace(manifest, tensorrt=dataclasses.replace(manifest.tensorrt, schema=0))
+    assert "schema 0" in stale_reasons(old, expected)[0]
 
 
 def test_manifest_section_keeps_the_plan_as_data(built_folder):
     folder, _ = built_folder
-    section = read_manifest(folder)["tensorrt"]
+    section = json.loads((folder / MANIFEST).read_text())["tensorrt"]
     assert set(section["engines"]) == {"vision", "decoder"}
     decoder = section["engines"]["decoder"]
     assert decoder["shapes"]["block_tables"] == {"min": [1, 1], "opt": [4, 128], "max": [8, 512]}
@@ -331,8 +348,7 @@ def test_manifest_section_keeps_the_plan_as_data(built_folder):
 
 
 def test_shape_limits_name_the_profile_field():
-    limits = ShapeLimits.from_manifest({"shapes": {"block_tables": {"min": [1, 1], "opt": [4, 128],
-                                                                    "max": [8, 512]}}})
+    limits = ShapeLimits({"block_tables": ((1, 1), (8, 512))})
     limits.check("block_tables", (8, 512), "build.decoder_block_table")
     with pytest.raises(LimitExceeded, match="block_tables dim 1 .* is 600, over the limit of 512") as error:
         limits.check("block_tables", (2, 600), "build.decoder_block_table")
@@ -357,7 +373,7 @@ def test_graph_buckets_are_the_torch_buckets_inside_the_built_range():
 
 def test_graph_plan_of_the_built_manifest(built_folder):
     folder, _ = built_folder
-    limits = ShapeLimits.from_manifest(read_manifest(folder)["tensorrt"]["engines"]["decoder"])
+    limits = ShapeLimits.from_manifest(read_manifest(folder).tensorrt.engines["decoder"])
     plan = DecodeGraphPlan.for_engine(limits, enabled=True)  # cuda: batch 1..8, table 1..512
     assert plan.batches == (1, 2, 4, 8) and plan.widths == (8, 16, 32, 64, 128, 256, 512)
     assert not plan.mrope and plan.hidden == limits.ranges["inputs_embeds"][1][2]
@@ -375,7 +391,7 @@ def test_graph_plan_of_the_built_manifest(built_folder):
 ])
 def test_which_steps_replay_from_a_graph(built_folder, batch, tokens, width, bucket):
     folder, _ = built_folder
-    limits = ShapeLimits.from_manifest(read_manifest(folder)["tensorrt"]["engines"]["decoder"])
+    limits = ShapeLimits.from_manifest(read_manifest(folder).tensorrt.engines["decoder"])
     assert DecodeGraphPlan.for_engine(limits, enabled=True).bucket(batch, tokens, width) == bucket
 
 
@@ -466,11 +482,11 @@ def test_tensorrt_builds_the_demo_engines_then_skips(tmp_path, monkeypatch):
     profile = load_profile("cuda")
     first = build_tensorrt_engines(DEMO_MODEL_DIR, profile, tmp_path, progress=False)
     assert not first.skipped and (first.folder / VISION_PLAN).is_file() and (first.folder / DECODER_PLAN).is_file()
-    section = first.manifest["tensorrt"]
+    section = first.manifest.tensorrt
     import tensorrt
 
-    assert section["fingerprint"]["tensorrt"] == tensorrt.__version__
-    assert section["fingerprint"]["sm"] == "{}.{}".format(*torch.cuda.get_device_capability(0))
+    assert section.fingerprint.tensorrt == tensorrt.__version__
+    assert section.fingerprint.sm == "{}.{}".format(*torch.cuda.get_device_capability(0))
     assert first.plan.decoder.timing_cache.is_file()  # written for the next build to reuse
     again = build_tensorrt_engines(DEMO_MODEL_DIR, profile, tmp_path, progress=False)
     assert again.skipped
@@ -489,7 +505,7 @@ def test_tensorrt_tokens_match_torch_and_stale_engines_are_refused(tmp_path, mon
     samples = synthetic.held_out(4321, 8)
     assert _demo_answers("tensorrt", exact, samples) == _demo_answers("torch", exact, samples)
 
-    manifest = read_manifest(result.folder)
+    manifest = result.manifest.to_json()
     manifest["tensorrt"]["fingerprint"]["tensorrt"] = "9.0.0"
     (result.folder / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(EngineBuildError, match="edgeinfer build --backend tensorrt --model .* --profile cuda"):

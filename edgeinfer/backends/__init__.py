@@ -1,5 +1,5 @@
-"""Backends run the two engines (vision, decoder) of the engine contract."""
+"""Backends run the two engines (vision, decoder) of the engine contract; the registry chooses one."""
 
-from edgeinfer.backends.base import BACKENDS, DecoderEngine, VisionEngine, resolve_backend
+from edgeinfer.backends.base import DecoderEngine, Engines, VisionEngine
 
-__all__ = ["BACKENDS", "DecoderEngine", "VisionEngine", "resolve_backend"]
+__all__ = ["DecoderEngine", "Engines", "VisionEngine"]

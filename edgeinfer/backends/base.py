@@ -1,14 +1,12 @@
-"""The engine contract every backend implements, and the backend registry."""
+"""The engine contract every backend implements, its optional abilities, and the bundle a
+backend opens (:class:`Engines`). Which backend runs is chosen in :mod:`edgeinfer.backends.registry`."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from edgeinfer.errors import BackendUnavailableError
 
 
 class DecoderEngine(Protocol):
@@ -51,6 +49,28 @@ class CompilableVision(Protocol):
         """Ready the tower for these processed pictures; raises where the compiler fails."""
 
 
+class RunSettings(Protocol):
+    """What a backend reads of the engine's configuration (``edgeinfer.engine.EngineConfig``),
+    passed down as a value: the backends never import the engine."""
+
+    device: str
+    dtype: str
+    threads: int | None
+    profile_name: str
+    block_size: int
+    num_blocks: int | None
+    kv_budget_mb: int
+    max_batch_size: int
+    max_context: int
+    cuda_graphs: bool
+    fused_decode: bool
+    prefill_graphs: int
+    unified_memory: bool
+
+    @property
+    def torch_dtype(self) -> torch.dtype: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Engines:
     """What a backend opened for one model: the two engines of the contract and the optional
@@ -59,6 +79,8 @@ class Engines:
     ``bursts`` is the decoder itself where it can burst, ``compiler`` the vision engine
     where it can be readied for picture sizes. ``backend`` and ``precision`` say what runs
     (reported with every result); ``build_identity`` ties prefix-cache entries to the build.
+    ``passed_over`` names the built engines the choice did not use because they are stale,
+    each with the command that rebuilds them.
     """
 
     decoder: DecoderEngine
@@ -68,24 +90,4 @@ class Engines:
     bursts: BurstDecoder | None = None
     compiler: CompilableVision | None = None
     build_identity: str = ""
-
-
-# name -> (module that must import, why it would be missing)
-BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("torch", "pip install torch"),
-    "onnxruntime": ("onnxruntime", "pip install onnxruntime (or onnxruntime-gpu on CUDA)"),
-    "tensorrt": ("tensorrt", "install TensorRT 10.x (JetPack ships it on Jetson: sudo apt install python3-libnvinfer; "
-                             "pip install 'edgeinfer[tensorrt]' elsewhere)"),
-}
-
-
-def resolve_backend(name: str) -> str:
-    """``auto`` picks the best installed backend; a named one must be installed (no silent fallback)."""
-    if name == "auto":
-        return "torch"
-    if name not in BACKENDS:
-        raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
-    module, how = BACKENDS[name]
-    if importlib.util.find_spec(module) is None:
-        raise BackendUnavailableError(f"backend {name!r} needs the {module!r} package, which is not installed: {how}")
-    return name
+    passed_over: tuple[str, ...] = ()

@@ -200,7 +200,9 @@ class Harness:
         config = replace(self.base, num_blocks=num_blocks, prefix_cache=prefix_cache, host_precision=precision,
                          host_tier_mb=2048 if tiers else 0, disk_tier_mb=8192 if tiers and disk_dir else 0,
                          disk_dir=str(disk_dir) if disk_dir else None, **extra)
-        return self._Engine(self.model, config, self._Engine._engines(self.model, config, "torch"))
+        from edgeinfer.backends.registry import torch_engines
+
+        return self._Engine(self.model, config, torch_engines(self.model, config))
 
     def sync(self) -> None:
         sync(self.spec.device)

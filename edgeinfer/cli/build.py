@@ -40,7 +40,7 @@ def build(*,
               help="onnxruntime: decoder weights fp32, or int8 (dynamic quantization, for CPUs). tensorrt: "
                    "same as --set build.precision=... Default: the profile's build.precision.")] = None,
           out: Annotated[Path, typer.Option(
-              "--out", help="Root folder of built engines; writes OUT/<model>/<profile>/.",
+              "--engines", "--out", help="Root folder of built engines; writes ENGINES/<model>/<profile>/.",
               envvar="EDGEINFER_ENGINES")] = Path("engines"),
           force: Annotated[bool, typer.Option(help="Rebuild even when the manifest still matches.")] = False,
           json_: JsonOption = False) -> None:
@@ -50,7 +50,7 @@ def build(*,
         result = _build(backend, model or DEMO_MODEL_DIR, profile, set_ or [], precision, out, force)
     if json_:
         typer.echo(json.dumps({"folder": str(result.folder), "skipped": result.skipped,
-                               "reasons": list(result.reasons), "manifest": result.manifest}, indent=2))
+                               "reasons": list(result.reasons), "manifest": result.manifest.to_json()}, indent=2))
         return
     if backend is BuildBackend.tensorrt:
         _print_tensorrt(result)
@@ -90,13 +90,12 @@ def _print_result(result) -> None:
     manifest = result.manifest
     _print_status(console, result, "the manifest matches")
     table = Table("engine", "runs on", "file", "size")
-    for name, entry in manifest.get("engines", {}).items():
-        file = entry.get("file")
-        size = f"{(result.folder / file).stat().st_size / 2**20:.1f} MiB" if file else "-"
-        runs_on = entry.get("runtime", "?") + (f" ({entry['precision']})" if entry.get("precision") else "")
-        table.add_row(name, runs_on, file or entry.get("reason", "-"), size)
+    for name, entry in manifest.engines.items():
+        size = f"{(result.folder / entry.file).stat().st_size / 2**20:.1f} MiB" if entry.file else "-"
+        runs_on = entry.runtime + (f" ({entry.precision})" if entry.precision else "")
+        table.add_row(name, runs_on, entry.file or entry.document.get("reason", "-"), size)
     console.print(table)
-    checks = manifest.get("checks", {})
+    checks = manifest.document.get("checks", {})
     if checks:
         decoder = checks.get("decoder", {})
         worst = max((v for k, v in decoder.items() if isinstance(v, float) and k != "logit_scale"), default=0.0)
@@ -107,17 +106,16 @@ def _print_result(result) -> None:
 
 def _print_tensorrt(result) -> None:
     console = Console(soft_wrap=True)
-    section = result.manifest.get("tensorrt", {})
+    section = result.manifest.tensorrt
     _print_status(console, result, "the TensorRT fingerprint matches")
-    fingerprint = section.get("fingerprint", {})
-    console.print(f"TensorRT {fingerprint.get('tensorrt')} on {fingerprint.get('gpu')} (SM {fingerprint.get('sm')})")
+    fingerprint = section.fingerprint
+    console.print(f"TensorRT {fingerprint.tensorrt} on {fingerprint.gpu} (SM {fingerprint.sm})")
     table = Table("engine", "file", "flags", "workspace", "DLA", "size", "built in")
-    for name, entry in section.get("engines", {}).items():
-        path = result.folder / entry["plan_file"]
+    for name, entry in section.engines.items():
+        path = result.folder / entry.plan_file
         size = f"{path.stat().st_size / 2**20:.1f} MiB" if path.is_file() else "-"
-        seconds = section.get("build_seconds", {}).get(name)
-        table.add_row(name, entry["plan_file"], ", ".join(entry["flags"]) or "fp32",
-                      f"{entry['workspace_bytes'] // 2**20} MiB",
-                      "-" if entry["dla_core"] is None else f"core {entry['dla_core']}", size,
+        seconds = section.build_seconds.get(name)
+        table.add_row(name, entry.plan_file, ", ".join(entry.flags) or "fp32", f"{entry.workspace_bytes // 2**20} MiB",
+                      "-" if entry.dla_core is None else f"core {entry.dla_core}", size,
                       "-" if seconds is None else f"{seconds:.0f} s")
     console.print(table)

@@ -22,7 +22,12 @@ ModelOption = Annotated[Optional[Path], typer.Option(
     "--model", "-m", help="Hugging Face checkpoint folder. Default: the bundled demo model.",
     envvar="EDGEINFER_MODEL")]
 BackendOption = Annotated[str, typer.Option(
-    "--backend", help="auto | torch | onnxruntime | tensorrt. A named backend that is missing is an error.")]
+    "--backend", help="auto: the fastest engines built and fresh for the profile (ONNX Runtime on a CPU, "
+                      "TensorRT on CUDA), else torch | torch | onnxruntime | tensorrt. A named backend that is "
+                      "missing is an error.")]
+EnginesOption = Annotated[Optional[Path], typer.Option(
+    "--engines", help="Root folder of built engines (<root>/<model>/<profile>/). Default: ./engines.",
+    envvar="EDGEINFER_ENGINES")]
 
 
 def run(
@@ -33,6 +38,7 @@ def run(
     profile: ProfileOption = None,
     set_: SetOption = None,
     backend: BackendOption = "auto",
+    engines: EnginesOption = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
@@ -42,7 +48,8 @@ def run(
     on_oversize: Annotated[OnOversize, typer.Option(
         help="reject: refuse an image over a limit (exit 2); fit: downscale it and say so.")] = OnOversize.REJECT,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with answer, "
-                                          "timings, usage, preflight and cache.")] = False,
+                                          "timings, usage, preflight, cache, and the backend and "
+                                          "precision that ran.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a checkpoint's own Python code.")] = False,
 ) -> None:
     """Answer QUESTION about the given images."""
@@ -51,17 +58,17 @@ def run(
             raise ModelLoadError(f"the bundled demo model is not in this install ({DEMO_MODEL_DIR}); "
                                  "pass --model DIR with a Hugging Face checkpoint folder")
         answer(question, image, model or DEMO_MODEL_DIR, profile, set_ or [], backend, max_tokens, temperature,
-               top_p, seed, stream, on_oversize, as_json, trust_remote_code)
+               top_p, seed, stream, on_oversize, as_json, trust_remote_code, engines)
 
 
 def answer(question, images, model, profile, overrides, backend, max_tokens, temperature, top_p, seed,
-           stream, on_oversize, as_json, trust_remote_code) -> None:
+           stream, on_oversize, as_json, trust_remote_code, engines_root=None) -> None:
     from edgeinfer.engine import Engine, SamplingParams
     from edgeinfer.preflight import prepare_images
 
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     engine = Engine.load(model, profile=profile, backend=backend, overrides=overrides,
-                         trust_remote_code=trust_remote_code)
+                         trust_remote_code=trust_remote_code, engines_root=engines_root)
     started = time.perf_counter()
     prepared = prepare_images(images, engine.image_rules(), on_oversize)
     preflight_s = time.perf_counter() - started
@@ -82,5 +89,7 @@ def answer(question, images, model, profile, overrides, backend, max_tokens, tem
     report = result.to_dict()
     report["timings"] = {"preflight_s": preflight_s, **report["timings"]}
     report["preflight"] = [item.report.to_dict() for item in prepared]
-    report.update(model=str(model), backend=engine.backend, profile=engine.config.profile_name)
+    ran = engine.engines
+    report.update(model=str(model), backend=ran.backend, precision=ran.precision, profile=engine.config.profile_name,
+                  stale_engines=list(ran.passed_over))
     typer.echo(json.dumps(report, indent=2))

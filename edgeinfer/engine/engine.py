@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from edgeinfer.backends.base import CompilableVision, DecoderEngine, Engines, VisionEngine, resolve_backend
+from edgeinfer.artifacts import prefix_cache_root
+from edgeinfer.backends.base import CompilableVision, DecoderEngine, Engines, VisionEngine
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.inputs import Inputs, Message, image_key
 from edgeinfer.engine.output import GenerationResult, Output
@@ -25,8 +26,7 @@ from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.engine.vision_cache import VisionCache
-from edgeinfer.errors import BackendUnavailableError, RequestError
-from edgeinfer.kv.hashing import fingerprint as kv_fingerprint
+from edgeinfer.errors import RequestError
 from edgeinfer.kv.manager import KVManager
 from edgeinfer.kv.metrics import KVMetrics
 from edgeinfer.kv.pool import BlockPool, KVCache
@@ -96,13 +96,12 @@ class Engine:
         return {**vision, **self.runner.counters, **self.kv_manager.counters()}
 
     def _fingerprint(self) -> bytes:
-        """The model's identity for the prefix cache: a different model never shares a block, nor
-        does the same checkpoint run by another backend or built for another profile (other K/V)."""
-        folder = self.adapter.checkpoint.path
-        files = [f for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".jinja")]
-        build = "" if self.engines.backend == "torch" else f"{self.config.profile_name}|{self.engines.build_identity}"
-        extra = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{self.engines.backend}|{build}"
-        return kv_fingerprint(files, extra=extra)
+        """The root of the prefix cache's keys: a different model never shares a block, nor does
+        the same checkpoint run in another dtype, by another backend or from another build (other K/V)."""
+        engines = self.engines
+        build = "" if engines.backend == "torch" else f"{self.config.profile_name}|{engines.build_identity}"
+        runs = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{engines.backend}|{build}"
+        return prefix_cache_root(self.adapter.checkpoint.path, runs)
 
     def kv_metrics(self) -> KVMetrics:
         """A snapshot of the KV tiers (also iterable as (name, labels, value) metric triples)."""
@@ -114,39 +113,31 @@ class Engine:
 
     # --- construction ------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, profile: Any = None, backend: str = "torch", overrides: Seq[str] = (),
-             config: EngineConfig | None = None, trust_remote_code: bool = False) -> "Engine":
-        """Load a checkpoint folder. ``profile`` is a name, a YAML path, a DeviceProfile or None (auto)."""
-        backend = resolve_backend(backend)
+    def load(cls, path: str | Path, profile: Any = None, backend: str = "auto", overrides: Seq[str] = (),
+             config: EngineConfig | None = None, trust_remote_code: bool = False,
+             engines_root: str | Path | None = None) -> "Engine":
+        """Load a checkpoint folder. ``profile`` is a name, a YAML path, a DeviceProfile or None (auto).
+
+        ``backend`` ``auto`` runs the fastest engines built and fresh for the profile under
+        ``engines_root`` (None: ``$EDGEINFER_ENGINES``, else ``./engines``), else torch; a named
+        backend must be installed (:mod:`edgeinfer.backends.registry` decides). The loaded model
+        belongs to the engine: its backend may re-lay out or free the weights it replaces.
+        """
+        from edgeinfer.backends.registry import Backend, open_engines, require_backend
+
+        chosen = require_backend(backend)  # an unknown or missing backend fails before the model loads
         device_profile = None
         if config is None:
             device_profile = _profile(profile, overrides)
             config = EngineConfig.from_profile(device_profile)
-        elif backend in ("onnxruntime", "tensorrt") and profile is not None:
+        elif chosen is not Backend.TORCH and profile is not None:
             from dataclasses import replace
 
             # An explicit config keeps its sizes and runs the engines built for ``profile``.
             device_profile = _profile(profile, overrides)
             config = replace(config, profile_name=device_profile.name)
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
-        if backend == "onnxruntime":
-            from edgeinfer.backends.onnx.build import ensure_engines
-            from edgeinfer.backends.onnx.runtime import release_replaced_weights
-
-            built = ensure_engines(model, device_profile, config)  # builds (with progress) when missing or stale
-            # This load's own model: ORT holds those weights now.
-            release_replaced_weights(model, vision=built.manifest["engines"]["vision"].get("runtime") == "onnxruntime")
-        if backend == "tensorrt":
-            from edgeinfer.backends.tensorrt.runtime import (
-                open_engines as open_tensorrt,
-            )
-
-            # Refuses stale engines, never builds; frees the torch weights the engines replace.
-            opened = open_tensorrt(model, device_profile, config)
-            engines = _declared(opened.decoder, opened.vision, backend, device_profile.build.precision,
-                                opened.decoder.build_identity)
-        else:
-            engines = cls._engines(model, config, backend)
+        engines = open_engines(chosen, model, device_profile, config, engines_root)
         return cls(model, config, engines, profile=device_profile)
 
     def image_rules(self) -> ImageRules:
@@ -157,31 +148,6 @@ class Engine:
         return ImageRules.from_profile(images, model_max_side=limits.get("max_side"),
                                        model_max_pixels=limits.get("max_pixels"),
                                        model_min_side=limits.get("min_side"))
-
-    @staticmethod
-    def _engines(model: LoadedModel, config: EngineConfig, backend: str) -> Engines:
-        if backend == "torch":
-            from edgeinfer.backends.torch.eager import (
-                TorchDecoderEngine,
-                TorchVisionEngine,
-            )
-
-            vision = TorchVisionEngine(model.vision)
-            if config.cuda_graphs and config.device.startswith("cuda"):
-                from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
-
-                max_blocks = -(-config.max_context // config.block_size)
-                decoder = CudaGraphDecoderEngine(model.decoder, config.max_batch_size, max_blocks,
-                                                 fused=config.fused_decode, prefill_graphs=config.prefill_graphs)
-                return _declared(decoder, vision, backend, config.dtype, bursts=True)
-            return _declared(TorchDecoderEngine(model.decoder), vision, backend, config.dtype)
-        if backend == "onnxruntime":
-            from edgeinfer.backends.onnx.runtime import open_engines
-
-            opened = open_engines(model, config)
-            return _declared(opened.decoder, opened.vision, backend, str(opened.manifest.get("precision")),
-                             opened.decoder.build_identity)
-        raise BackendUnavailableError(f"backend {backend!r} has no engine for this model yet; build it first")
 
     # --- requests ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -248,16 +214,6 @@ class Engine:
         while any(s.status is not Status.FINISHED for s in seqs):
             self.step()
         return [self.result(s) for s in seqs]
-
-
-def _declared(decoder, vision, backend: str, precision: str, build_identity: str = "", *,
-              bursts: bool = False) -> Engines:
-    """The bundle of what a backend opened, with the abilities its engines offer declared."""
-    from edgeinfer.backends.torch.eager import TorchVisionEngine
-
-    return Engines(decoder, vision, backend, precision, bursts=decoder if bursts else None,
-                   compiler=vision if isinstance(vision, TorchVisionEngine) else None,
-                   build_identity=build_identity)
 
 
 def _profile(profile, overrides: Seq[str]):

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import torch
 
 from edgeinfer.kv.codec import BlockCodec, BlockGeometry, make_codec
 from edgeinfer.kv.disk import DiskLayout, DiskStore, default_cache_dir, open_disk_tier

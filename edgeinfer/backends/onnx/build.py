@@ -1,17 +1,13 @@
-"""The ONNX Runtime engine folder: what a build depends on, the build itself, its manifest.
+"""The ONNX Runtime build: what a build depends on, the build itself, its manifest.
 
 ``build_engines`` writes ``<root>/<model>/<profile>/{vision,decoder}.onnx`` and
-``manifest.json``.
+``manifest.json`` (layout, manifest and staleness: :mod:`edgeinfer.artifacts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
-import hashlib
-import json
-import os
 import platform
 import shutil
 import tempfile
@@ -22,6 +18,19 @@ from typing import Any, Literal
 
 import torch
 
+from edgeinfer.artifacts import (
+    MANIFEST_SCHEMA,
+    Expected,
+    GraphFormat,
+    Manifest,
+    checkpoint_fingerprint,
+    engine_dir,
+    file_sha256,
+    folder_problems,
+    read_manifest,
+    write_manifest,
+)
+from edgeinfer.artifacts import build_command as artifact_build_command
 from edgeinfer.backends.onnx.export import (
     DECODER_FILE,
     OPSET,
@@ -37,14 +46,11 @@ from edgeinfer.backends.onnx.export import (
 )
 from edgeinfer.backends.onnx.graphs import VisionGraph, vision_graph_for
 from edgeinfer.backends.onnx.quantize import quantize_decoder
-from edgeinfer.doctor import file_problems, file_sha256  # the same hashes doctor checks manifests with
 from edgeinfer.errors import EngineBuildError
 
-MANIFEST_SCHEMA = 1
 # Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
 EXPORT_REVISION = 5
-MANIFEST = "manifest.json"
-ENGINES_ENV = "EDGEINFER_ENGINES"
+GRAPH_FORMAT = GraphFormat(EXPORT_REVISION, OPSET)
 # fp32 graph vs torch: largest absolute logit difference allowed, relative to the logits' scale.
 FP32_TOLERANCE = 1e-3
 
@@ -99,41 +105,15 @@ class BuildSpec:
     def custom(cls, name: str = "custom", block_size: int = 16, precision: str = "fp32") -> "BuildSpec":
         return cls(name, None, precision, block_size)  # type: ignore[arg-type]
 
-
-def engines_root(root: str | Path | None = None) -> Path:
-    """Where built engines live: ``root``, else ``$EDGEINFER_ENGINES``, else ``./engines``."""
-    return Path(root if root is not None else os.environ.get(ENGINES_ENV, "engines"))
-
-
-def engine_dir(root: str | Path | None, model_name: str, profile_name: str) -> Path:
-    return engines_root(root) / model_name / profile_name
+    def expected(self, checkpoint: str, *, any_precision: bool = False) -> Expected:
+        """What a folder built from this spec and ``checkpoint`` holds; ``any_precision``: a build
+        at another precision fits too (a run takes whichever precision was built)."""
+        return Expected(self.profile, self.profile_fingerprint, checkpoint,
+                        None if any_precision else self.precision, dataclasses.replace(GRAPH_FORMAT, opset=self.opset))
 
 
 def build_command(model_dir: str | Path, spec: BuildSpec) -> str:
-    profile = "" if spec.profile == "custom" else f" --profile {spec.profile}"
-    precision = "" if spec.precision == "fp32" else f" --precision {spec.precision}"
-    return f"edgeinfer build --backend onnxruntime --model {model_dir}{profile}{precision}"
-
-
-# --------------------------------------------------------------------------- hashes and versions
-
-
-def model_fingerprint(model_dir: str | Path) -> str:
-    """sha256 over the checkpoint's config and weight files (cached while they are unchanged)."""
-    folder = Path(model_dir).resolve()
-    names = ["config.json", *sorted(p.name for p in folder.glob("*.safetensors"))]
-    stats = tuple((n, (folder / n).stat().st_size, (folder / n).stat().st_mtime_ns)
-                  for n in names if (folder / n).is_file())
-    return _fingerprint(str(folder), stats)
-
-
-@functools.lru_cache(maxsize=32)
-def _fingerprint(folder: str, stats: tuple) -> str:
-    digest = hashlib.sha256()
-    for name, _, _ in stats:
-        digest.update(name.encode())
-        digest.update(file_sha256(Path(folder) / name).encode())
-    return digest.hexdigest()
+    return artifact_build_command("onnxruntime", model_dir, spec.profile, spec.precision)
 
 
 def library_versions() -> dict[str, str]:
@@ -148,52 +128,10 @@ def library_versions() -> dict[str, str]:
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
 
 
-# --------------------------------------------------------------------------- manifest
-
-
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of an engine folder; None when absent. A corrupt one is an error naming it."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise EngineBuildError(f"corrupt manifest ({exc})", artifact=str(path)) from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
-        raise EngineBuildError("corrupt manifest (no fingerprint object)", artifact=str(path))
-    return manifest
-
-
-def stale_reasons(manifest: dict[str, Any], folder: Path, spec: BuildSpec, model_fp: str) -> list[str]:
-    """Why the engines in ``folder`` do not fit this checkpoint and spec; each names its artifact."""
-    reasons = []
-    built = manifest.get("fingerprint", {})
-    if manifest.get("schema") != MANIFEST_SCHEMA or manifest.get("backend") != "onnxruntime":
-        reasons.append(f"{folder / MANIFEST}: not an onnxruntime manifest of schema {MANIFEST_SCHEMA}")
-    if built.get("model") != model_fp:
-        reasons.append(f"{folder / MANIFEST}: built from other weights or config (model fingerprint changed)")
-    if built.get("profile") != spec.profile_fingerprint or manifest.get("profile") != spec.profile:
-        reasons.append(f"{folder / MANIFEST}: profile {spec.profile!r} changed")
-    if manifest.get("precision") != spec.precision:
-        reasons.append(f"{folder / MANIFEST}: precision {manifest.get('precision')} -> {spec.precision}")
-    if manifest.get("export_revision") != EXPORT_REVISION:
-        reasons.append(f"{folder / MANIFEST}: graphs of export revision {manifest.get('export_revision')}, "
-                       f"this edgeinfer exports revision {EXPORT_REVISION}")
-    if manifest.get("opset") != spec.opset:
-        reasons.append(f"{folder / MANIFEST}: opset {manifest.get('opset')} -> {spec.opset}")
-    return reasons + file_problems(folder, manifest.get("files") or {})
-
-
-def engine_problems(folder: Path, spec: BuildSpec, model_fp: str) -> list[str]:
-    """[] when ``folder`` holds engines that fit; otherwise what is missing, stale or corrupt."""
-    try:
-        manifest = read_manifest(folder)
-    except EngineBuildError as exc:
-        return [str(exc)]
-    if manifest is None:
-        return [f"{folder / MANIFEST}: missing (not built)"]
-    return stale_reasons(manifest, folder, spec, model_fp)
+def engine_problems(folder: Path, spec: BuildSpec, checkpoint: str) -> list[str]:
+    """[] when ``folder`` holds engines that fit this checkpoint and ``spec``; otherwise what is
+    missing, stale or corrupt (the one check of :mod:`edgeinfer.artifacts`)."""
+    return folder_problems(folder, spec.expected(checkpoint))
 
 
 # --------------------------------------------------------------------------- the build
@@ -202,7 +140,7 @@ def engine_problems(folder: Path, spec: BuildSpec, model_fp: str) -> list[str]:
 @dataclass(frozen=True, slots=True)
 class BuildResult:
     folder: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     skipped: bool
     reasons: tuple[str, ...] = ()  # why it was (re)built
 
@@ -249,10 +187,10 @@ def build_engines(model, spec: BuildSpec, root: str | Path | None = None, *, for
     """
     model_dir = Path(model.adapter.checkpoint.path).resolve()
     folder = engine_dir(root, model.name, spec.profile)
-    model_fp = model_fingerprint(model_dir)
+    model_fp = checkpoint_fingerprint(model_dir)
     reasons = engine_problems(folder, spec, model_fp)
     if not reasons and not force:
-        return BuildResult(folder, read_manifest(folder) or {}, skipped=True)
+        return BuildResult(folder, read_manifest(folder), skipped=True)
     if model.dtype != torch.float32 or model.decoder.lm_head_t.device.type != "cpu":
         raise EngineBuildError(f"the graphs are exported from float32 weights on the CPU, this model is "
                                f"{model.dtype} on {model.decoder.lm_head_t.device}", artifact=str(folder),
@@ -263,18 +201,18 @@ def build_engines(model, spec: BuildSpec, root: str | Path | None = None, *, for
     work = Path(tempfile.mkdtemp(prefix=f".{spec.profile}-", dir=folder.parent))
     try:
         with Steps(steps, f"building {model.name}/{spec.profile}", progress) as bar:
-            manifest = _build_into(work, model, model_dir, model_fp, spec, graph, bar)
+            _build_into(work, model, model_dir, model_fp, spec, graph, bar)
         if folder.exists():
             shutil.rmtree(folder)
         work.rename(folder)
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
-    return BuildResult(folder, manifest, skipped=False, reasons=tuple(reasons))
+    return BuildResult(folder, read_manifest(folder), skipped=False, reasons=tuple(reasons))
 
 
 def _build_into(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSpec, graph: VisionGraph | None,
-                bar: Steps) -> dict[str, Any]:
+                bar: Steps) -> None:
     engines: dict[str, Any] = {}
     checks: dict[str, Any] = {}
     if graph is not None:
@@ -316,10 +254,8 @@ def _build_into(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSp
                           "quantization": quantization, "embedding": "host (the graph starts at inputs_embeds)",
                           **graph_io(work / DECODER_FILE)}
     bar.step("writing the manifest")
-    manifest = _manifest(work, model, model_dir, model_fp, spec, engines, checks)
-    (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    write_manifest(work, _manifest(work, model, model_dir, model_fp, spec, engines, checks))
     bar.done()
-    return manifest
 
 
 def _run_export(export: Callable[[], None], path: Path) -> None:
@@ -365,17 +301,3 @@ def _manifest(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSpec
         "versions": library_versions(),
         "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def ensure_engines(model, profile, config, root: str | Path | None = None) -> BuildResult:
-    """The engines ``Engine.load`` runs: built from ``profile`` (a DeviceProfile, or None for an
-    engine configured without one), rebuilt with a progress bar when missing or stale."""
-    spec = BuildSpec.from_profile(profile) if profile is not None else \
-        BuildSpec.custom(config.profile_name, config.block_size)
-    result = build_engines(model, spec, root)
-    if not result.skipped and result.reasons:
-        import sys
-
-        print(f"built {result.folder}, because " + "; ".join(result.reasons), file=sys.stderr)
-    return result
-

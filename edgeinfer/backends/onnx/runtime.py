@@ -25,7 +25,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.backends.onnx.build import BuildSpec, build_command, engine_dir, model_fingerprint, read_manifest
+from edgeinfer.artifacts import (
+    Expected,
+    Manifest,
+    checkpoint_fingerprint,
+    engine_dir,
+    read_manifest,
+    rebuild_command,
+    stale_reasons,
+)
+from edgeinfer.backends.onnx.build import GRAPH_FORMAT, BuildSpec, build_command
 from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISION_OUTPUT, VisionGraph, vision_graph_for
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
 
@@ -165,33 +174,52 @@ class OrtEngines:
     vision: object  # OrtVisionEngine, or the torch vision engine where the manifest says so
     providers: tuple[str, ...]
     folder: Path
-    manifest: dict
+    manifest: Manifest
+
+    @property
+    def precision(self) -> str:
+        return self.manifest.precision or "fp32"
+
+    @property
+    def build_identity(self) -> str:
+        """What the K/V depends on beyond the checkpoint: an int8 build's K/V is not an fp32 build's."""
+        return json.dumps({"precision": self.manifest.precision, "decoder": dict(self.manifest.engine("decoder")
+                                                                                  .document)}, sort_keys=True)
+
+    @property
+    def vision_on_ort(self) -> bool:
+        return isinstance(self.vision, OrtVisionEngine)
 
 
 def open_engines(model, config, root: str | Path | None = None,
                  providers: Sequence[str] | None = None, announce: bool = True) -> OrtEngines:
-    """The ORT engines built for ``model`` under profile ``config.profile_name``.
+    """The ORT engines built for ``model`` under profile ``config.profile_name``, at whichever
+    precision they were built.
 
-    Checks that the folder's manifest was built from this checkpoint; a missing or foreign
-    build is an :class:`EngineBuildError` naming the folder and the build command.
+    The build must be whole and of this checkpoint (any profile check is the caller's, who
+    knows the profile); a missing, corrupt or foreign build is an :class:`EngineBuildError`
+    naming the folder and the build command.
     """
     folder = engine_dir(root, model.name, config.profile_name)
     model_dir = Path(model.adapter.checkpoint.path).resolve()
-    spec = BuildSpec.custom(config.profile_name)
     manifest = read_manifest(folder)
     if manifest is None:
         raise EngineBuildError("no onnxruntime engines built for this model and profile", artifact=str(folder),
-                               fix=build_command(model_dir, spec))
-    if manifest.get("fingerprint", {}).get("model") != model_fingerprint(model_dir):
-        raise EngineBuildError("the engines were built from other weights or config", artifact=str(folder),
-                               fix=build_command(model_dir, spec) + " --force")
+                               fix=build_command(model_dir, BuildSpec.custom(config.profile_name)))
+    # The build as it was made (its own profile and precision), for this checkpoint and this edgeinfer.
+    as_built = Expected(manifest.profile, manifest.fingerprint.profile, checkpoint_fingerprint(model_dir),
+                        graphs=GRAPH_FORMAT)
+    reasons = stale_reasons(manifest, as_built)
+    if reasons:
+        raise EngineBuildError("stale onnxruntime engines: " + "; ".join(reasons), artifact=str(folder),
+                               fix=rebuild_command(manifest) + " --force")
     if config.torch_dtype != torch.float32:
         raise EngineBuildError(f"the onnxruntime engines run float32 KV pools, the engine is configured for "
                                f"{config.dtype}", fix="--set runtime.dtype=float32")
     requested = providers or [p.strip() for p in os.environ.get(PROVIDERS_ENV, "").split(",") if p.strip()]
     chosen = select_providers(config.device, requested)
     if announce:
-        print(f"onnxruntime: {folder} ({manifest.get('precision')}) on {', '.join(chosen)}", file=sys.stderr)
+        print(f"onnxruntime: {folder} ({manifest.precision}) on {', '.join(chosen)}", file=sys.stderr)
     decoder = model.decoder
     table = decoder.embed_table
     # A decode step is short and the engine's host work (torch: the K/V write, the next token)
@@ -199,23 +227,20 @@ def open_engines(model, config, root: str | Path | None = None,
     # from torch's own threads. Not spinning costs little in a step and, on a 2-core CPU,
     # cut the time per decoded token by about a quarter (docs/benchmarks.md). The vision
     # engine runs long graphs back to back and keeps spinning.
-    session = make_session(folder / manifest["engines"]["decoder"]["file"], chosen, config.threads, spin=False)
+    session = make_session(folder / manifest.engine("decoder").file, chosen, config.threads, spin=False)
     decoder_engine = OrtDecoderEngine(session, table.detach(), decoder.cfg.num_layers, decoder.cfg.vocab_size)
-    # What the K/V depends on beyond the checkpoint: an INT8 build's K/V is not an fp32 build's.
-    decoder_engine.build_identity = json.dumps(
-        {"precision": manifest.get("precision"), "decoder": manifest["engines"]["decoder"]}, sort_keys=True)
     return OrtEngines(decoder_engine, _vision_engine(model, folder, manifest, chosen, config.threads),
                       tuple(chosen), folder, manifest)
 
 
-def _vision_engine(model, folder: Path, manifest: dict, providers: Sequence[str], threads: int | None):
-    entry = manifest["engines"]["vision"]
+def _vision_engine(model, folder: Path, manifest: Manifest, providers: Sequence[str], threads: int | None):
+    entry = manifest.engine("vision")
     graph = vision_graph_for(model)
-    if entry.get("runtime") != "onnxruntime" or graph is None:
+    if entry.runtime != "onnxruntime" or entry.file is None or graph is None:
         from edgeinfer.backends.torch.eager import TorchVisionEngine
 
         return TorchVisionEngine(model.vision)
-    return OrtVisionEngine(make_session(folder / entry["file"], providers, threads), graph)
+    return OrtVisionEngine(make_session(folder / entry.file, providers, threads), graph)
 
 
 def release_replaced_weights(model, vision: bool) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
-import json
 import math
 import os
 import re
@@ -38,10 +37,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeinfer.doctor import file_problems, file_sha256
+from edgeinfer.artifacts import (
+    TENSORRT_SCHEMA,
+    Expected,
+    Manifest,
+    TensorRTFingerprint,
+    TensorRTTarget,
+    engines_root,
+    file_sha256,
+    read_manifest,
+    stale_reasons,
+    write_manifest,
+)
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
+from edgeinfer.kv.sizing import block_bytes, pool_blocks
 
-TRT_SCHEMA = 1
 VISION_PLAN = "vision.plan"
 DECODER_PLAN = "decoder.plan"
 TIMING_CACHE_DIR = "timing-cache"
@@ -402,68 +412,14 @@ def check_build_memory(plan: TensorRTBuildPlan) -> None:
                 raise BuildMemoryError(engine.name, math.ceil(needed / mib), available // mib, where, fix)
 
 
-# --------------------------------------------------------------------------- fingerprint and manifest
+# --------------------------------------------------------------------------- the manifest's tensorrt section
 
 
-@dataclass(frozen=True, slots=True)
-class EngineFingerprint:
-    """What a serialized engine is tied to; any difference means a rebuild."""
-
-    tensorrt: str
-    gpu: str
-    sm: str
-    profile: str
-    onnx: Mapping[str, str]
-    pool_blocks: int  # the KV pool's length is an engine input dim (memory.* is not in the profile hash)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tensorrt": self.tensorrt, "gpu": self.gpu, "sm": self.sm, "profile": self.profile,
-                "onnx": dict(self.onnx), "pool_blocks": self.pool_blocks}
-
-
-def tensorrt_build_command(model_dir: str | Path, profile: str) -> str:
-    return f"edgeinfer build --backend tensorrt --model {model_dir} --profile {profile}"
-
-
-def stale_engine_reasons(manifest: Mapping[str, Any] | None, folder: Path, expected: EngineFingerprint
-                         ) -> list[str]:
-    """Why the TensorRT engines in ``folder`` cannot run here; [] when they can."""
-    section = (manifest or {}).get("tensorrt")
-    if not isinstance(section, Mapping):
-        return [f"{folder}: no TensorRT engines built"]
-    if section.get("schema") != TRT_SCHEMA:
-        return [f"{folder}: TensorRT section of schema {section.get('schema')}, expected {TRT_SCHEMA}"]
-    built = section.get("fingerprint") or {}
-    reasons = []
-    for key, label in (("tensorrt", "TensorRT"), ("gpu", "GPU"), ("sm", "GPU SM")):
-        if built.get(key) != getattr(expected, key):
-            reasons.append(f"built with {label} {built.get(key)}, this machine has {getattr(expected, key)}")
-    if built.get("profile") != expected.profile:
-        reasons.append(f"profile {manifest.get('profile')!r} changed since the build")
-    if dict(built.get("onnx") or {}) != dict(expected.onnx):
-        reasons.append("built from other ONNX graphs (ONNX hash changed)")
-    if built.get("pool_blocks") != expected.pool_blocks:
-        reasons.append(f"built for a KV pool of {built.get('pool_blocks')} blocks, this one has {expected.pool_blocks}")
-    reasons += file_problems(folder, section.get("plans") or {})
-    if not section.get("plans"):
-        reasons.append(f"{folder}: the manifest lists no TensorRT plan")
-    return reasons
-
-
-def tensorrt_section(plan: TensorRTBuildPlan, fingerprint: EngineFingerprint, plans: Mapping[str, str],
+def tensorrt_section(plan: TensorRTBuildPlan, fingerprint: TensorRTFingerprint, plans: Mapping[str, str],
                      seconds: Mapping[str, float]) -> dict[str, Any]:
-    return {"schema": TRT_SCHEMA, "fingerprint": fingerprint.to_dict(), "plans": dict(plans),
+    return {"schema": TENSORRT_SCHEMA, "fingerprint": fingerprint.to_dict(), "plans": dict(plans),
             "engines": plan.to_dict(), "build_seconds": dict(seconds),
             "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
-def write_manifest(folder: Path, manifest: Mapping[str, Any]) -> None:
-    """Replace ``manifest.json`` whole (a reader never sees half of one)."""
-    from edgeinfer.backends.onnx.build import MANIFEST
-
-    temporary = folder / (MANIFEST + ".tmp")
-    temporary.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, folder / MANIFEST)
 
 
 # --------------------------------------------------------------------------- TensorRT itself
@@ -595,7 +551,7 @@ def _save_timing_cache(config, path: Path) -> None:
 @dataclass(frozen=True, slots=True)
 class TensorRTBuildResult:
     folder: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     skipped: bool
     reasons: tuple[str, ...] = ()
     plan: TensorRTBuildPlan | None = None
@@ -611,11 +567,14 @@ def onnx_spec(profile):
     return BuildSpec(profile.name, profile_fingerprint(profile), "fp32", profile.kv.block_size, shapes)
 
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def pool_blocks_for(profile, decoder_cfg) -> int:
     """The device KV blocks an engine loaded from ``profile`` allocates (the pool's length)."""
-    from edgeinfer.engine.config import EngineConfig
-
-    return EngineConfig.from_profile(profile).device_blocks(decoder_cfg)
+    per_block = block_bytes(decoder_cfg.num_layers, profile.kv.block_size, decoder_cfg.kv_size,
+                            _DTYPE_BYTES[profile.runtime.dtype])
+    return pool_blocks(profile.memory.kv_device_budget_mb, per_block, profile.kv.device_blocks)
 
 
 def plan_for_model(model, profile, folder: Path, target: BuildTarget, root: Path) -> TensorRTBuildPlan:
@@ -638,29 +597,33 @@ def build_tensorrt_engines(model_dir: str | Path, profile, root: str | Path | No
     Refused before anything is written when TensorRT or a GPU is missing, and before
     TensorRT starts when the plan is invalid or the memory guard says the build would not fit.
     """
-    from edgeinfer.backends.onnx.build import Steps, build_engines, engines_root, read_manifest
+    from edgeinfer.backends.onnx.build import GRAPH_FORMAT, Steps, build_engines
     from edgeinfer.models.loader import load_model
 
     import_tensorrt()
     target = current_target(unified=profile.memory.unified)
     model = load_model(model_dir)
-    onnx_result = build_engines(model, onnx_spec(profile), root, progress=progress)
+    spec = onnx_spec(profile)
+    onnx_result = build_engines(model, spec, root, progress=progress)
     folder = onnx_result.folder
-    manifest = read_manifest(folder) or {}
-    expected = EngineFingerprint(target.tensorrt, target.gpu, target.sm, onnx_spec(profile).profile_fingerprint,
-                                 manifest["fingerprint"]["onnx"], pool_blocks_for(profile, model.decoder.cfg))
-    reasons = stale_engine_reasons(manifest, folder, expected)
+    pool = pool_blocks_for(profile, model.decoder.cfg)
+    expected = Expected(spec.profile, spec.profile_fingerprint, graphs=GRAPH_FORMAT,
+                        tensorrt=TensorRTTarget(target.tensorrt, target.gpu, target.sm, pool))
+    reasons = stale_reasons(onnx_result.manifest, expected)
     if not reasons and not force:
-        return TensorRTBuildResult(folder, manifest, skipped=True)
+        return TensorRTBuildResult(folder, onnx_result.manifest, skipped=True)
     plan = plan_for_model(model, profile, folder, target, engines_root(root))
     del model, onnx_result  # the builder needs the memory more than the torch weights
     gc.collect()
     plan = dataclasses.replace(plan, target=with_memory_now(plan.target))
     check_build_memory(plan)
     # Until both engines are built, the manifest vouches for none: a failed build leaves no engine to load.
-    manifest.pop("tensorrt", None)
-    manifest["fingerprint"] |= {"tensorrt": None, "sm": None, "gpu": None}  # what doctor reads of the build
-    write_manifest(folder, manifest)
+    document = read_manifest(folder).to_json()
+    document.pop("tensorrt", None)
+    document["fingerprint"] |= {"tensorrt": None, "sm": None, "gpu": None}  # what doctor reads of the build
+    write_manifest(folder, document)
+    fingerprint = TensorRTFingerprint(target.tensorrt, target.gpu, target.sm, spec.profile_fingerprint,
+                                    document["fingerprint"]["onnx"], pool)
     plans, seconds = {}, {}
     with Steps(len(plan.engines) + 1, f"tensorrt {folder.parent.name}/{profile.name}", progress) as bar:
         for engine in plan.engines:
@@ -671,8 +634,8 @@ def build_tensorrt_engines(model_dir: str | Path, profile, root: str | Path | No
             plans[engine.plan_file] = file_sha256(folder / engine.plan_file, remember=True)
             bar.done()
         bar.step("writing the manifest")
-        manifest["tensorrt"] = tensorrt_section(plan, expected, plans, seconds)
-        manifest["fingerprint"] |= {"tensorrt": target.tensorrt, "sm": target.sm, "gpu": target.gpu}
-        write_manifest(folder, manifest)
+        document["tensorrt"] = tensorrt_section(plan, fingerprint, plans, seconds)
+        document["fingerprint"] |= {"tensorrt": target.tensorrt, "sm": target.sm, "gpu": target.gpu}
+        manifest = write_manifest(folder, document)
         bar.done()
     return TensorRTBuildResult(folder, manifest, skipped=False, reasons=tuple(reasons), plan=plan)

@@ -35,19 +35,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.backends.onnx.build import engine_dir, model_fingerprint, read_manifest
-from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISION_OUTPUT, VisionGraph, vision_graph_for
-from edgeinfer.backends.tensorrt.build import (
-    DECODER_PLAN,
-    VISION_PLAN,
-    EngineFingerprint,
-    import_tensorrt,
-    stale_engine_reasons,
-    tensorrt_build_command,
-    trt_logger,
+from edgeinfer.artifacts import (
+    Expected,
+    Manifest,
+    PlanEntry,
+    TensorRTTarget,
+    build_command,
+    checkpoint_fingerprint,
+    engine_dir,
+    read_manifest,
+    stale_reasons,
 )
+from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISION_OUTPUT, VisionGraph, vision_graph_for
+from edgeinfer.backends.tensorrt.build import DECODER_PLAN, VISION_PLAN, import_tensorrt, trt_logger
 from edgeinfer.backends.torch.cuda_graphs import bucket_for, buckets
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError, LimitExceeded
+from edgeinfer.kv.sizing import block_bytes, pool_blocks
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
                  "INT32": torch.int32, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
@@ -63,9 +66,8 @@ class ShapeLimits:
     ranges: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]
 
     @classmethod
-    def from_manifest(cls, engine: Mapping) -> "ShapeLimits":
-        shapes = engine.get("shapes") or {}
-        return cls({name: (tuple(s["min"]), tuple(s["max"])) for name, s in shapes.items()})
+    def from_manifest(cls, engine: PlanEntry) -> "ShapeLimits":
+        return cls({name: (shape.min, shape.max) for name, shape in engine.shapes.items()})
 
     def check(self, name: str, shape: tuple[int, ...], field: str) -> None:
         """A LimitExceeded naming the profile field when ``shape`` is outside the built range."""
@@ -378,19 +380,41 @@ class TrtEngines:
     decoder: TrtDecoderEngine
     vision: object  # TrtVisionEngine, or the torch vision engine where no vision plan exists
     folder: Path
-    manifest: dict
+    manifest: Manifest
+
+    @property
+    def precision(self) -> str:
+        """The decoder plan's build precision (the profile's ``build.precision``)."""
+        return self.manifest.tensorrt.engines["decoder"].precision
+
+    @property
+    def build_identity(self) -> str:
+        """What the K/V depends on beyond the checkpoint (precision, plan): the prefix cache keys on it."""
+        return json.dumps(dict(self.manifest.tensorrt.engines["decoder"].document), sort_keys=True, default=str)
 
 
-def expected_fingerprint(profile, manifest: Mapping, pool_blocks: int) -> EngineFingerprint:
-    """What an engine must have been built for to run here (this TensorRT, GPU 0, the profile,
-    a KV pool of ``pool_blocks``)."""
-    from edgeinfer.profiles import profile_fingerprint
+def engine_pool_blocks(config, decoder_cfg) -> int:
+    """The device KV blocks the engine allocates for ``config`` (an engine input dim of the plan)."""
+    per_block = block_bytes(decoder_cfg.num_layers, config.block_size, decoder_cfg.kv_size,
+                            config.torch_dtype.itemsize)
+    return pool_blocks(config.kv_budget_mb, per_block, config.num_blocks)
 
+
+def this_machine(pool: int | None) -> TensorRTTarget:
+    """What a plan must have been built for to run here: this TensorRT, GPU 0, a pool of ``pool`` blocks."""
     trt = import_tensorrt()
     props = torch.cuda.get_device_properties(0)
-    return EngineFingerprint(trt.__version__, props.name, f"{props.major}.{props.minor}",
-                             profile_fingerprint(profile), (manifest.get("fingerprint") or {}).get("onnx") or {},
-                             pool_blocks)
+    return TensorRTTarget(trt.__version__, props.name, f"{props.major}.{props.minor}", pool)
+
+
+def expected_build(model, profile, config) -> Expected:
+    """What the folder must hold for ``model`` to run on TensorRT here with ``profile``."""
+    from edgeinfer.backends.onnx.build import GRAPH_FORMAT
+    from edgeinfer.profiles import profile_fingerprint
+
+    model_dir = Path(model.adapter.checkpoint.path).resolve()
+    return Expected(profile.name, profile_fingerprint(profile), checkpoint_fingerprint(model_dir),
+                    graphs=GRAPH_FORMAT, tensorrt=this_machine(engine_pool_blocks(config, model.decoder.cfg)))
 
 
 def open_engines(model, profile, config, root: str | Path | None = None, announce: bool = True) -> TrtEngines:
@@ -403,18 +427,15 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
                                       + ("" if torch.cuda.is_available() else " and torch sees no GPU"))
     model_dir = Path(model.adapter.checkpoint.path).resolve()
     folder = engine_dir(root, model.name, profile.name)
-    fix = tensorrt_build_command(model_dir, profile.name)
+    fix = build_command("tensorrt", model_dir, profile.name)
     manifest = read_manifest(folder)
     if manifest is None:
         raise EngineBuildError("no TensorRT engines built for this model and profile", artifact=str(folder), fix=fix)
-    expected = expected_fingerprint(profile, manifest, config.device_blocks(model.decoder.cfg))
-    reasons = stale_engine_reasons(manifest, folder, expected)
-    if manifest.get("fingerprint", {}).get("model") != model_fingerprint(model_dir):
-        reasons.append("built from other weights or config (model fingerprint changed)")
+    reasons = stale_reasons(manifest, expected_build(model, profile, config))
     if reasons:
         raise EngineBuildError("stale TensorRT engines: " + "; ".join(reasons), artifact=str(folder), fix=fix)
     runtime = trt.Runtime(trt_logger())
-    engines = manifest["tensorrt"]["engines"]
+    engines = manifest.tensorrt.engines
     device = torch.device(config.device if ":" in config.device else "cuda:0")
     decoder = model.decoder
     table = decoder.embed_table
@@ -429,8 +450,6 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
     decoder_runner = _runner(runtime, folder / DECODER_PLAN, engines["decoder"])
     graphs = DecodeGraphPlan.for_engine(decoder_runner.limits, config.cuda_graphs)
     decoder_engine = TrtDecoderEngine(decoder_runner, table, graphs)
-    # What the K/V depends on beyond the checkpoint (precision, plan): the prefix cache keys on it.
-    decoder_engine.build_identity = json.dumps(engines["decoder"], sort_keys=True, default=str)
     if trt_vision:
         vision = TrtVisionEngine(_runner(runtime, folder / VISION_PLAN, engines["vision"]), graph, device,
                                  config.unified_memory, config.torch_dtype)
@@ -443,7 +462,7 @@ def open_engines(model, profile, config, root: str | Path | None = None, announc
     return TrtEngines(decoder_engine, vision, folder, manifest)
 
 
-def _runner(runtime, path: Path, entry: Mapping) -> TrtRunner:
+def _runner(runtime, path: Path, entry: PlanEntry) -> TrtRunner:
     engine = runtime.deserialize_cuda_engine(path.read_bytes())
     if engine is None:
         raise EngineBuildError("TensorRT cannot deserialize the engine (its log above says why)", artifact=str(path))

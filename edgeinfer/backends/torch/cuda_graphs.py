@@ -30,6 +30,11 @@ once per burst, not once per token. That copy does not block: ``continue_burst``
 the next burst of the same rows from where the last one stopped (its ids, positions and
 context lengths are still in the graph's buffers) before the host reads the last one's
 ids, so the device runs on while the host takes its turn.
+
+The engine changes nothing outside itself unless told to: torch's compiler settings are
+raised only around its own compiled calls, and the decoder's matrices are re-laid out (in
+place: values and shapes unchanged, strides changed) only for an engine that was handed the
+decoder to keep (``take_decoder=True``, as ``Engine.load`` does with the model it loaded).
 """
 
 from __future__ import annotations
@@ -44,6 +49,29 @@ import torch
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
 from edgeinfer.models.decoder import Decoder, DecoderLayer, past_reader, whole_block_slots_and_mask
+
+
+# One compiled layer serves every (batch, width) bucket of every engine in the process; torch's
+# default limit of 8 variants of one compiled function would be hit by a few buckets.
+COMPILED_VARIANTS = 256
+
+
+def _recompile_limit_name() -> str:
+    config = torch._dynamo.config
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+
+
+def with_variants(compiled: Callable, variants: int = COMPILED_VARIANTS) -> Callable:
+    """``compiled`` (a ``torch.compile``'d function) run with room for ``variants`` compiled
+    variants: torch's limit is raised for the call only, never for the rest of the process."""
+    name = _recompile_limit_name()
+
+    def call(*args, **kwargs):
+        limit = max(getattr(torch._dynamo.config, name), variants)
+        with torch._dynamo.config.patch(**{name: limit}):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -78,8 +106,13 @@ def _relayout(decoder: Decoder, out_major: bool) -> None:
         p.data = p.data.t().contiguous().t() if out_major else p.data.contiguous()
 
 
-def choose_weight_layout(decoder: Decoder, repeats: int = 50) -> dict:
-    """Time a batch-1 product with the widest matrix in both layouts on this device; keep the faster.
+def _is_out_major(decoder: Decoder) -> bool:
+    return all(p.t().is_contiguous() for p in _matrices(decoder))
+
+
+def choose_weight_layout(decoder: Decoder, repeats: int = 50, apply: bool = True) -> dict:
+    """Time a batch-1 product with the widest matrix in both layouts on this device; with
+    ``apply``, re-lay out ``decoder`` in place to the faster.
 
     cuBLAS picks different kernels for ``x @ W`` by layout, and which one streams memory
     faster depends on the GPU and the shape, so the device decides, once, at load.
@@ -99,8 +132,9 @@ def choose_weight_layout(decoder: Decoder, repeats: int = 50) -> dict:
         times[name] = start.elapsed_time(end) / repeats * 1e3
         del weight
     chosen = min(times, key=times.get)
-    _relayout(decoder, out_major=chosen == "out_in")
-    return {"chosen": chosen, **{f"{k}_us": round(v, 2) for k, v in times.items()}}
+    if apply:
+        _relayout(decoder, out_major=chosen == "out_in")
+    return {"chosen": chosen, "applied": apply, **{f"{k}_us": round(v, 2) for k, v in times.items()}}
 
 
 @dataclass
@@ -155,10 +189,17 @@ class _PrefillGraph:
 
 
 class CudaGraphDecoderEngine(TorchDecoderEngine):
-    """The torch decoder engine with decode steps captured in CUDA graphs."""
+    """The torch decoder engine with decode steps captured in CUDA graphs.
+
+    ``take_decoder``: the engine keeps ``decoder`` for itself and re-lays out its matrices in
+    place for the kernels that read them (the fused kernels need ``[out, in]`` row-major;
+    otherwise the faster layout is timed on this GPU). Without it the decoder is left as it
+    is: the fused kernels run only where it is already laid out for them, and the timed
+    layout is reported, not applied.
+    """
 
     def __init__(self, decoder: Decoder, max_batch_size: int, max_blocks: int, compile_layers: bool = True,
-                 fused: bool = True, prefill_graphs: int = 8) -> None:
+                 fused: bool = True, prefill_graphs: int = 8, *, take_decoder: bool = False) -> None:
         super().__init__(decoder)
         self.batch_buckets = buckets(max_batch_size)
         self.width_buckets = buckets(max_blocks, start=8)
@@ -171,12 +212,6 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._last_burst: tuple[tuple[int, int, int], int] | None = None  # its graph's key and rows
         self._pool = None  # graphs share one memory pool
         self.captures = 0
-        # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
-        # Every layer has the same code and shapes, so one compilation serves all of them.
-        if compile_layers:
-            # One compiled code object serves every (batch, width) bucket of every engine in
-            # the process; the default limit of 8 variants would be hit by a few buckets.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         self.compile_error: str | None = None
         # Why the fused Triton step is not used (None: it is).
         self.fused_off = "turned off" if not fused else triton_decode.available(self.device)
@@ -187,12 +222,25 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 self._fused = triton_decode.FusedDecode(decoder)
             except ValueError as exc:
                 self.fused_off = str(exc)
+        self.weight_layout = self._lay_out(decoder, take_decoder)
+        # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
+        # Every layer has the same code and shapes, so one compilation serves all of them.
+        self._layer_fn = with_variants(torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True)) \
+            if compile_layers else None
+
+    def _lay_out(self, decoder: Decoder, take_decoder: bool) -> dict | None:
+        """The weight layout the decode step reads, re-laying out ``decoder`` only where it was handed over."""
         if self._fused is not None:
-            _relayout(decoder, out_major=True)  # the kernels read whole rows of [out, in]
-            self.weight_layout = {"chosen": "out_in"}
-        else:
-            self.weight_layout = choose_weight_layout(decoder) if self.device.type == "cuda" else None
-        self._layer_fn = torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True) if compile_layers else None
+            if take_decoder:
+                _relayout(decoder, out_major=True)  # the kernels read whole rows of [out, in]
+            elif not _is_out_major(decoder):
+                self.fused_off = "the decoder's weights are not laid out [out, in] and it was not handed over"
+                self._fused = None
+            if self._fused is not None:
+                return {"chosen": "out_in"}
+        if self.device.type != "cuda":
+            return None
+        return choose_weight_layout(decoder, apply=take_decoder)
 
     @property
     def kernel_report(self) -> dict:
