@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
 
 
 def _generate(kind: str) -> Callable[[dict], dict]:
@@ -62,19 +60,6 @@ TASKS: dict[str, Callable[[dict], dict]] = {
     **{f"gpu-{kind}": _gpu(kind) for kind in ("ours", "transformers-static", "transformers-dynamic", "bandwidth")},
     "kv-offload-peer": _offload_peer,
 }
-
-
-def call_worker(task: str, payload: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``task`` in a fresh process; its JSON answer, or ``RuntimeError`` with its stderr's tail."""
-    if task not in TASKS:
-        raise ValueError(f"unknown worker task {task!r}; known: {', '.join(sorted(TASKS))}")
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.bench._worker", task], input=json.dumps(payload),
-                          capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        raise RuntimeError(f"worker {task} exited with {done.returncode}:\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1])
 
 
 def main(argv: list[str] | None = None) -> None:

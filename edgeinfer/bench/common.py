@@ -6,10 +6,12 @@ too, and it must hold nothing of ours.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -144,3 +146,15 @@ def bench_checkpoint(shape: str, cache: Path) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return path
+
+
+def call_worker(task: str, payload: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``task`` in a fresh process (``python -m edgeinfer.bench._worker``, which imports nothing of ours
+    beyond the task's side); its JSON answer, or ``RuntimeError`` with its stderr's tail."""
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.bench._worker", task], input=json.dumps(payload),
+                          capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"worker {task} exited with {done.returncode}:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])

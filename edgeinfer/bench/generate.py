@@ -144,7 +144,7 @@ def build_onnx(spec: GenerateSpec, kind: str) -> None:
 
 def run(spec: GenerateSpec, log: Callable[[str], None] = print) -> tuple[dict[str, Any], dict[str, str]]:
     """Every kind in its own worker; (results by kind, errors by kind)."""
-    from edgeinfer.bench._worker import call_worker
+    from edgeinfer.bench.common import call_worker
 
     results, errors = {}, {}
     for kind in spec.kinds:

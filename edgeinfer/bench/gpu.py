@@ -223,7 +223,7 @@ class GpuReport:
 
 
 def run(spec: GpuBenchSpec, log: Callable[[str], None] = print) -> GpuReport:
-    from edgeinfer.bench._worker import call_worker
+    from edgeinfer.bench.common import call_worker
 
     report = GpuReport(spec)
     tasks = [("gpu-bandwidth", "bandwidth")] + [(f"gpu-{kind}", kind) for kind in spec.kinds]

@@ -468,7 +468,7 @@ def run_script(engine, rounds: list[list[list]], images: list, new_tokens: int, 
 
 
 def bench_peer(h: Harness) -> dict:
-    from edgeinfer.bench._worker import call_worker
+    from edgeinfer.bench.common import call_worker
 
     spec, log = h.spec, h.log
     if not spec.device.startswith("cuda"):
