@@ -70,6 +70,7 @@ def check_case(case, base_url: str) -> None:
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) >= {"message", "type", "param", "code"}
+        assert error["code"], f"{case.method} {case.path} -> {response.status_code} without a code: {error}"
 
 
 def run_operation(operation, mode: GenerationMode, base_url: str) -> None:

@@ -34,48 +34,15 @@ from edgeinfer.engine.engine import Engine, GenerationResult
 from edgeinfer.engine.prompt import Message
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.sequence import Sequence, Status
-from edgeinfer.errors import CapacityError, EdgeInferError, RequestError
+from edgeinfer.errors import (  # noqa: F401  (the serving errors, re-exported for callers)
+    EdgeInferError, EngineFailure, QueueFullError, RequestCancelled, RequestError, RequestTimedOut,
+)
+
+DeadlineExceeded = RequestTimedOut  # the name this module's callers know
 
 log = logging.getLogger(__name__)
 
 MetricTriple = tuple[str, dict[str, str], float]
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class QueueFullError(CapacityError):
-    """Every slot and every queue place is taken, or the engine is shutting down."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class DeadlineExceeded(EdgeInferError):
-    """The request ran past its deadline and was cancelled."""
-
-    http_status = 504
-    code = "deadline_exceeded"
-
-    def __init__(self, timeout_s: float, completion_tokens: int) -> None:
-        super().__init__(f"request ran past its deadline of {timeout_s:g} s after {completion_tokens} tokens "
-                         f"and was cancelled (override: --set server.request_timeout_s=N, or fewer max_tokens)")
-        self.timeout_s = timeout_s
-
-
-class RequestCancelled(EdgeInferError):
-    """The caller went away (closed its connection) before the answer was done."""
-
-    http_status = 499  # nginx's "client closed request": no one reads it, metrics do
-    code = "cancelled"
-
-
-class EngineFailure(EdgeInferError):
-    """The engine raised something that is not one of our typed errors: a bug."""
-
-    http_status = 500
-    code = "internal_error"
 
 
 # --------------------------------------------------------------------------- requests
