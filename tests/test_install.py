@@ -71,3 +71,15 @@ def test_no_package_module_imports_matplotlib():
               "print(sorted(k for k in sys.modules if k.split('.')[0] == 'matplotlib'))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_built_engines_are_ignored_but_their_readme_is_not():
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: .gitignore does not apply")
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0
+
+    assert (REPO / "engines" / "README.md").is_file()
+    assert not ignored("engines/README.md")
+    assert ignored("engines/demo/cpu/decoder.onnx") and ignored("engines/demo/cpu/manifest.json")
