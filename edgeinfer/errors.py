@@ -1,35 +1,51 @@
-"""Typed errors of edgeinfer.
+"""Typed errors of edgeinfer, and the one map from each to an exit code and an HTTP status.
 
 Library code raises these; only the CLI and HTTP edges turn them into exit codes and
-status codes, through :func:`exit_code_for` and :func:`http_status_for`, so the mapping
-lives in one place.
+status codes, and both read :data:`ERROR_MAP` (through :func:`exit_code_for`,
+:func:`http_status_for` and :func:`error_code`), so the mapping lives here and nowhere
+else. A subclass that is not in the map takes its nearest listed ancestor's entry;
+anything that is not an :class:`EdgeInferError` is a bug: exit 1, HTTP 500,
+``internal_error``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+
+class _Mapped:
+    """A read-only attribute of an error class (or instance) that reads its entry in :data:`ERROR_MAP`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: object, owner: type) -> Any:
+        return getattr(mapping_for(owner), self.name)
 
 
 class EdgeInferError(Exception):
     """Base of every error edgeinfer raises on purpose.
 
-    ``exit_code`` and ``http_status`` are the class's place in the one mapping; a
-    subclass overrides them rather than a caller choosing ad hoc.
+    ``exit_code``, ``http_status`` and ``code`` read the class's entry in :data:`ERROR_MAP`
+    (``BackendUnavailableError.exit_code`` is 4); no class sets them itself.
     """
 
-    exit_code: int = 1
-    http_status: int = 500
-    code: str = "edgeinfer_error"
+    exit_code = _Mapped()
+    http_status = _Mapped()
+    code = _Mapped()
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
 
+# --------------------------------------------------------------------------- limits and input
+
+
 class LimitExceeded(EdgeInferError):
     """A measured value went over a limit; carries both numbers and how to lift it."""
-
-    exit_code = 2
-    http_status = 422
-    code = "limit_exceeded"
 
     def __init__(self, what: str, measured: float | int, limit: float | int,
                  override: str | None = None, reason: str | None = None) -> None:
@@ -46,16 +62,13 @@ class PreflightError(EdgeInferError):
     """An image or a request failed preflight, before anything was scheduled.
 
     ``reason`` is a short stable code (``image_too_large``, ``decompression_bomb``,
-    ``unsupported_format``, ``truncated``, ...); ``measured`` and ``limit`` are what was
-    found and what is allowed; ``override`` names the flag or field that lifts the limit,
-    or is ``None`` when nothing does. The message is one line naming all of them.
+    ``unsupported_format``, ``truncated``, ...) and is the error's machine-readable code at
+    both edges; ``measured`` and ``limit`` are what was found and what is allowed;
+    ``override`` names the flag or field that lifts the limit, or is ``None`` when nothing
+    does. The message is one line naming all of them.
 
     Every reason answers HTTP 422 and CLI exit 2, except the two subclasses below.
     """
-
-    exit_code = 2
-    http_status = 422
-    code = "preflight_failed"
 
     def __init__(self, reason: str, measured: object, limit: object,
                  override: str | None = None, *, what: str = "value",
@@ -81,26 +94,31 @@ class PreflightError(EdgeInferError):
 class FileTooLargeError(PreflightError):
     """The image file is over the byte limit: HTTP 413 (Content Too Large)."""
 
-    http_status = 413
-
 
 class MemoryPressureError(PreflightError):
     """The machine lacks the memory for the request right now: HTTP 503, retry later."""
 
-    http_status = 503
+
+class RequestError(EdgeInferError):
+    """A request is malformed (wrong types, empty prompt, bad sampling values)."""
+
+
+class InvalidParam(RequestError):
+    """A request field is wrong; ``param`` names it the way OpenAI does (``messages[0].content``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# --------------------------------------------------------------------------- models, backends, engines
 
 
 class ModelLoadError(EdgeInferError):
     """A checkpoint folder cannot be loaded: missing file, bad config, unknown family."""
 
-    exit_code = 3
-    http_status = 500
-    code = "model_load_error"
-
 
 class UnsupportedArchitectureError(ModelLoadError):
-    code = "unsupported_architecture"
-
     def __init__(self, architectures: list[str] | None, supported: list[str]) -> None:
         super().__init__(
             f"unsupported architecture {architectures!r}; supported: {', '.join(sorted(supported))}"
@@ -112,10 +130,6 @@ class UnsupportedArchitectureError(ModelLoadError):
 class BackendUnavailableError(EdgeInferError):
     """The requested backend (or execution provider) is not installed or not usable here."""
 
-    exit_code = 4
-    http_status = 503
-    code = "backend_unavailable"
-
 
 class EngineBuildError(EdgeInferError):
     """An engine cannot be built, or a built one is missing, stale or corrupt.
@@ -123,10 +137,6 @@ class EngineBuildError(EdgeInferError):
     ``artifact`` names the file or folder at fault and ``fix`` the command that repairs it,
     when one does.
     """
-
-    exit_code = 6
-    http_status = 500
-    code = "engine_build_error"
 
     def __init__(self, message: str, *, artifact: str | None = None, fix: str | None = None) -> None:
         where = f"{artifact}: " if artifact else ""
@@ -136,20 +146,7 @@ class EngineBuildError(EdgeInferError):
         self.fix = fix
 
 
-class RequestError(EdgeInferError):
-    """A request is malformed (wrong types, empty prompt, bad sampling values)."""
-
-    exit_code = 2
-    http_status = 400
-    code = "invalid_request"
-
-
-class CapacityError(EdgeInferError):
-    """The engine cannot take the request now (queue full, KV pool exhausted)."""
-
-    exit_code = 5
-    http_status = 503
-    code = "capacity_exceeded"
+# --------------------------------------------------------------------------- configuration
 
 
 class ProfileError(EdgeInferError):
@@ -159,10 +156,6 @@ class ProfileError(EdgeInferError):
     ``field`` the dotted path inside it (``memory.kv_device_budget_mb``), so a message
     always points at the one value to change.
     """
-
-    exit_code = 2
-    http_status = 500
-    code = "profile_error"
 
     def __init__(self, reason: str, *, file: str | None = None, field: str | None = None) -> None:
         where = ": ".join(part for part in (file, field) if part)
@@ -177,19 +170,27 @@ class ProfileError(EdgeInferError):
         return ProfileError(self.reason, file=file or self.file, field=field)
 
 
-class RequestCancelled(EdgeInferError):
-    """The caller went away (closed its connection), or the server stopped, before the answer
-    was done."""
+class ServerSettingsError(EdgeInferError):
+    """The daemon's flags and profile make an unsafe or impossible combination."""
 
-    http_status = 499  # nginx's "client closed request": no one reads it, metrics do
-    code = "cancelled"
+
+# --------------------------------------------------------------------------- serving requests
+
+
+class CapacityError(EdgeInferError):
+    """The engine cannot take the request now (queue full, KV pool exhausted)."""
+
+
+class QueueFullError(CapacityError):
+    """Every slot and every queue place is taken, or the engine is shutting down."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RequestTimedOut(EdgeInferError):
-    """The request ran past its deadline and was cancelled; ``completion_tokens`` were made."""
-
-    http_status = 504
-    code = "deadline_exceeded"
+    """The request ran past its deadline and was cancelled."""
 
     def __init__(self, timeout_s: float, completion_tokens: int) -> None:
         super().__init__(f"request ran past its deadline of {timeout_s:g} s after {completion_tokens} tokens "
@@ -198,9 +199,102 @@ class RequestTimedOut(EdgeInferError):
         self.completion_tokens = completion_tokens
 
 
+class RequestCancelled(EdgeInferError):
+    """The caller went away (closed its connection) before the answer was done."""
+
+
+class EngineFailure(EdgeInferError):
+    """The engine raised something that is not one of our typed errors: a bug."""
+
+
+class AuthenticationError(EdgeInferError):
+    """The server has an API key and the request sent none, or another."""
+
+
+class ModelNotFound(EdgeInferError):
+    """The request names a model other than the one served."""
+
+
+class BodyTooLarge(EdgeInferError):
+    """The request body is over the server's byte limit."""
+
+    def __init__(self, measured: int | str, limit: int) -> None:
+        limit_mb = limit // 2**20
+        super().__init__(f"request body is {measured} bytes, over the limit of {limit} bytes ({limit_mb} MiB) "
+                         f"(override: --set server.max_body_mb=N)")
+        self.limit = limit
+
+
+class ModelNotReady(EdgeInferError):
+    """The server is still loading its model, failed to load it, or is shutting down."""
+
+
+# --------------------------------------------------------------------------- the one map
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMapping:
+    """Where one error type ends: the CLI's exit status, the HTTP status, the stable code."""
+
+    exit_code: int
+    http_status: int
+    code: str
+
+
+ERROR_MAP: MappingProxyType[type[EdgeInferError], ErrorMapping] = MappingProxyType({
+    EdgeInferError: ErrorMapping(1, 500, "edgeinfer_error"),
+    # bad input: exit 2
+    LimitExceeded: ErrorMapping(2, 422, "limit_exceeded"),
+    PreflightError: ErrorMapping(2, 422, "preflight_failed"),  # the body's code is its reason
+    FileTooLargeError: ErrorMapping(2, 413, "preflight_failed"),
+    MemoryPressureError: ErrorMapping(2, 503, "preflight_failed"),
+    RequestError: ErrorMapping(2, 400, "invalid_request"),
+    InvalidParam: ErrorMapping(2, 400, "invalid_request"),
+    ProfileError: ErrorMapping(2, 500, "profile_error"),
+    ServerSettingsError: ErrorMapping(2, 500, "server_settings"),
+    # the machine or the model: exit 3..6
+    ModelLoadError: ErrorMapping(3, 500, "model_load_error"),
+    UnsupportedArchitectureError: ErrorMapping(3, 500, "unsupported_architecture"),
+    BackendUnavailableError: ErrorMapping(4, 503, "backend_unavailable"),
+    CapacityError: ErrorMapping(5, 503, "capacity_exceeded"),
+    QueueFullError: ErrorMapping(5, 503, "capacity_exceeded"),
+    EngineBuildError: ErrorMapping(6, 500, "engine_build_error"),
+    # serving: only the daemon raises these
+    RequestTimedOut: ErrorMapping(1, 504, "deadline_exceeded"),
+    RequestCancelled: ErrorMapping(1, 499, "cancelled"),  # nginx's "client closed request"; only metrics read it
+    EngineFailure: ErrorMapping(1, 500, "internal_error"),
+    AuthenticationError: ErrorMapping(1, 401, "invalid_api_key"),
+    ModelNotFound: ErrorMapping(1, 404, "model_not_found"),
+    BodyTooLarge: ErrorMapping(1, 413, "request_too_large"),
+    ModelNotReady: ErrorMapping(1, 503, "model_not_ready"),
+})
+
+UNTYPED = ErrorMapping(1, 500, "internal_error")
+
+
+def mapping_for(error_type: type[BaseException]) -> ErrorMapping:
+    """The entry of ``error_type`` or of its nearest ancestor in :data:`ERROR_MAP`."""
+    for cls in error_type.__mro__:
+        if cls in ERROR_MAP:
+            return ERROR_MAP[cls]
+    return UNTYPED
+
+
 def exit_code_for(error: BaseException) -> int:
-    return error.exit_code if isinstance(error, EdgeInferError) else 1
+    return mapping_for(type(error)).exit_code
 
 
 def http_status_for(error: BaseException) -> int:
-    return error.http_status if isinstance(error, EdgeInferError) else 500
+    return mapping_for(type(error)).http_status
+
+
+def error_code(error: BaseException) -> str:
+    """The machine-readable code both edges send: a preflight refusal's reason, else the map's code."""
+    if isinstance(error, PreflightError):
+        return error.reason
+    return mapping_for(type(error)).code
+
+
+def error_detail(error: BaseException) -> dict[str, Any] | None:
+    """The structured fields an edge adds beside the message (a preflight refusal's numbers), if any."""
+    return error.to_dict() if isinstance(error, PreflightError) else None

@@ -29,8 +29,8 @@ from PIL import Image
 
 from edgeinfer.demo import DEMO_MODEL_DIR
 from edgeinfer.engine import Engine, SamplingParams
-from edgeinfer.engine.async_engine import AsyncEngine, GenerationRequest, QueueFullError
-from edgeinfer.errors import RequestTimedOut
+from edgeinfer.engine.async_engine import AsyncEngine, GenerationRequest
+from edgeinfer.errors import QueueFullError, RequestTimedOut
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings, ServerSettingsError, create_app
 from edgeinfer.server.daemon import uvicorn_config

@@ -14,7 +14,7 @@ import typer
 
 from edgeinfer.bench.common import SHAPES
 from edgeinfer.bench.quiet import QUIET_LOAD
-from edgeinfer.cli.profiles import errors_to_exit_codes
+from edgeinfer.cli.errors import cli_errors
 
 bench_app = typer.Typer(help="Benchmarks against transformers (and our other backends), measured in the same run.",
                         no_args_is_help=True)
@@ -80,7 +80,7 @@ def generate(
     """Time to first token, decode and whole-request tokens/s, peak RSS on a CPU: ours against transformers."""
     from edgeinfer.bench.generate import GenerateSpec, bench
 
-    with errors_to_exit_codes():
+    with cli_errors():
         spec = _spec(GenerateSpec, _model(model, shape, cache), image_size=image_size, new_tokens=new_tokens,
                             repeats=repeats, warmup=warmup, threads=threads, kinds=_kinds(kinds))
         _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo))
@@ -109,7 +109,7 @@ def onnxruntime(
     from edgeinfer.bench import onnxruntime as ort
     from edgeinfer.bench.generate import KINDS, GenerateSpec
 
-    with errors_to_exit_codes():
+    with cli_errors():
         if demo_accuracy:
             _done(ort.accuracy(demo_accuracy, seed, cache / "demo-engines", out))
             return
@@ -144,7 +144,7 @@ def gpu(
     from edgeinfer.bench.gpu import GpuBenchSpec, bench
     from edgeinfer.profiles import parse_size
 
-    with errors_to_exit_codes():
+    with cli_errors():
         spec = _spec(GpuBenchSpec, _model(model, shape, cache), image_size=parse_size(image_size),
                             batch_sizes=tuple(int(b) for b in batch_sizes.split(",")), new_tokens=new_tokens,
                             repeats=repeats, warmup=warmup, dtype=dtype, device=device, kinds=_kinds(kinds),
@@ -178,7 +178,7 @@ def kv(
     """The KV spill manager: resume, spill overhead, round robin, offloading peer (CUDA), drift."""
     from edgeinfer.bench.kv import KVBenchSpec, bench
 
-    with errors_to_exit_codes():
+    with cli_errors():
         if device is None:
             import torch
 

@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edgeinfer.cli.profiles import JsonOption, ProfileOption, SetOption, errors_to_exit_codes
+from edgeinfer.cli.errors import cli_errors
+from edgeinfer.cli.options import JsonOption, ProfileOption, SetOption
 from edgeinfer.demo import DEMO_MODEL_DIR
 
 
@@ -46,7 +47,7 @@ def build(*,
           json_: JsonOption = False) -> None:
     """Export the vision and decoder engines to ONNX, check them against torch, write the manifest;
     with --backend tensorrt, also build the TensorRT engines from those graphs."""
-    with errors_to_exit_codes():
+    with cli_errors(json_):
         result = _build(backend, model or DEMO_MODEL_DIR, profile, set_ or [], precision, out, force)
     if json_:
         typer.echo(json.dumps({"folder": str(result.folder), "skipped": result.skipped,

@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edgeinfer.cli.profiles import JsonOption, ProfileOption, RootOption, SetOption
+from edgeinfer.cli.errors import cli_errors
+from edgeinfer.cli.options import JsonOption, ProfileOption, RootOption, SetOption
 from edgeinfer.doctor import Check, any_failed, run_checks
 
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
@@ -38,7 +39,8 @@ def doctor(*,
            json_: JsonOption = False,
            root: RootOption = Path("/")) -> None:
     """Check Python, torch, CUDA, TensorRT, JetPack, power, memory, the model and built engines."""
-    checks = run_checks(root=root, model_dir=model, engines_dir=engines, profile=profile, overrides=set_ or ())
+    with cli_errors(json_):
+        checks = run_checks(root=root, model_dir=model, engines_dir=engines, profile=profile, overrides=set_ or ())
     failed = any_failed(checks)
     if json_:
         typer.echo(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))

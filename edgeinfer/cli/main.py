@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import typer
 
+from edgeinfer.cli.errors import JsonErrorsGroup
+
 app = typer.Typer(
     name="edgeinfer",
+    cls=JsonErrorsGroup,
     help="Answer questions about images on Jetson, CUDA GPUs and CPUs.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

@@ -1,25 +1,21 @@
-"""``edgeinfer profiles``: list, show, detect and validate device profiles.
-
-Also the ``--profile`` / ``--set`` option types every command that loads a profile uses.
-"""
+"""``edgeinfer profiles``: list, show, detect and validate device profiles."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from edgeinfer.cli.errors import cli_errors
+from edgeinfer.cli.options import JsonOption, RootOption, SetOption
 from edgeinfer.device import detect_device
 from edgeinfer.errors import EdgeInferError, exit_code_for
 from edgeinfer.profiles import (
-    PROFILE_ENV,
     choose_profile,
     list_profiles,
     load_profile,
@@ -30,27 +26,7 @@ from edgeinfer.profiles import (
     validate_profile_file,
 )
 
-# No envvar here: the loader reads $EDGEINFER_PROFILE itself, so it can say which one won.
-ProfileOption = Annotated[Optional[str], typer.Option(
-    "--profile", help=f"Profile NAME (see `edgeinfer profiles list`) or a YAML FILE; "
-                      f"default: ${PROFILE_ENV}, else detected from this machine.")]
-SetOption = Annotated[Optional[list[str]], typer.Option(
-    "--set", help="Override one profile field, e.g. --set kv.block_size=32 (repeatable).")]
-RootOption = Annotated[Path, typer.Option(
-    "--root", help="Read /proc, /sys and /etc under this folder instead of /.", hidden=True)]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-
 profiles_app = typer.Typer(help="List, show, detect and validate device profiles.", no_args_is_help=True)
-
-
-@contextmanager
-def errors_to_exit_codes() -> Iterator[None]:
-    """Typed errors end the command with one line on stderr and their exit code."""
-    try:
-        yield
-    except EdgeInferError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(exit_code_for(error)) from None
 
 
 def _console() -> Console:
@@ -60,7 +36,7 @@ def _console() -> Console:
 @profiles_app.command("list")
 def list_command(*, json_: JsonOption = False) -> None:
     """Every shipped profile with the device it is for."""
-    with errors_to_exit_codes():
+    with cli_errors(json_):
         profiles = [load_profile(name) for name in list_profiles()]
     if json_:
         rows = [{"name": p.name, "kind": p.detect.kind, "total_mb": p.memory.total_mb,
@@ -77,7 +53,7 @@ def list_command(*, json_: JsonOption = False) -> None:
 def show_command(name: Annotated[str, typer.Argument(help="Profile NAME or YAML FILE.")],
                  *, set_: SetOption = None, json_: JsonOption = False) -> None:
     """The resolved profile (after --set overrides) as YAML or JSON."""
-    with errors_to_exit_codes():
+    with cli_errors(json_):
         profile = load_profile(name, set_ or ())
     if json_:
         data = {**profile_to_dict(profile), "fingerprint": profile_fingerprint(profile)}
@@ -90,7 +66,7 @@ def show_command(name: Annotated[str, typer.Argument(help="Profile NAME or YAML 
 @profiles_app.command("detect")
 def detect_command(*, root: RootOption = Path("/"), json_: JsonOption = False) -> None:
     """What this machine is and which profile it gets (ignores --profile and the env)."""
-    with errors_to_exit_codes():
+    with cli_errors(json_):
         device = detect_device(root)
         choice = choose_profile(None, env={}, root=root)
     if json_:

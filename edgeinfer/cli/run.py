@@ -5,29 +5,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from edgeinfer.cli.profiles import ProfileOption, SetOption, errors_to_exit_codes
+from edgeinfer.cli.errors import cli_errors
+from edgeinfer.cli.options import (
+    BackendOption, EnginesOption, ImageOption, JsonOption, ModelOption, ProfileOption, SetOption,
+)
 from edgeinfer.demo import DEMO_MODEL_DIR
 from edgeinfer.errors import ModelLoadError
 from edgeinfer.preflight import OnOversize
-
-
-ImageOption = Annotated[list[str], typer.Option(
-    "--image", "-i", help="Image file (JPEG, PNG, WebP, BMP, GIF, TIFF); '-' reads stdin. Repeatable.")]
-ModelOption = Annotated[Optional[Path], typer.Option(
-    "--model", "-m", help="Hugging Face checkpoint folder. Default: the bundled demo model.",
-    envvar="EDGEINFER_MODEL")]
-BackendOption = Annotated[str, typer.Option(
-    "--backend", help="auto: the fastest engines built and fresh for the profile (ONNX Runtime on a CPU, "
-                      "TensorRT on CUDA), else torch | torch | onnxruntime | tensorrt. A named backend that is "
-                      "missing is an error.")]
-EnginesOption = Annotated[Optional[Path], typer.Option(
-    "--engines", help="Root folder of built engines (<root>/<model>/<profile>/). Default: ./engines.",
-    envvar="EDGEINFER_ENGINES")]
 
 
 def run(
@@ -47,13 +35,12 @@ def run(
         "--stream/--no-stream", help="Print tokens as they come (default: on a terminal).")] = None,
     on_oversize: Annotated[OnOversize, typer.Option(
         help="reject: refuse an image over a limit (exit 2); fit: downscale it and say so.")] = OnOversize.REJECT,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with answer, "
-                                          "timings, usage, preflight, cache, and the backend and "
-                                          "precision that ran.")] = False,
+    as_json: JsonOption = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a checkpoint's own Python code.")] = False,
 ) -> None:
-    """Answer QUESTION about the given images."""
-    with errors_to_exit_codes():
+    """Answer QUESTION about the given images (with --json: the answer with timings, usage, preflight,
+    cache, and the backend and precision that ran)."""
+    with cli_errors(as_json):
         if model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
             raise ModelLoadError(f"the bundled demo model is not in this install ({DEMO_MODEL_DIR}); "
                                  "pass --model DIR with a Hugging Face checkpoint folder")

@@ -7,20 +7,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from edgeinfer.cli.profiles import ProfileOption, SetOption, errors_to_exit_codes
+from edgeinfer.cli.errors import cli_errors
+from edgeinfer.cli.options import BackendOption, ModelOption, ProfileOption, SetOption
 from edgeinfer.demo import DEMO_MODEL_DIR
 
 
 def serve(
     *,
-    model: Annotated[Path, typer.Option(
-        "--model", help="Checkpoint folder to serve (default: the bundled demo model).",
-        envvar="EDGEINFER_MODEL")] = DEMO_MODEL_DIR,
+    model: ModelOption = None,
     profile: ProfileOption = None,
     set_: SetOption = None,
-    backend: Annotated[str, typer.Option(
-        "--backend", help="auto | torch | onnxruntime | tensorrt. A named backend that is missing is an error.")
-    ] = "auto",
+    backend: BackendOption = "auto",
     host: Annotated[str, typer.Option(
         "--host", help="Address to listen on. Anything but loopback needs --api-key (or --insecure-public).")
     ] = "127.0.0.1",
@@ -49,9 +46,9 @@ def serve(
     from edgeinfer.server.daemon import serve as run
     from edgeinfer.server.settings import ServerSettings
 
-    with errors_to_exit_codes():
+    with cli_errors():
         settings = ServerSettings.build(
-            model, profile, set_ or (), backend=backend, host=host, port=port, api_key=api_key, model_name=model_name,
+            model or DEMO_MODEL_DIR, profile, set_ or (), backend=backend, host=host, port=port, api_key=api_key, model_name=model_name,
             allow_remote_images=allow_remote_images, remote_image_timeout_s=remote_image_timeout,
             allowed_local_dir=allowed_local_dir, insecure_public=insecure_public, default_max_tokens=max_tokens)
     status = run(settings, log_level=log_level)

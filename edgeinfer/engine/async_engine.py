@@ -35,28 +35,13 @@ from edgeinfer.engine.inputs import Message
 from edgeinfer.engine.output import GenerationResult
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.sequence import Sequence, Status
-from edgeinfer.errors import CapacityError, EdgeInferError, RequestCancelled, RequestError, RequestTimedOut
+from edgeinfer.errors import (
+    EdgeInferError, EngineFailure, QueueFullError, RequestCancelled, RequestError, RequestTimedOut,
+)
 
 log = logging.getLogger(__name__)
 
 MetricTriple = tuple[str, dict[str, str], float]
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class QueueFullError(CapacityError):
-    """Every slot and every queue place is taken, or the engine is shutting down."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class EngineFailure(EdgeInferError):
-    """The engine raised something that is not one of our typed errors: a bug."""
-
-    code = "internal_error"
 
 
 # --------------------------------------------------------------------------- requests

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import edgeinfer
 from edgeinfer.engine.async_engine import AsyncEngine, Completion, GenerationRequest, RequestHandle
 from edgeinfer.engine.sampling import SamplingParams
-from edgeinfer.errors import EdgeInferError, PreflightError, RequestCancelled
+from edgeinfer.errors import EdgeInferError, PreflightError, RequestCancelled, http_status_for, mapping_for
 from edgeinfer.preflight import ImageRules, OnOversize, PreparedImage, prepare_image, read_image_source
 from edgeinfer.server import chat
 from edgeinfer.server.errors import (
@@ -45,6 +45,7 @@ from edgeinfer.server.settings import ServerSettings
 
 log = logging.getLogger("edgeinfer.server")
 T = TypeVar("T")
+_CLIENT_LEFT = mapping_for(RequestCancelled).http_status  # counted in the metrics, never sent
 
 KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/vqa", "/v1/models",
                          "/health", "/ready", "/metrics", "/openapi.json", "/docs"})
@@ -202,7 +203,7 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, recording)
         except asyncio.CancelledError:
-            status = status or RequestCancelled.http_status
+            status = status or _CLIENT_LEFT
             raise
         except Exception:
             status = status or 500
@@ -210,7 +211,7 @@ class RequestMetricsMiddleware:
         finally:
             override = scope.get("state", {}).get("status")
             endpoint = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
-            self.metrics.requests.labels(endpoint, str(override or status or 499)).inc()
+            self.metrics.requests.labels(endpoint, str(override or status or _CLIENT_LEFT)).inc()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -279,7 +280,7 @@ def _observe(request: Request, metrics: ServerMetrics) -> tuple[Callable[[Comple
         metrics.observe(completion)
 
     def failed(error: EdgeInferError) -> None:
-        request.state.status = error.http_status
+        request.state.status = http_status_for(error)
 
     return done, failed
 

@@ -1,8 +1,9 @@
 """Every error the daemon answers, in OpenAI's shape: ``{"error": {message, type, param, code}}``.
 
-The status comes from :func:`edgeinfer.errors.http_status_for` (each typed error's
-place in the one mapping); FastAPI's own validation and HTTP errors are reshaped here
-too, so a client never sees another shape. A 503 carries ``Retry-After``.
+The status and the ``code`` come from :data:`edgeinfer.errors.ERROR_MAP`, the one map of
+each typed error to its exit code and HTTP status; this module only shapes the body.
+FastAPI's own validation and HTTP errors are reshaped here too, so a client never sees
+another shape, and every body carries a non-null ``code``. A 503 carries ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgeinfer.errors import EdgeInferError, PreflightError, RequestError, http_status_for
+# The typed errors the daemon raises live with the rest; imported here for the routes.
+from edgeinfer.errors import (  # noqa: F401
+    AuthenticationError, BodyTooLarge, EdgeInferError, InvalidParam, ModelNotFound, ModelNotReady,
+    PreflightError, error_code, error_detail, http_status_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,41 +30,9 @@ log = logging.getLogger(__name__)
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
           504: "timeout"}
+# Codes of the errors Starlette itself raises (routing, the body limit while reading).
+_STARLETTE_CODES = {404: "unknown_endpoint", 405: "method_not_allowed", 413: "request_too_large"}
 DEFAULT_RETRY_AFTER_S = 1
-
-
-class InvalidParam(RequestError):
-    """A request field is wrong; ``param`` names it the way OpenAI does (``messages[0].content``)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class AuthenticationError(EdgeInferError):
-    http_status = 401
-    code = "invalid_api_key"
-
-
-class ModelNotFound(EdgeInferError):
-    http_status = 404
-    code = "model_not_found"
-
-
-class BodyTooLarge(EdgeInferError):
-    http_status = 413
-    code = "request_too_large"
-
-    def __init__(self, measured: int | str, limit: int) -> None:
-        limit_mb = limit // 2**20
-        super().__init__(f"request body is {measured} bytes, over the limit of {limit} bytes ({limit_mb} MiB) "
-                         f"(override: --set server.max_body_mb=N)")
-        self.limit = limit
-
-
-class ModelNotReady(EdgeInferError):
-    http_status = 503
-    code = "model_not_ready"
 
 
 def error_type(status: int) -> str:
@@ -68,7 +41,7 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def error_body(message: str, status: int, *, code: str | None, param: str | None = None,
+def error_body(message: str, status: int, *, code: str, param: str | None = None,
                detail: dict[str, Any] | None = None) -> dict[str, Any]:
     error: dict[str, Any] = {"message": message, "type": error_type(status), "param": param, "code": code}
     if detail:
@@ -81,20 +54,16 @@ def error_payload(error: BaseException) -> dict[str, Any]:
     event); untyped ones are logged and told apart from the client's fault."""
     status = http_status_for(error)
     if isinstance(error, EdgeInferError):
-        return error_body(error.message, status, code=_code(error), param=_param(error),
-                          detail=error.to_dict() if isinstance(error, PreflightError) else None)
+        return error_body(error.message, status, code=error_code(error), param=_param(error),
+                          detail=error_detail(error))
     log.error("unhandled %s", type(error).__name__, exc_info=error)
     return error_body(f"internal server error ({type(error).__name__}); see the server log", status,
-                      code="internal_error")
+                      code=error_code(error))
 
 
 def error_response(error: BaseException) -> JSONResponse:
     status = http_status_for(error)
     return JSONResponse(error_payload(error), status_code=status, headers=_headers(error, status))
-
-
-def _code(error: EdgeInferError) -> str:
-    return getattr(error, "reason", None) if isinstance(error, PreflightError) else error.code
 
 
 def _param(error: EdgeInferError) -> str | None:
@@ -163,7 +132,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no such endpoint: {request.method} {request.url.path}; see /docs"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
-        code = BodyTooLarge.code if exc.status_code == 413 else None
+        code = _STARLETTE_CODES.get(exc.status_code, "http_error")
         return JSONResponse(error_body(message, exc.status_code, code=code), status_code=exc.status_code,
                             headers=exc.headers)
 

@@ -13,19 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgeinfer.engine.engine import EngineConfig
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.errors import ServerSettingsError
 from edgeinfer.profiles import DeviceProfile, ServerConfig, load_profile
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-
-
-class ServerSettingsError(EdgeInferError):
-    """The daemon's flags and profile make an unsafe or impossible combination."""
-
-    exit_code = 2
-    http_status = 500
-    code = "server_settings"
 
 
 def is_loopback(host: str) -> bool:
