@@ -88,10 +88,10 @@ def test_an_untyped_error_is_an_internal_error():
 
 
 def test_the_engines_serving_errors_are_the_mapped_ones():
-    from edgeinfer.engine import async_engine
+    from edgeinfer.errors import RequestCancelled, RequestTimedOut
 
-    assert http_status_for(async_engine.DeadlineExceeded(1.0, 3)) == 504
-    assert http_status_for(async_engine.RequestCancelled("gone")) == 499
+    assert http_status_for(RequestTimedOut(1.0, 3)) == 504
+    assert http_status_for(RequestCancelled("gone")) == 499
 
 
 # --------------------------------------------------------------------------- the HTTP edge

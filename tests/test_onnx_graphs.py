@@ -109,7 +109,7 @@ def test_a_family_without_a_graph_keeps_its_vision_engine_on_torch(loaded, tmp_p
     bare = dataclasses.replace(model, adapter=WithoutGraph(model.adapter.checkpoint))
     assert vision_graph_for(bare) is None
     result = build_engines(bare, BuildSpec.custom("without-graph"), tmp_path, progress=False)
-    assert result.manifest["engines"]["vision"]["runtime"] == "torch"
+    assert result.manifest.engines["vision"].runtime == "torch"
     assert not (result.folder / VISION_FILE).exists()
 
 
