@@ -9,6 +9,13 @@ from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import noise_image
 
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
+# The tiny checkpoints rotate fast with position and attend sharply (see
+# edgeinfer.testing.checkpoints), so tiles or their tokens in the wrong order, a position one
+# off or a wrong mask change these 32 tokens; a sequence with few distinct tokens would hide that.
+MIN_DISTINCT = 16
+# The two-image prompt is prefilled in chunks that cut through its images, so the parity
+# also covers the masked attention over a past (one chunk reading the chunks before it).
+CHUNKED = {"two_images": 16}
 
 
 def hf_generate(path, prompt_ids, images, new_tokens=32):
@@ -25,8 +32,9 @@ def hf_generate(path, prompt_ids, images, new_tokens=32):
     return out[0, len(prompt_ids):].tolist()
 
 
-def ours(path, question, images, block_size=16):
-    engine = Engine.load(path, config=EngineConfig(block_size=block_size, num_blocks=4096 // block_size))
+def ours(path, question, images, block_size=16, prefill_chunk=512):
+    engine = Engine.load(path, config=EngineConfig(block_size=block_size, num_blocks=4096 // block_size,
+                                                   prefill_chunk=prefill_chunk))
     seq = engine.submit(question, images, FORCED)
     result = engine.run_until_done([seq])[0]
     return seq.prompt_ids, result.token_ids
@@ -43,9 +51,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_match_transformers(checkpoint, family, case):
     path = checkpoint(family)
-    prompt_ids, tokens = ours(path, "what is in the image ?", CASES[case])
+    prompt_ids, tokens = ours(path, "what is in the image ?", CASES[case], prefill_chunk=CHUNKED.get(case, 512))
     assert len(tokens) == 32
-    assert len(set(tokens)) > 1, "a constant sequence would make this comparison meaningless"
+    assert len(set(tokens)) >= MIN_DISTINCT, "a near-constant sequence would make this comparison meaningless"
     assert tokens == hf_generate(path, prompt_ids, CASES[case])
 
 

@@ -7,12 +7,23 @@ image processor config and the family's published chat template.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from edgeinfer.testing.tokenizers import build_word_tokenizer, save_chat_template
+
+# Tiny checkpoints rotate fast with position. With a published rope_theta (1e4..1e6) and a
+# 16-wide head, most rotary pairs turn by a thousandth of a radian per position, so a prompt
+# laid out with rows and columns swapped, one position off, or a wrong mask would still
+# give the same greedy tokens and a parity test would not see it. With theta 10 every pair
+# turns by 0.13..1 rad per position (M-RoPE's row pairs 0.32..0.56, column pairs
+# 0.13..0.24, so rows and columns are told apart too).
+TINY_ROPE = {"rope_type": "default", "rope_theta": 10.0}
+# The Qwen vision tower's axial 2-D rotary embedding, likewise (patch rows and columns).
+TINY_VISION_ROPE = {"rope_type": "axial", "rope_theta": 10.0}
 
 SMOLVLM_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
@@ -28,7 +39,7 @@ SMOLVLM_SIZES = {
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     image_size=64, patch_size=16),
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512),
+                  num_key_value_heads=2, vocab_size=512, rope_parameters=dict(TINY_ROPE)),
         scale_factor=2, longest_edge=128,
     ),
     "smolvlm-256m": dict(
@@ -41,10 +52,20 @@ SMOLVLM_SIZES = {
 }
 
 
+# Query and key projections are drawn this much larger than unit variance, so attention
+# logits have a standard deviation of about QK_GAIN**2 instead of 1. Near-uniform attention
+# averages over the whole prompt, and a tiny model then answers a long image prompt with one
+# repeated token whatever the positions are; peaked attention, like a trained model's, makes
+# which token sits where change what is generated.
+QK_GAIN = 2.0
+_QK_PROJECTION = re.compile(r"\.(q_proj|k_proj)\.(weight|bias)$")
+
+
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Re-draw every weight at unit-variance scale so that greedy outputs vary from token
     to token (transformers' 0.02 init makes a tiny model repeat one token, and a parity test
-    that compares constant sequences proves little)."""
+    that compares constant sequences proves little); query and key projections ``QK_GAIN``
+    times larger."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -55,6 +76,8 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            if _QK_PROJECTION.search(name):
+                param.mul_(QK_GAIN)
     return model
 
 
@@ -112,13 +135,13 @@ QWEN2_VL_TEMPLATE = (
 
 _QWEN_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+                       rope_parameters={**TINY_ROPE, "mrope_section": [2, 3, 3]})
 # min/max_pixels are the processor's bounds; patch 14 x merge 2 makes one image token per 28x28 pixels,
 # so the tiny bounds give 16..64 tokens per image.
 QWEN2_VL_SIZES = {
     "tiny": dict(
         vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=64, patch_size=14,
-                    spatial_merge_size=2, temporal_patch_size=2),
+                    spatial_merge_size=2, temporal_patch_size=2, rope_parameters=dict(TINY_VISION_ROPE)),
         text=_QWEN_TINY_TEXT, tie_word_embeddings=False, min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28,
     ),
     "qwen2-vl-2b": dict(
@@ -135,7 +158,7 @@ QWEN2_5_VL_SIZES = {
         # window_size 56 px = 2x2 merged patches per window, so tiny images span several windows.
         vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                     window_size=56, fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2,
-                    temporal_patch_size=2),
+                    temporal_patch_size=2, rope_parameters=dict(TINY_VISION_ROPE)),
         text=_QWEN_TINY_TEXT, tie_word_embeddings=True, min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28,
     ),
 }
@@ -210,7 +233,7 @@ LLAVA_SIZES = {
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     image_size=32, patch_size=8),
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512),
+                  num_key_value_heads=2, vocab_size=512, rope_parameters=dict(TINY_ROPE)),
     ),
 }
 LLAVA_NEXT_SIZES = {
@@ -218,7 +241,7 @@ LLAVA_NEXT_SIZES = {
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     image_size=32, patch_size=8),
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512),
+                  num_key_value_heads=2, vocab_size=512, rope_parameters=dict(TINY_ROPE)),
         # (height, width) canvases, in multiples of the tower's image_size.
         grid_pinpoints=[[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]],
     ),
