@@ -87,18 +87,20 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def file_sha256(path: Path, *, remember: bool = False) -> str:
-    """sha256 of a file. With ``remember`` (engine folders), the digest is kept in the folder's
-    ``.sha256-cache.json`` under the file's size and modification time, so multi-GB engines
-    are read once rather than at every start; any write to the file invalidates it."""
+def file_sha256(path: Path, *, remember: bool = False, store: Path | None = None) -> str:
+    """sha256 of a file. With ``remember``, the digest is kept under the file's size and
+    modification time, so multi-GB files are read once rather than at every start; any write
+    to the file invalidates it. The digests live in ``store`` (keyed by the file's absolute
+    path), else in the file's own folder (``.sha256-cache.json``, keyed by name: engine folders)."""
     stat = path.stat()
     key = [stat.st_size, stat.st_mtime_ns]
-    store = path.parent / HASH_CACHE
+    name = path.name if store is None else str(path.resolve())
+    store = path.parent / HASH_CACHE if store is None else store
     entries: dict[str, Any] = {}
     if remember:
         loaded = _read_json(store)
         entries = loaded if isinstance(loaded, dict) else {}
-        hit = entries.get(path.name)
+        hit = entries.get(name)
         if isinstance(hit, list) and len(hit) == 3 and hit[:2] == key:
             return hit[2]
     digest = hashlib.sha256()
@@ -106,9 +108,10 @@ def file_sha256(path: Path, *, remember: bool = False) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     if remember:
-        entries[path.name] = [*key, digest.hexdigest()]
+        entries[name] = [*key, digest.hexdigest()]
         try:
-            temporary = store.with_suffix(".tmp")
+            store.parent.mkdir(parents=True, exist_ok=True)
+            temporary = store.with_name(f"{store.name}.{os.getpid()}.tmp")
             temporary.write_text(json.dumps(entries))
             temporary.replace(store)
         except OSError:
@@ -139,10 +142,19 @@ def file_problems(folder: Path, digests: Mapping[str, str]) -> list[str]:
 # --------------------------------------------------------------------------- the checkpoint
 
 
+def checkpoint_digests() -> Path:
+    """Where checkpoint files' digests are remembered across processes (never inside the
+    checkpoint's folder, which may be read-only or shared): ``$XDG_CACHE_HOME/edgeinfer/``,
+    else ``~/.cache/edgeinfer/``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "edgeinfer" / "checkpoint-sha256.json"
+
+
 def checkpoint_fingerprint(model_dir: str | Path) -> str:
     """The checkpoint's identity: sha256 over the names and contents of ``config.json`` and the
-    ``*.safetensors`` weights (the manifest's ``fingerprint.model``). Computed once per process
-    while the files keep their size and modification time."""
+    ``*.safetensors`` weights (the manifest's ``fingerprint.model``). Each file is read once
+    per machine while it keeps its size and modification time (:func:`checkpoint_digests`),
+    so a start after the first costs no pass over multi-GB weights."""
     folder = Path(model_dir).resolve()
     names = [CHECKPOINT_CONFIG, *sorted(p.name for p in folder.glob(WEIGHTS_GLOB))]
     return _checkpoint_digest(str(folder), _stats(folder, names))
@@ -158,7 +170,7 @@ def _checkpoint_digest(folder: str, stats: tuple[tuple[str, int, int], ...]) -> 
     digest = hashlib.sha256()
     for name, _, _ in stats:
         digest.update(name.encode())
-        digest.update(file_sha256(Path(folder) / name).encode())
+        digest.update(file_sha256(Path(folder) / name, remember=True, store=checkpoint_digests()).encode())
     return digest.hexdigest()
 
 

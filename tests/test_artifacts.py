@@ -81,3 +81,30 @@ def test_the_rebuild_command_rebuilds_what_was_built(tmp_path):
     assert rebuild_command(fp32) == "edgeinfer build --backend onnxruntime --model /models/m"
     plans = write_manifest(tmp_path, manifest_document(fingerprint={"model": "a" * 64, "tensorrt": "10.3.0"}))
     assert rebuild_command(plans) == "edgeinfer build --backend tensorrt --model /models/m --profile cpu"
+
+
+def test_a_checkpoint_is_hashed_once_per_machine_and_again_after_a_change(monkeypatch, tmp_path):
+    """The checkpoint's digest is remembered in the user's cache across processes (a new process
+    is a cleared in-process cache here), never in the checkpoint's folder; a rewrite of a weight
+    file changes the fingerprint."""
+    from edgeinfer import artifacts
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * 4096)
+    first = artifacts.checkpoint_fingerprint(model)
+    remembered = json.loads(artifacts.checkpoint_digests().read_text())
+    assert str(weights.resolve()) in remembered and not (model / artifacts.HASH_CACHE).exists()
+
+    reads = []
+    real_open = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: reads.append(self.name) or real_open(self, *a, **k))
+    artifacts._checkpoint_digest.cache_clear()  # as a new process would start
+    assert artifacts.checkpoint_fingerprint(model) == first
+    assert "model.safetensors" not in reads
+
+    weights.write_bytes(b"b" * 4097)  # another size: two writes may share a coarse mtime
+    assert artifacts.checkpoint_fingerprint(model) != first
