@@ -23,6 +23,15 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def edgeinfer_log_reaches_caplog(monkeypatch):
+    """A daemon started in this process (uvicorn's log config) sends edgeinfer's log to its own
+    handler only; every test sees it through pytest's capture again, whatever ran before it."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("edgeinfer"), "propagate", True)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(family) -> path of a tiny random checkpoint of that family (built once)."""

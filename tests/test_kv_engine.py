@@ -146,9 +146,6 @@ def test_idle_sessions_spill_before_running_ones(checkpoint):
 def test_available_memory_under_the_floor_empties_the_host_tier(checkpoint, monkeypatch, caplog):
     import psutil
 
-    # A daemon started earlier in this process sends edgeinfer's log to its own handler only.
-    monkeypatch.setattr(logging.getLogger("edgeinfer"), "propagate", True)
-
     engine = Engine.load(checkpoint("smolvlm"), config=EngineConfig(
         block_size=4, num_blocks=40, host_tier_mb=1, high_watermark=0.3, low_watermark=0.1,
         available_floor_mb=512))
