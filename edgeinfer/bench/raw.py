@@ -48,6 +48,8 @@ def jsonable(value: Any) -> Any:
 def header(benchmark: str, spec: Any, environment: dict[str, Any], argv: Sequence[str] | None = None) -> dict:
     """The part of a raw file that says what ran, where and from which commit."""
     argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).name in ("edgeinfer", "main.py", "__main__.py"):
+        argv[0] = "edgeinfer"  # the command a reader types, not where this install lives
     return {"benchmark": benchmark, "schema": SCHEMA,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(argv), "git": git_state(), "environment": environment, "spec": jsonable(spec)}
