@@ -156,13 +156,9 @@ def onnxruntime_build(model, profile, config: RunSettings, root: str | Path | No
     """The profile's ONNX Runtime build; fresh at any precision it was built with."""
     spec = _onnx_spec(profile, config)
     folder = engine_dir(root, model.name, spec.profile)
-    first_build = rebuild_for(Backend.ONNXRUNTIME, model, profile, config)
-    try:
-        manifest = read_manifest(folder)
-    except ManifestError as exc:
-        return Built(Backend.ONNXRUNTIME, folder, None, (str(exc),), first_build)
-    if manifest is None:
-        return Built(Backend.ONNXRUNTIME, folder, None, ("not built",), first_build)
+    manifest = _read(Backend.ONNXRUNTIME, folder, rebuild_for(Backend.ONNXRUNTIME, model, profile, config))
+    if isinstance(manifest, Built):
+        return manifest
     expected = spec.expected(checkpoint_fingerprint(_model_dir(model)), any_precision=True)
     # An int8 build is rebuilt as int8 (see onnxruntime_engines).
     rebuild = rebuild_for(Backend.ONNXRUNTIME, model, profile, config,
@@ -176,14 +172,20 @@ def tensorrt_build(model, profile, config: RunSettings, root: str | Path | None 
 
     folder = engine_dir(root, model.name, profile.name)
     command = rebuild_for(Backend.TENSORRT, model, profile, config)
+    manifest = _read(Backend.TENSORRT, folder, command)
+    if isinstance(manifest, Built):
+        return manifest
+    reasons = stale_reasons(manifest, expected_build(model, profile, config))
+    return Built(Backend.TENSORRT, folder, manifest, tuple(reasons), command)
+
+
+def _read(backend: Backend, folder: Path, command: str) -> Manifest | Built:
+    """The folder's manifest, or the unusable build that says why there is none."""
     try:
         manifest = read_manifest(folder)
     except ManifestError as exc:
-        return Built(Backend.TENSORRT, folder, None, (str(exc),), command)
-    if manifest is None:
-        return Built(Backend.TENSORRT, folder, None, ("not built",), command)
-    reasons = stale_reasons(manifest, expected_build(model, profile, config))
-    return Built(Backend.TENSORRT, folder, manifest, tuple(reasons), command)
+        return Built(backend, folder, None, (str(exc),), command)
+    return manifest if manifest is not None else Built(backend, folder, None, ("not built",), command)
 
 
 # --------------------------------------------------------------------------- the choice
