@@ -54,19 +54,8 @@ if load > 1.5:
 print(f"cpu_round: {os.cpu_count()} cores, load average {load:.2f}")
 EOF
 
-failed=()
-step() {
-    local name=$1
-    shift
-    local started=$SECONDS
-    echo "== $name: edgeinfer $*" | tee -a "$OUT/round.log"
-    if python -m edgeinfer.cli.main "$@" 2>&1 | tee -a "$OUT/round.log"; then
-        echo "== $name: done in $((SECONDS - started)) s" | tee -a "$OUT/round.log"
-    else
-        echo "== $name: FAILED after $((SECONDS - started)) s" | tee -a "$OUT/round.log"
-        failed+=("$name")
-    fi
-}
+# shellcheck source=scripts/round_steps.sh
+source "$ROOT/scripts/round_steps.sh"
 
 step cpu-onnxruntime bench onnxruntime --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
     --image-size 512 --new-tokens 64 --repeats 3 --warmup 1 --threads "$THREADS"

@@ -50,19 +50,8 @@ import transformers
 print(f"gpu_round: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
 EOF
 
-failed=()
-step() {
-    local name=$1
-    shift
-    local started=$SECONDS
-    echo "== $name: edgeinfer $*" | tee -a "$OUT/round.log"
-    if python -m edgeinfer.cli.main "$@" 2>&1 | tee -a "$OUT/round.log"; then
-        echo "== $name: done in $((SECONDS - started)) s" | tee -a "$OUT/round.log"
-    else
-        echo "== $name: FAILED after $((SECONDS - started)) s" | tee -a "$OUT/round.log"
-        failed+=("$name")
-    fi
-}
+# shellcheck source=scripts/round_steps.sh
+source "$ROOT/scripts/round_steps.sh"
 step gpu-qwen2-vl-2b bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT" \
     --image-size 1024x768 --batch-sizes 1,4,16 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
     --kinds ours,transformers-static,transformers-dynamic
