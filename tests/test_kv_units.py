@@ -283,7 +283,7 @@ def test_one_process_at_a_time(tmp_path):
     _store(tmp_path).close()
 
 
-def test_full_disk_shrinks_the_tier_to_the_file(tmp_path, monkeypatch):
+def test_full_disk_stops_writing_and_keeps_reading(tmp_path, monkeypatch):
     disk = _store(tmp_path)
     disk.write(disk.reserve(), b"k" * 16, 4, (), _payload(1))
 
@@ -295,7 +295,8 @@ def test_full_disk_shrinks_the_tier_to_the_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         disk.write(slot, b"j" * 16, 4, (), _payload(2))
     disk.release(slot)
-    assert disk.shrink_to_file() == 1 and disk.reserve() is None
+    assert not disk.writable and disk.reserve() is None
+    assert bytes(disk.read(0, b"k" * 16)) == _payload(1)
     disk.close()
 
 

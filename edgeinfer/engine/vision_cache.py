@@ -3,11 +3,15 @@ the vision engine.
 
 Two levels: an in-memory LRU of ``entries`` embeddings on the engine's device, over a lower
 store (the disk tier where the profile has one, else none) that keeps them across restarts. A miss in
-both runs the vision engine and stores the result in both.
+both runs the vision engine and stores the result in both. The lower store answers only
+what it can vouch for (its files are checked against their key); embeddings it gives that
+still do not fit the image (another token count) are a warning and a recompute, never an
+error of the request.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Protocol
 
@@ -16,6 +20,8 @@ import torch
 from edgeinfer.backends.base import VisionEngine
 from edgeinfer.errors import RequestError
 from edgeinfer.models.base import ImageInputs
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddingStore(Protocol):
@@ -58,8 +64,11 @@ class VisionCache:
 
     def _from_lower_or_run(self, key: str, image: ImageInputs) -> tuple[torch.Tensor, bool]:
         stored = None if self.lower is None else self.lower.load(key)
-        if stored is not None:
+        if stored is not None and stored.dim() == 2 and stored.shape[0] == image.num_tokens:
             return stored.to(self.device), True
+        if stored is not None:
+            log.warning("stored embeddings for image %s have shape %s, the image needs %d tokens; "
+                        "it is encoded again", key[:16], tuple(stored.shape), image.num_tokens)
         embeds = self.vision.encode(image.tensors)
         self.runs += 1
         if self.lower is not None:

@@ -26,6 +26,11 @@ class HostStore:
         self._chunk_used: dict[int, int] = {}
 
     @property
+    def writable(self) -> bool:
+        """A host tier always takes blocks while it has free slots (the disk tier may stop)."""
+        return True
+
+    @property
     def num_used(self) -> int:
         return self.capacity - len(self._free)
 

@@ -61,6 +61,7 @@ class KVManagerConfig:
     host_tier_mb: int = 0
     disk_tier_mb: int = 0
     disk_dir: str | None = None  # None: default_cache_dir()
+    disk_free_margin_mb: int | None = None  # free space the disk tier never takes; None: 5% of the filesystem
     high_watermark: float = 0.90
     low_watermark: float = 0.75
     available_floor_mb: int = 0
@@ -72,8 +73,8 @@ class KVManagerConfig:
 
     def __post_init__(self) -> None:
         Watermarks(self.high_watermark, self.low_watermark)  # raises on watermarks out of order
-        for name in ("host_tier_mb", "disk_tier_mb", "available_floor_mb"):
-            if getattr(self, name) < 0:
+        for name in ("host_tier_mb", "disk_tier_mb", "available_floor_mb", "disk_free_margin_mb"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
 
@@ -148,7 +149,8 @@ def _disk_tier(config: KVManagerConfig, layout: DiskLayout) -> DiskStore | None:
     if not capacity:
         return None
     root = Path(config.disk_dir).expanduser() if config.disk_dir else default_cache_dir()
-    return open_disk_tier(root, layout, capacity)
+    margin = None if config.disk_free_margin_mb is None else config.disk_free_margin_mb * 2**20
+    return open_disk_tier(root, layout, capacity, margin)
 
 
 def disk_layout(fingerprint: bytes, codec: BlockCodec, geometry: BlockGeometry) -> DiskLayout:
@@ -177,7 +179,8 @@ class KVManager:
         self.index = PrefixIndex(self.block_size)
         worker = SpillWorker(cache.device)
         disk = _disk_tier(config, disk_layout(fingerprint, self.codec, geometry))
-        self.embeddings = EmbeddingStore(disk.dir / "vision", worker) if disk is not None else None
+        self.embeddings = None if disk is None else EmbeddingStore(
+            disk.dir / "vision", worker, owner=disk.layout.fingerprint, free_space=disk.free_space)
         self.spill = SpillManager(pool, cache, self.codec, self.index, policies=policies,
                                   host=_host_tier(config, self.codec), disk=disk, worker=worker,
                                   pin_host=config.pin_host, floor=self.floor, stats=self.stats)

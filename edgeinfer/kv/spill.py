@@ -17,13 +17,12 @@ here, on the engine's thread, in ``collect``.
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 
 from edgeinfer.errors import CapacityError
 from edgeinfer.kv.codec import BlockCodec
-from edgeinfer.kv.disk import DiskStore
+from edgeinfer.kv.disk import FULL_ERRNOS, DiskStore
 from edgeinfer.kv.entry import Entry, Move, MoveKind, PrefixIndex, Tier
 from edgeinfer.kv.host import HostStore
 from edgeinfer.kv.metrics import KVStats, TierUsage
@@ -269,7 +268,7 @@ class SpillManager:
     def _reserve(self, tier: Tier) -> int | None:
         """A free slot in ``tier``, evicting its least valuable entry when it is full."""
         store = self.store_of(tier)
-        if store is None:
+        if store is None or not store.writable:  # a read-only tier keeps what it has
             return None
         slot = store.reserve()
         if slot is None:
@@ -393,10 +392,10 @@ class SpillManager:
     def _rollback_store(self, move: Move, error: BaseException) -> None:
         if move.dst is Tier.DISK:
             self.stats.disk_errors += 1
-            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-                capacity = self.disk.shrink_to_file()
-                self._warn_once("disk-full", "KV cache disk is full (%s); the disk tier keeps its %d blocks "
-                                "and what does not fit is recomputed when needed", self.disk.dir, capacity)
+            if isinstance(error, OSError) and error.errno in FULL_ERRNOS:
+                self._warn_once("disk-full", "KV cache disk is full (%s: %s); the disk tier keeps reading its %d "
+                                "blocks and stops writing, what does not fit is recomputed when needed",
+                                self.disk.dir, error, len(self.disk.records))
             else:
                 self._warn_once("disk-error", "writing KV blocks to %s failed: %s", self.disk.dir, error)
         else:
