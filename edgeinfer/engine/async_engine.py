@@ -212,6 +212,7 @@ class AsyncEngine:
     """An Engine driven by one background thread; see the module docstring."""
 
     SNAPSHOT_EVERY_S = 0.2
+    TRANSFER_POLL_S = 0.05  # while idle with KV transfers in flight: how often to complete them
 
     def __init__(self, engine: Engine, *, max_concurrent: int, max_queue: int) -> None:
         if max_concurrent < 1 or max_queue < 0:
@@ -368,8 +369,9 @@ class AsyncEngine:
         """Take new requests and cancellations, waiting while there is nothing to do."""
         with self._cond:
             while not (self._inbox or self._cancels or self._pending or self._active or self._stopping):
+                in_flight = self._collect_transfers()
                 self._publish_snapshot(force=True)
-                self._cond.wait()
+                self._cond.wait(self.TRANSFER_POLL_S if in_flight else None)
             if self._stopping:
                 return False
             inbox, self._inbox = self._inbox, []
@@ -381,6 +383,18 @@ class AsyncEngine:
         self._expire(time.perf_counter())
         self._admit()
         return True
+
+    def _collect_transfers(self) -> bool:
+        """Complete KV transfers that landed while no step runs (an idle engine's metrics must not stay
+        at "storing"); whether some are still in flight."""
+        kv = getattr(self.engine, "kv_manager", None)
+        if kv is None:
+            return False
+        try:
+            return kv.collect()
+        except Exception:  # completing a transfer must never take the engine thread down
+            log.exception("completing KV transfers failed")
+            return False
 
     def _admit(self) -> None:
         while self._pending and len(self._active) < self.max_concurrent:

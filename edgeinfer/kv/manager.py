@@ -14,7 +14,9 @@ only. Callers see a small API:
 - ``preempt(seq)``: spill a running sequence whole; ``admit`` restores it later.
 - ``free(seq)``: a finished sequence's blocks stay in the prefix cache (idle).
 - ``note_progress(seq)``: blocks that just filled get their keys (shareable at once).
-- ``poll()``: once per engine step. ``metrics()``: a snapshot. ``close()``: drain, flush.
+- ``poll()``: once per engine step; ``collect()`` between steps, on an idle engine (so its
+  metrics settle once the last write-through lands). ``metrics()``: a snapshot.
+  ``close()``: drain, flush.
 - ``embeddings``: the vision outputs on disk (an :class:`EmbeddingStore`, None without a
   disk tier), the lower level of the engine's vision cache.
 """
@@ -506,6 +508,14 @@ class KVManager:
             self._relieve_device()
             self._relieve_host()
         self._settle_loads()
+
+    def collect(self) -> bool:
+        """Complete the transfers the worker finished, without a step (an idle engine calls this on its
+        own thread, so blocks stop being reported as storing once their writes land). Returns whether
+        transfers are still in flight."""
+        self.spill.collect()
+        self._settle_loads()
+        return self.spill.in_flight
 
     def _watch_memory(self) -> None:
         """Read available memory when the floor wants a reading; warn once when it goes under."""

@@ -348,6 +348,11 @@ class SpillManager:
                 move.failed = list(range(len(move.entries)))
             (self._complete_store if move.kind.is_store else self._complete_load)(move)
 
+    @property
+    def in_flight(self) -> bool:
+        """Transfers were started and not yet completed here (finished on the worker or not)."""
+        return bool(self._moves)
+
     def take_landed(self) -> list[Move]:
         """Restores completed since the last call (their ``failed`` says which blocks did not arrive)."""
         landed, self._landed = self._landed, []
