@@ -2,12 +2,15 @@
 
 One image goes through four stages, each of which can only raise ``PreflightError``:
 
-1. bytes: the file size is capped before the file is read whole (``read_image_source``);
+1. bytes: only a regular file (or stdin, ``-``) is read, never a named pipe or a device
+   (which could block forever); its size is capped before it is read whole
+   (``read_image_source``);
 2. sniff: the leading bytes name the format; only JPEG, PNG, WebP, BMP, GIF and TIFF are
    handed to Pillow, everything else is refused by the name of what it is;
 3. header: the image size is read without decoding pixels and compared with the
-   decompression-bomb cap and the request's limits; ``reject`` stops here, ``fit``
-   computes the downscaled size;
+   decompression-bomb cap and the request's limits (a JPEG whose data is too short for
+   the size its header claims is refused here: a decoder would fill the rest with
+   grey); ``reject`` stops here, ``fit`` computes the downscaled size;
 4. decode: pixels are decoded (a JPEG at a reduced scale when fitting), turned upright
    from EXIF orientation, converted to RGB and downscaled.
 
@@ -33,7 +36,7 @@ import numpy as np
 import psutil
 from PIL import Image, ImageFile, ImageOps
 
-from edgeinfer.errors import FileTooLargeError, MemoryPressureError, PreflightError
+from edgeinfer.errors import FileTooLargeError, InvalidParam, MemoryPressureError, PreflightError
 
 # Pillow's format name -> the name users know. MPO is a JPEG with extra pictures.
 ALLOWED_FORMATS: dict[str, str] = {
@@ -197,14 +200,30 @@ def read_image_source(source: ImageSource, max_file_bytes: int, *,
 
 def _read_path(path: str, max_file_bytes: int, display: str) -> tuple[bytes, str]:
     try:
-        info = os.stat(path)
-        if stat.S_ISREG(info.st_mode):
-            _check_file_bytes(info.st_size, max_file_bytes, display, exact=True)
-        with open(path, "rb") as stream:
-            return _read_bounded(stream, max_file_bytes, display), display
+        # O_NONBLOCK: opening a named pipe with no writer returns at once instead of waiting for one.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise PreflightError("unreadable", exc.strerror or type(exc).__name__,
                              "a readable image file", what="file", source=display) from exc
+    info = os.fstat(fd)  # of what was opened, not of a name that may have changed since
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise PreflightError("unreadable", _file_kind(info.st_mode), "a regular file ('-' reads stdin)",
+                             what="file type", source=display)
+    with open(fd, "rb") as stream:
+        _check_file_bytes(info.st_size, max_file_bytes, display, exact=True)
+        try:
+            return _read_bounded(stream, max_file_bytes, display), display
+        except OSError as exc:
+            raise PreflightError("unreadable", exc.strerror or type(exc).__name__,
+                                 "a readable image file", what="file", source=display) from exc
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _read_bounded(stream: BinaryIO, max_file_bytes: int, display: str) -> bytes:
@@ -371,6 +390,59 @@ def pixels_to_decode(fmt: str, size: tuple[int, int]) -> int:
         step = JPEG_SMALLEST_SCALE
         return -(-width // step) * -(-height // step)
     return width * height
+
+
+# Frame markers of arithmetic-coded JPEGs: they can spend less than a bit on a flat block.
+_JPEG_ARITHMETIC = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+_JPEG_NO_LENGTH = frozenset({0x01, *range(0xD0, 0xDA)})  # TEM, RSTn, SOI, EOI
+
+
+def jpeg_frame_marker(data: bytes) -> int | None:
+    """The SOFn marker (0xC0..0xCF) of a JPEG stream, or None when none comes before the data ends."""
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # a fill byte
+            i += 1
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker
+        elif marker in _JPEG_NO_LENGTH:
+            i += 2
+        else:
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return None
+
+
+def jpeg_pixels_held(data: bytes) -> int | None:
+    """The most pixels a Huffman-coded JPEG of ``len(data)`` bytes can describe, or None (arithmetic
+    coding, or no frame header found: no bound).
+
+    Every 8x8 block of every component costs at least one Huffman code of one bit (a
+    progressive JPEG's first DC scan; a baseline one spends two), so the bytes bound the blocks.
+    """
+    marker = jpeg_frame_marker(data)
+    if marker is None or marker in _JPEG_ARITHMETIC:
+        return None
+    return len(data) * 8 * 64
+
+
+def _check_jpeg_data(data: bytes, fmt: str, size: tuple[int, int], rules: ImageRules, name: str) -> None:
+    """A JPEG header that claims more pixels than its data can hold (a patched or cut-short file) is
+    refused: decoders fill the missing part with grey rather than fail."""
+    if ALLOWED_FORMATS.get(fmt) != "JPEG":
+        return
+    held, pixels = jpeg_pixels_held(data), size[0] * size[1]
+    if held is None or pixels <= held:
+        return
+    if pixels > rules.decode_cap:
+        raise PreflightError("decompression_bomb", pixels, rules.decode_cap, None,
+                             what=f"pixels in the JPEG header (its {len(data)} bytes hold at most {held}; "
+                                  f"cap: {BOMB_FACTOR} x max_pixels, at least {rules.decode_floor_pixels})",
+                             source=name)
+    raise PreflightError("truncated", len(data), f"at least {-(-pixels // (8 * 64))} bytes for "
+                         f"{_wxh(size)} pixels", what="JPEG data in bytes", source=name)
 
 
 def _check_decode_cap(pixels: int, rules: ImageRules, name: str) -> None:
@@ -611,6 +683,7 @@ def prepare_image(data: bytes, rules: ImageRules,
     _check_file_bytes(len(data), rules.max_file_bytes, name, exact=True)
     fmt = sniff_format(data, name)
     header_size = _header_size(data, fmt, name)
+    _check_jpeg_data(data, fmt, header_size, rules, name)
     _check_decode_cap(pixels_to_decode(fmt, header_size), rules, name)
     _check_min_side(header_size, rules, name)
     target, fitted_to = _target_size(header_size, rules, on_oversize, name)
@@ -637,6 +710,21 @@ def prepare_images(sources: Sequence[ImageSource], rules: ImageRules,
                                        name=f"image[{index}]" if unnamed else None)
         prepared.append(prepare_image(data, rules, on_oversize, name))
     return prepared
+
+
+def check_text(text: str, what: str = "prompt") -> str:
+    """``text`` if it can be sent to a tokenizer: valid Unicode that encodes as UTF-8. A lone
+    surrogate (``"\\ud800"`` in JSON, or an undecodable byte of a command line) is an
+    :class:`~edgeinfer.errors.InvalidParam` naming ``what`` and where, never the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        found = (f"the undecodable byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF
+                 else f"U+{code:04X}, a lone surrogate (half of a UTF-16 pair)")
+        raise InvalidParam(f"{what} is not valid UTF-8 text: character {exc.start} is {found}",
+                           param=what) from None
+    return text
 
 
 def content_hash(image: Image.Image) -> str:

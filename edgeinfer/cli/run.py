@@ -1,4 +1,8 @@
-"""``edgeinfer run``: one question about one or more images, answered from the shell."""
+"""``edgeinfer run``: one question about one or more images, answered from the shell.
+
+The question and every image are checked before the model loads: a refused image costs
+a header read, not a model load and a KV pool.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from edgeinfer.cli.options import (
 )
 from edgeinfer.demo import DEMO_MODEL_DIR
 from edgeinfer.errors import ModelLoadError
-from edgeinfer.preflight import OnOversize
+from edgeinfer.preflight import ImageRules, OnOversize
+from edgeinfer.profiles import load_profile
 
 
 def run(
@@ -50,15 +55,20 @@ def run(
 
 def answer(question, images, model, profile, overrides, backend, max_tokens, temperature, top_p, seed,
            stream, on_oversize, as_json, trust_remote_code, engines_root=None) -> None:
+    from edgeinfer.backends.registry import require_backend
     from edgeinfer.engine import Engine, SamplingParams
-    from edgeinfer.preflight import prepare_images
+    from edgeinfer.preflight import check_text, prepare_images
 
+    check_text(question, "question")
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    engine = Engine.load(model, profile=profile, backend=backend, overrides=overrides,
-                         trust_remote_code=trust_remote_code, engines_root=engines_root)
+    require_backend(backend)
+    device_profile = load_profile(None if profile in (None, "auto") else str(profile), overrides)
     started = time.perf_counter()
-    prepared = prepare_images(images, engine.image_rules(), on_oversize)
+    prepared = prepare_images(images, image_rules_before_load(model, device_profile, trust_remote_code),
+                              on_oversize)
     preflight_s = time.perf_counter() - started
+    engine = Engine.load(model, profile=device_profile, backend=backend, trust_remote_code=trust_remote_code,
+                         engines_root=engines_root)
     for item in prepared:
         if item.report.action != "none" and not as_json:
             typer.echo(f"note: {item.report.describe()}", err=True)
@@ -80,3 +90,14 @@ def answer(question, images, model, profile, overrides, backend, max_tokens, tem
     report.update(model=str(model), backend=ran.backend, precision=ran.precision, profile=engine.config.profile_name,
                   stale_engines=list(ran.passed_over))
     typer.echo(json.dumps(report, indent=2))
+
+
+def image_rules_before_load(model, device_profile, trust_remote_code: bool) -> ImageRules:
+    """The rules ``Engine.image_rules`` will apply, from the checkpoint's processor files alone (no weights)."""
+    from edgeinfer.models.loader import read_checkpoint
+
+    checkpoint, adapter = read_checkpoint(model, trust_remote_code)
+    limits = adapter(checkpoint).image_limits()
+    return ImageRules.from_profile(device_profile.images, model_max_side=limits.get("max_side"),
+                                   model_max_pixels=limits.get("max_pixels"),
+                                   model_min_side=limits.get("min_side"))
