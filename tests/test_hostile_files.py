@@ -282,3 +282,17 @@ def test_a_vision_file_copied_over_another_images_file_gives_that_images_answer(
     assert again.generate(QUESTION, [IMAGE_B], FORCED).token_ids == cold["b"]
     assert again.counters["vision_runs"] == 2  # neither swapped file was used
     again.close()
+
+
+def test_stored_embeddings_of_the_wrong_size_are_recomputed(checkpoint, cold, tmp_path, caplog):
+    first = engine_on(checkpoint("smolvlm"), tmp_path)
+    first.generate(QUESTION, [IMAGE_A], FORCED)
+    first.close()
+    [(key, path)] = _vision_files(first).items()
+    stored = first.kv_manager.embeddings
+    path.write_bytes(encode_entry(key, stored.owner, torch.zeros(3, 8)))  # sound file, wrong token count
+    again = engine_on(checkpoint("smolvlm"), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert again.generate(QUESTION, [IMAGE_A], FORCED).token_ids == cold["a"]
+    assert again.counters["vision_runs"] == 1 and "encoded again" in caplog.text
+    again.close()
