@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
-from edgeinfer.kv.disk import DiskFullError, DiskLayout, DiskStore, FreeSpace, open_disk_tier
+from edgeinfer.kv.disk import (
+    DiskFullError,
+    DiskLayout,
+    DiskStore,
+    FreeSpace,
+    open_disk_tier,
+)
 from edgeinfer.kv.embeddings import EmbeddingStore, encode_entry
 from tests.conftest import noise_image
 

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from edgeinfer.errors import InvalidParam, PreflightError, exit_code_for, http_status_for
+from edgeinfer.errors import (
+    InvalidParam,
+    PreflightError,
+    exit_code_for,
+    http_status_for,
+)
 from edgeinfer.preflight import ImageRules, check_text, prepare_image, prepare_images
 from tests.conftest import noise_image
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.kv.disk import FULL_ERRNOS, DiskFullError, FreeSpace
+from edgeinfer.kv.disk import FULL_ERRNOS, FreeSpace
 from edgeinfer.kv.worker import Job, SpillWorker
 
 log = logging.getLogger(__name__)
