@@ -248,13 +248,15 @@ def test_decode_budget_waits_refuses_and_keeps_the_floor():
         with pytest.raises(QueueFullError):  # a second waiter is over max_waiting
             async with budget.reserve(60, "c"):
                 pass
+        async with budget.reserve(40, "small"):  # fits beside a: never waits behind b
+            assert budget.usage().reserved_bytes == 100
         release_a.set()
         await a
         await asyncio.sleep(0.01)
         assert order == ["a", "b"] and budget.usage().reserved_bytes == 60
         release_b.set()
         await b
-        assert budget.usage().peak_bytes == 60 and budget.usage().reserved_bytes == 0
+        assert budget.usage().peak_bytes == 100 and budget.usage().reserved_bytes == 0
         available[0] = 1_050  # 50 bytes over the floor: a 60-byte decode would cross it
         with pytest.raises(MemoryPressureError):
             async with budget.reserve(60, "image"):

@@ -7,8 +7,10 @@ reserved in a :class:`DecodeBudget` (a byte-weighted semaphore sized from the de
 profile's memory) for the length of the decode:
 
 - a decode that could never fit the budget is refused (422, the limit named);
-- one that fits waits its turn, first come first served; when more requests than the
-  server's capacity are waiting already, it is refused with 503 + Retry-After;
+- one that fits beside the decodes running now starts at once, so a small image never
+  waits behind a large one; one that does not waits, first come first served among the
+  waiting; when as many as the server's capacity are waiting already, it is refused with
+  503 + Retry-After;
 - one whose peak would push the memory available now (psutil) under the profile's floor is
   refused with 503 + Retry-After (``memory_pressure``): try later, not a bad request.
 
@@ -85,7 +87,8 @@ class DecodeUsage:
 
 
 class DecodeBudget:
-    """A byte-weighted semaphore for image decodes, first come first served (event loop only)."""
+    """A byte-weighted semaphore for image decodes (event loop only): what fits now starts,
+    the rest wait first come first served."""
 
     def __init__(self, capacity_bytes: int, floor_bytes: int, max_waiting: int,
                  available: Callable[[], int] = lambda: psutil.virtual_memory().available) -> None:
@@ -111,10 +114,23 @@ class DecodeBudget:
             raise PreflightError("decode_memory", nbytes, self.capacity_bytes,
                                  "a smaller image, or more memory.total_mb in the profile",
                                  what="bytes to decode the image (image decode budget)", source=source)
-        would_wait = bool(self._queue) or not self._fits_now(nbytes)
-        if would_wait and len(self._queue) >= self.max_waiting:
-            raise QueueFullError(f"server busy: {len(self._queue)} image decodes are waiting, the limit is "
-                                 f"{self.max_waiting}; retry after 1 s", 1)
+        if not self._fits_now(nbytes):
+            await self._wait_for_room(nbytes)
+        self._check_floor(nbytes, source)
+        self._reserved += nbytes
+        self._running += 1
+        self._peak = max(self._peak, self._reserved)
+        try:
+            yield
+        finally:
+            self._reserved -= nbytes
+            self._running -= 1
+            await self._notify()
+
+    async def _wait_for_room(self, nbytes: int) -> None:
+        if len(self._queue) >= self.max_waiting:
+            raise QueueFullError(f"server busy: {len(self._queue)} image decodes are waiting for memory, the "
+                                 f"limit is {self.max_waiting}; retry after 1 s", 1)
         ticket = object()
         self._queue.append(ticket)
         try:
@@ -127,16 +143,6 @@ class DecodeBudget:
                 self._queue.remove(ticket)
                 await self._notify()
             raise
-        self._check_floor(nbytes, source)
-        self._reserved += nbytes
-        self._running += 1
-        self._peak = max(self._peak, self._reserved)
-        try:
-            yield
-        finally:
-            self._reserved -= nbytes
-            self._running -= 1
-            await self._notify()
 
     def _fits_now(self, nbytes: int) -> bool:
         return self._reserved + nbytes <= self.capacity_bytes
