@@ -439,8 +439,8 @@ async def vqa(
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
     generation = GenerationRequest(question, (), sampling, settings.server.request_timeout_s)
     engine.check_text_bounds(generation)
-    data, _ = await run_in_threadpool(read_image_source, image.file, rules.max_file_bytes, name="image")
     with counting_rejections(metrics):
+        data, _ = await run_in_threadpool(read_image_source, image.file, rules.max_file_bytes, name="image")
         prepared = await decode_one(data, rules, on_oversize, "image", decoder)
     handle = engine.submit(await engine.prepare(dataclasses.replace(generation, images=(prepared,))))
     completion = await unless_disconnected(request, _admitted_result(handle), [handle])
