@@ -189,6 +189,14 @@ class QueueFullError(CapacityError):
         self.retry_after_s = retry_after_s
 
 
+class ServerShuttingDown(CapacityError):
+    """The server stopped before this request was done (queued, or running past the grace period)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class RequestTimedOut(EdgeInferError):
     """The request ran past its deadline and was cancelled."""
 
@@ -258,6 +266,7 @@ ERROR_MAP: MappingProxyType[type[EdgeInferError], ErrorMapping] = MappingProxyTy
     BackendUnavailableError: ErrorMapping(4, 503, "backend_unavailable"),
     CapacityError: ErrorMapping(5, 503, "capacity_exceeded"),
     QueueFullError: ErrorMapping(5, 503, "capacity_exceeded"),
+    ServerShuttingDown: ErrorMapping(5, 503, "shutting_down"),
     EngineBuildError: ErrorMapping(6, 500, "engine_build_error"),
     # serving: only the daemon raises these
     RequestTimedOut: ErrorMapping(1, 504, "deadline_exceeded"),

@@ -18,6 +18,18 @@ up, then sends ``--requests`` requests at ``--concurrency``, a share of them mal
   cache count as free, as the pool counts them);
 - SIGTERM stops it with exit status 0.
 
+With ``--hostile`` it then runs two more phases of the same valid traffic
+(``--hostile-requests`` requests): one alone (the quiet baseline) and one while
+``--hostile-concurrency`` clients keep sending a hostile mix (a 5 MB prompt, a batch of
+8,000 image items, a PNG that decodes to nearly 24 MP with ``fit``, lone surrogates in
+plain, streaming and batch requests, a wrong API key with a broken body, ``max_tokens``
+past the context, a client that trickles its body, a client that stops reading its
+stream). It reports the valid requests' p50/p95/p99 latency in each phase and their
+ratio, the server's peak RSS in each phase (sampled every 0.1 s), and the status codes of
+both kinds of traffic; it checks that no response is a 5xx other than 503 (overload), that
+each hostile request got one of the statuses its kind allows, and that the valid p99 under
+the hostile mix is within ``--p99-ratio-limit`` of the quiet one.
+
 Traffic goes to 127.0.0.1 only; the run stops after ``--time-limit`` seconds whatever
 happens. The figures are printed (and written as JSON with ``--json``); the exit status
 is 1 when a check fails.
@@ -30,6 +42,7 @@ import asyncio
 import base64
 import io
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -65,6 +78,22 @@ EXPECTED_ERRORS = {
     "missing_image": (422, "image"),
 }
 RSS_GROWTH_LIMIT = 0.10
+# The hostile mix: each kind, and the statuses it may get (503: overload, try later).
+HOSTILE_KINDS = {
+    "big_prompt": {413, 422},  # 5 MB of text: refused by its length, never tokenized
+    "big_batch": {400, 413},  # 8,000 image items: counted before any image is read
+    "huge_decode": {200, 503},  # nearly 24 MP to decode (fit): through the decode budget
+    "surrogate_plain": {422},
+    "surrogate_stream": {422},
+    "surrogate_batch": {422},
+    "bad_auth": {401},  # a wrong key and a broken body: 401 before the body is parsed
+    "over_context": {422},  # max_tokens past the context, however busy the server is
+    "slow_body": {0, 400, 408, 413},  # trickles its body, then leaves (0: no answer waited for)
+    "slow_reader": {0, 200, 503},  # reads one event of its stream, stalls, then leaves
+}
+SLOW_CLIENT_S = 3.0
+HOSTILE_HEAD_START_S = 5.0
+TINY_PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC")
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +348,181 @@ async def run_load(url: str, api_key: str, kinds: list[str], questions: list[Que
         return await asyncio.wait_for(asyncio.gather(*(one(i, k) for i, k in enumerate(kinds))), time_limit_s)
 
 
+# --------------------------------------------------------------------------- the hostile mix
+
+
+def hostile_arguments(kind: str, question: Question, huge_png: bytes) -> tuple[str, dict]:
+    """(path, httpx request arguments) for one hostile request of ``kind`` (the two slow kinds aside);
+    bodies are encoded here, once, so the attackers spend their time sending, not encoding."""
+    path, arguments = _hostile_request(kind, question, huge_png)
+    if "json" in arguments:
+        headers = {**arguments.get("headers", {}), "content-type": "application/json"}
+        arguments = {"content": json.dumps(arguments["json"]).encode(), "headers": headers}
+    return path, arguments
+
+
+def _hostile_request(kind: str, question: Question, huge_png: bytes) -> tuple[str, dict]:
+    surrogate_text = '{"role": "user", "content": "\\ud800 what is this?"}'
+    raw = {"headers": {"content-type": "application/json"}}
+    if kind == "big_prompt":
+        return "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "lorem ipsum " * 440_000}],
+                                                 "max_tokens": 4}}
+    if kind == "big_batch":
+        item = chat_body(Question(TINY_PNG, question.text, "", None), 1, False)
+        return "/v1/chat/completions/batch", {"json": {"requests": [item] * 8000}}
+    if kind == "huge_decode":
+        body = chat_body(question, 1, False)
+        body["messages"][0]["content"][0]["image_url"]["url"] = data_uri(huge_png)
+        return "/v1/chat/completions", {"json": {**body, "on_oversize": "fit"}}
+    if kind == "surrogate_plain":
+        return "/v1/chat/completions", {"content": f'{{"messages": [{surrogate_text}], "max_tokens": 4}}'.encode(),
+                                        **raw}
+    if kind == "surrogate_stream":
+        return "/v1/chat/completions", {"content": f'{{"messages": [{surrogate_text}], "stream": true}}'.encode(),
+                                        **raw}
+    if kind == "surrogate_batch":
+        body = f'{{"requests": [{{"messages": [{surrogate_text}], "max_tokens": 4}}]}}'
+        return "/v1/chat/completions/batch", {"content": body.encode(), **raw}
+    if kind == "bad_auth":
+        return "/v1/chat/completions", {"content": b'{"messages": [', "headers": {
+            "content-type": "application/json", "authorization": "Bearer not-the-key"}}
+    if kind == "over_context":
+        return "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1_000_000}}
+    raise ValueError(kind)
+
+
+async def slow_body(url: str, api_key: str) -> int:
+    """Declare a 1 MB body, send a byte every 0.5 s for SLOW_CLIENT_S, then leave."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{{".encode())
+        await writer.drain()
+        deadline = time.monotonic() + SLOW_CLIENT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            writer.write(b" ")
+            await writer.drain()
+        return 0
+    finally:
+        writer.close()
+
+
+async def slow_reader(client: httpx.AsyncClient, question: Question) -> int:
+    body = {**chat_body(question, 256, True), "ignore_eos": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code
+        lines = response.aiter_lines()
+        await anext(lines)
+        await asyncio.sleep(SLOW_CLIENT_S)
+        return 0  # leaving mid-stream: the server cancels the generation
+
+
+async def send_hostile(client: httpx.AsyncClient, url: str, api_key: str, kind: str, question: Question,
+                       requests: dict[str, tuple[str, dict]]) -> Outcome:
+    started = time.perf_counter()
+    try:
+        if kind == "slow_body":
+            status, detail = await slow_body(url, api_key), ""
+        elif kind == "slow_reader":
+            status, detail = await slow_reader(client, question), ""
+        else:
+            path, arguments = requests[kind]
+            response = await client.post(path, **arguments)
+            status, detail = response.status_code, response.text[:160]
+    except (httpx.HTTPError, OSError) as exc:
+        status, detail = -1, f"{type(exc).__name__}: {exc}"
+    ok = status in HOSTILE_KINDS[kind]
+    return Outcome(kind, status, ok, time.perf_counter() - started, "" if ok else detail)
+
+
+def hostile_process(url: str, api_key: str, question: Question, concurrency: int, stop, results) -> None:
+    """The hostile mix in a process of its own, so that building and sending it takes no time from
+    the valid clients being measured: ``concurrency`` clients cycle through the kinds until
+    ``stop`` (a multiprocessing Event) is set; the outcomes go to ``results`` (a Queue)."""
+    # Solid colour: a few KB on the wire, just under the 24 MP decode cap once decoded.
+    huge_png = png(Image.new("RGB", (5999, 3999), (40, 160, 40)))
+    requests = {kind: hostile_arguments(kind, question, huge_png) for kind in HOSTILE_KINDS
+                if kind not in ("slow_body", "slow_reader")}
+    results.put(asyncio.run(_attack(url, api_key, question, concurrency, requests, stop)))
+
+
+async def _attack(url: str, api_key: str, question: Question, concurrency: int,
+                  requests: dict[str, tuple[str, dict]], stop) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    kinds = list(HOSTILE_KINDS)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {api_key}"},
+                                 timeout=httpx.Timeout(120.0)) as client:
+
+        async def attacker(offset: int) -> None:
+            i = offset
+            while not stop.is_set():
+                kind = kinds[i % len(kinds)]
+                outcomes.append(await send_hostile(client, url, api_key, kind, question, requests))
+                i += 1
+
+        await asyncio.gather(*(attacker(k) for k in range(concurrency)))
+    return outcomes
+
+
+async def sample_rss(pid: int, stop: asyncio.Event, every_s: float = 0.1) -> float:
+    """The peak RSS of ``pid`` in MiB until ``stop`` is set."""
+    peak = rss_mb(pid)
+    while not stop.is_set():
+        peak = max(peak, rss_mb(pid))
+        await asyncio.sleep(every_s)
+    return peak
+
+
+async def valid_phase(url: str, api_key: str, pid: int, questions: list[Question],
+                      args: argparse.Namespace) -> tuple[list[Outcome], float]:
+    """The valid traffic of one phase: (its outcomes, the server's peak RSS in MiB meanwhile)."""
+    kinds = plan(args.hostile_requests, 0.0, args.seed + 1)
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_rss(pid, stop))
+    try:
+        valid = await run_load(url, api_key, kinds, questions, args.concurrency, args.max_tokens, args.retries,
+                               b"", args.time_limit)
+    finally:
+        stop.set()
+    return valid, await sampler
+
+
+def hostile_report(quiet: list[Outcome], loud: list[Outcome], hostile: list[Outcome],
+                   rss_peak: dict[str, float], ratio_limit: float) -> tuple[dict, list[str]]:
+    def latency(outcomes: list[Outcome]) -> dict[str, float]:
+        seconds = [o.seconds for o in outcomes if o.status == 200]
+        return {f"p{round(q * 100)}": round(percentile(seconds, q), 3) for q in (0.5, 0.95, 0.99)}
+
+    quiet_lat, loud_lat = latency(quiet), latency(loud)
+    ratio = loud_lat["p99"] / quiet_lat["p99"] if quiet_lat["p99"] > 0 else float("nan")
+    everything = [*quiet, *loud, *hostile]
+    figures = {
+        "valid_requests_per_phase": len(quiet),
+        "valid_latency_quiet_s": quiet_lat, "valid_latency_hostile_s": loud_lat,
+        "valid_p99_ratio": round(ratio, 2),
+        "valid_status_quiet": dict(sorted(Counter(o.status for o in quiet).items())),
+        "valid_status_hostile": dict(sorted(Counter(o.status for o in loud).items())),
+        "hostile_requests": len(hostile),
+        "hostile_status": {kind: dict(sorted(Counter(o.status for o in hostile if o.kind == kind).items()))
+                           for kind in HOSTILE_KINDS},
+        "rss_peak_mb": {k: round(v, 1) for k, v in rss_peak.items()},
+        "server_5xx_other_than_503": sum(500 <= o.status < 600 and o.status != 503 for o in everything),
+    }
+    failures = [f"valid under the hostile mix: {o.kind}: status {o.status}: {o.detail}" for o in loud if not o.ok]
+    failures += [f"hostile {o.kind}: status {o.status} not in {sorted(HOSTILE_KINDS[o.kind])}: {o.detail}"
+                 for o in hostile if not o.ok]
+    if figures["server_5xx_other_than_503"]:
+        failures.append(f"{figures['server_5xx_other_than_503']} responses were 5xx other than 503")
+    if not ratio <= ratio_limit:
+        failures.append(f"valid p99 under the hostile mix is {ratio:.2f}x the quiet one (limit {ratio_limit}x)")
+    return figures, failures
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -410,9 +614,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole load phase")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--hostile", action="store_true",
+                        help="also measure valid traffic alone and beside the hostile mix (see above)")
+    parser.add_argument("--hostile-requests", type=int, default=100, help="valid requests in each hostile phase")
+    parser.add_argument("--hostile-concurrency", type=int, default=4, help="clients sending the hostile mix")
+    parser.add_argument("--p99-ratio-limit", type=float, default=2.0,
+                        help="valid p99 under the hostile mix over the quiet p99 that still passes")
     args = parser.parse_args()
     if args.requests < 1 or args.requests > 10_000 or not 1 <= args.concurrency <= 64:
         parser.error("--requests must be in 1..10000 and --concurrency in 1..64 (a bounded test)")
+    if not 1 <= args.hostile_requests <= 10_000 or not 1 <= args.hostile_concurrency <= 16:
+        parser.error("--hostile-requests must be in 1..10000 and --hostile-concurrency in 1..16 (a bounded test)")
     return args
 
 
@@ -448,12 +660,17 @@ def main() -> int:
                                         args.retries, oversized, args.time_limit))
         wall_s = time.perf_counter() - started
         rss["after"] = rss_mb(process.pid)
+        hostile_figures, hostile_failures = (run_hostile_phases(url, api_key, process.pid, questions, args)
+                                             if args.hostile else ({}, []))
         metrics = _settled_metrics(url, headers)
         healthy = (httpx.get(f"{url}/health", timeout=5).status_code == 200
                    and httpx.get(f"{url}/ready", timeout=5).status_code == 200)
     finally:
         exit_status = stop(process)
     figures, failures = report(outcomes, wall_s, rss, metrics, healthy, exit_status, args.concurrency)
+    if args.hostile:
+        figures["hostile"] = hostile_figures
+        failures += hostile_failures
     print(json.dumps(figures, indent=2))
     if args.json:
         args.json.write_text(json.dumps({"figures": figures, "failures": failures}, indent=2))
@@ -461,6 +678,27 @@ def main() -> int:
         print(f"FAIL {failure}")
     print("all checks passed" if not failures else f"{len(failures)} checks failed")
     return 1 if failures else 0
+
+
+def run_hostile_phases(url: str, api_key: str, pid: int, questions: list[Question],
+                       args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The quiet baseline, then the same valid traffic beside the hostile mix (from a child process)."""
+    print(f"hostile phases: {args.hostile_requests} valid requests alone, then beside "
+          f"{args.hostile_concurrency} hostile clients")
+    quiet, quiet_rss = asyncio.run(valid_phase(url, api_key, pid, questions, args))
+    context = multiprocessing.get_context("spawn")
+    stop, results = context.Event(), context.Queue()
+    attacker = context.Process(target=hostile_process, daemon=True,
+                               args=(url, api_key, questions[0], args.hostile_concurrency, stop, results))
+    attacker.start()
+    time.sleep(HOSTILE_HEAD_START_S)  # the mix is under way before the measured traffic starts
+    try:
+        loud, loud_rss = asyncio.run(valid_phase(url, api_key, pid, questions, args))
+    finally:
+        stop.set()
+    hostile = results.get(timeout=SLOW_CLIENT_S + 180)
+    attacker.join(30)
+    return hostile_report(quiet, loud, hostile, {"quiet": quiet_rss, "hostile": loud_rss}, args.p99_ratio_limit)
 
 
 def _settled_metrics(url: str, headers: dict, timeout_s: float = 10.0) -> dict[str, float]:

@@ -32,6 +32,7 @@ CONTRACT = {
     "BackendUnavailableError": (4, 503, "backend_unavailable"),
     "CapacityError": (5, 503, "capacity_exceeded"),
     "QueueFullError": (5, 503, "capacity_exceeded"),
+    "ServerShuttingDown": (5, 503, "shutting_down"),
     "EngineBuildError": (6, 500, "engine_build_error"),
     "RequestTimedOut": (1, 504, "deadline_exceeded"),
     "RequestCancelled": (1, 499, "cancelled"),

@@ -24,16 +24,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from PIL import Image
 
 from edgeinfer.demo import DEMO_MODEL_DIR
 from edgeinfer.engine import Engine, SamplingParams
 from edgeinfer.engine.async_engine import AsyncEngine, GenerationRequest
-from edgeinfer.errors import QueueFullError, RequestTimedOut
+from edgeinfer.errors import RequestTimedOut, ServerShuttingDown
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings, ServerSettingsError, create_app
-from edgeinfer.server.daemon import uvicorn_config
+from edgeinfer.server.daemon import build_server
 
 API_KEY = "test-key-0123456789"
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +84,7 @@ def wait_ready(url: str, timeout_s: float = 60.0, process: subprocess.Popen | No
 def running_server(settings: ServerSettings) -> Iterator[str]:
     """uvicorn in a thread, on a socket bound to 127.0.0.1 by us (no port race)."""
     sock = free_socket()
-    server = uvicorn.Server(uvicorn_config(settings, create_app(settings), log_level="warning"))
+    server = build_server(settings, create_app(settings), log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -564,7 +563,7 @@ def test_drain_finishes_in_flight_work_and_refuses_new(tiny_engine):
                 "go", (), SamplingParams(max_new_tokens=30, ignore_eos=True))))
             await asyncio.sleep(0.01)
             cancelled = await engine.drain(grace_s=30)
-            with pytest.raises(QueueFullError, match="shutting down"):
+            with pytest.raises(ServerShuttingDown, match="shutting down"):
                 engine.submit(GenerationRequest("late"))
             return cancelled, await running
         finally:

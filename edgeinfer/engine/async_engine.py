@@ -12,31 +12,41 @@ thread with ``loop.call_soon_threadsafe``. Cancelling (a client that went away, 
 deadline) is a message to the engine thread too: it cancels the sequence there, which
 frees its KV blocks at once.
 
+Every check comes before admission and off the engine thread: :meth:`AsyncEngine.prepare`
+counts the characters of the prompt against the context (a lower bound on its tokens, so an
+over-long prompt is refused before it is tokenized), then renders, tokenizes and checks it
+on a thread of its own. A request that can never fit is refused there however busy the
+engine is; the engine thread only encodes images and steps.
+
 Admission is bounded: ``max_concurrent`` requests are in the engine, ``max_queue`` more
 wait for a slot, and past that :meth:`AsyncEngine.submit` raises
 :class:`QueueFullError` at once (a :class:`CapacityError`, with a retry hint). :meth:`AsyncEngine.drain`
-stops admitting and waits for the requests in flight, for a shutdown.
+stops admitting and waits for the requests in flight, for a shutdown; what is left then
+fails with :class:`ServerShuttingDown` (HTTP 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 from edgeinfer.engine.engine import Engine
-from edgeinfer.engine.inputs import Message
+from edgeinfer.engine.inputs import Message, PreparedPrompt
 from edgeinfer.engine.output import GenerationResult
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.sequence import Sequence, Status
 from edgeinfer.errors import (
-    EdgeInferError, EngineFailure, QueueFullError, RequestCancelled, RequestError, RequestTimedOut,
+    EdgeInferError, EngineFailure, LimitExceeded, QueueFullError, RequestCancelled, RequestError, RequestTimedOut,
+    ServerShuttingDown,
 )
 
 log = logging.getLogger(__name__)
@@ -49,12 +59,16 @@ MetricTriple = tuple[str, dict[str, str], float]
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One chat (or plain prompt) with its images, as the engine's ``submit`` takes it."""
+    """One chat (or plain prompt) with its images, as the engine's ``submit`` takes it.
+
+    ``prepared`` is set by :meth:`AsyncEngine.prepare`: the prompt rendered, tokenized and
+    checked, so the engine thread does not do it again."""
 
     prompt: str | list[Message]
     images: tuple[Any, ...] = ()
     sampling: SamplingParams = SamplingParams()
     timeout_s: float | None = None
+    prepared: PreparedPrompt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +249,9 @@ class AsyncEngine:
         self._last_snapshot = 0.0
         self.snapshot = EngineSnapshot()
         self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
+        # One thread renders and tokenizes ahead of admission: bounded work, never on the engine thread.
+        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="edgeinfer-prepare")
+        self.max_token_chars = longest_token_chars(engine.adapter.tokenizer)
 
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -243,9 +260,10 @@ class AsyncEngine:
         return self
 
     async def drain(self, grace_s: float) -> int:
-        """Stop admitting; wait up to ``grace_s`` for the requests in flight; cancel the rest.
+        """Stop admitting; wait up to ``grace_s`` for the requests in flight; end the rest with
+        :class:`ServerShuttingDown` (queued ones are never started, running ones are cut).
 
-        Returns how many were cancelled.
+        Returns how many were ended that way.
         """
         with self._cond:
             self._accepting = False
@@ -254,7 +272,9 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         left = self.outstanding
         if left:
-            self._cancel_everything(RequestCancelled("the server shut down before the answer was done"))
+            self._cancel_everything(ServerShuttingDown(
+                f"the server shut down before the answer was done (grace period {grace_s:g} s); retry "
+                f"against the restarted server", self.retry_after_s()))
         return left
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -265,6 +285,7 @@ class AsyncEngine:
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+        self._preparer.shutdown(wait=False, cancel_futures=True)
 
     @property
     def accepting(self) -> bool:
@@ -286,6 +307,41 @@ class AsyncEngine:
     @property
     def capacity(self) -> int:
         return self.max_concurrent + self.max_queue
+
+    # --- checking (event loop side, work on the prepare thread) --------------------------
+    async def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` checked against every limit of the engine and tokenized, off the engine
+        thread; raises the request's typed error (a 4xx) whatever the queue holds."""
+        self.check_text_bounds(request)
+        if not self._accepting:
+            raise ServerShuttingDown("the server is shutting down and takes no new requests", self.retry_after_s())
+        loop = asyncio.get_running_loop()
+        engine, prompt, images, sampling = self.engine, request.prompt, request.images, request.sampling
+        try:
+            prepared = await loop.run_in_executor(self._preparer, engine.prepare, prompt, images, sampling)
+        except EdgeInferError:
+            raise
+        except Exception as exc:
+            raise _typed(exc) from exc
+        return dataclasses.replace(request, prepared=prepared)
+
+    def check_text_bounds(self, request: GenerationRequest) -> None:
+        """Refuse text that cannot be tokenized or cannot fit, by counting characters only.
+
+        No token spans more than ``max_token_chars`` characters, so a prompt of N characters
+        has at least N / max_token_chars tokens: past the context by that count alone, it is
+        refused before the tokenizer (whose time grows with the text) ever sees it."""
+        texts = list(prompt_texts(request.prompt))
+        for text in texts:
+            if not is_utf8(text):
+                raise RequestError("the prompt holds text that is not valid Unicode (a lone surrogate "
+                                   "such as \\ud800); send UTF-8 text")
+        chars = sum(len(text) for text in texts)
+        least = -(-chars // self.max_token_chars) + request.sampling.max_new_tokens
+        limit = self.engine.config.max_context
+        if least > limit:
+            raise LimitExceeded(f"prompt + max_new_tokens (at least, counting {chars} characters of prompt)",
+                                least, limit, "--set runtime.max_context_tokens=N", "context_length")
 
     # --- submitting (event loop side) ----------------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -316,7 +372,7 @@ class AsyncEngine:
     def _refuse_unless_room(self, n: int) -> None:
         retry = self.retry_after_s()
         if not self._accepting:
-            raise QueueFullError("the server is shutting down and takes no new requests", retry)
+            raise ServerShuttingDown("the server is shutting down and takes no new requests", retry)
         if n > self.capacity:
             raise RequestError(f"{n} requests at once is over the server's capacity of {self.capacity} "
                                f"(max_concurrent {self.max_concurrent} + max_queue {self.max_queue})")
@@ -401,7 +457,9 @@ class AsyncEngine:
             handle = self._pending.popleft()
             request = handle.request
             try:
-                seq = self.engine.submit(request.prompt, request.images, request.sampling)
+                seq = (self.engine.submit(request.prompt, request.images, request.sampling)
+                       if request.prepared is None else self.engine.submit_prepared(request.prepared,
+                                                                                    request.sampling))
             except Exception as exc:  # the request's fault (typed) or a bug (EngineFailure)
                 self._finish(handle, _Failed(_typed(exc)))
                 continue
@@ -504,6 +562,37 @@ class AsyncEngine:
             counters=dict(getattr(self.engine, "counters", {})),
             kv=_kv_metrics(self.engine),
         )
+
+
+def prompt_texts(prompt: str | list[Message]) -> Iterable[str]:
+    """Every piece of text in a prompt: the string itself, or each message's text parts."""
+    if isinstance(prompt, str):
+        yield prompt
+        return
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    yield text
+
+
+def is_utf8(text: str) -> bool:
+    """False for text UTF-8 cannot carry (lone surrogates, which JSON's \\uXXXX escapes can make)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary entry)."""
+    vocab = tokenizer.get_vocab()
+    return max((len(token) for token in vocab), default=1) or 1
 
 
 def _typed(exc: BaseException) -> EdgeInferError:

@@ -19,7 +19,7 @@ import torch
 from edgeinfer.artifacts import prefix_cache_root
 from edgeinfer.backends.base import CompilableVision, DecoderEngine, Engines, VisionEngine
 from edgeinfer.engine.config import EngineConfig
-from edgeinfer.engine.inputs import Inputs, Message, image_key
+from edgeinfer.engine.inputs import Inputs, Message, PreparedPrompt, image_key
 from edgeinfer.engine.output import GenerationResult, Output
 from edgeinfer.engine.runner import Runner
 from edgeinfer.engine.sampling import SamplingParams
@@ -150,11 +150,22 @@ class Engine:
                                        model_min_side=limits.get("min_side"))
 
     # --- requests ------------------------------------------------------------------------
+    def prepare(self, prompt: str | list[Message], images: Seq[Any] = (),
+                sampling: SamplingParams = SamplingParams()) -> PreparedPrompt:
+        """Render, tokenize and check a request against every limit, before any vision work.
+
+        It reads no engine state that a step changes, so a server may call it off the engine thread."""
+        return self.inputs.prepare(prompt, images, sampling)
+
     @torch.inference_mode()
     def submit(self, prompt: str | list[Message], images: Seq[Any] = (),
                sampling: SamplingParams = SamplingParams()) -> Sequence:
+        return self.submit_prepared(self.prepare(prompt, images, sampling), sampling)
+
+    @torch.inference_mode()
+    def submit_prepared(self, prompt_in: PreparedPrompt, sampling: SamplingParams = SamplingParams()) -> Sequence:
+        """Encode the images of a prepared request and hand its sequence to the scheduler."""
         started = time.perf_counter()
-        prompt_in = self.inputs.prepare(prompt, images, sampling)  # every check comes before vision work
         embeds = [self.vision_cache.embeddings(key, image) for key, image in zip(prompt_in.keys, prompt_in.images)]
         vision_s = time.perf_counter() - started
         seq = self.inputs.sequence(prompt_in, [e for e, _ in embeds], sampling,

@@ -3,19 +3,31 @@
 Nothing is loaded at import or in ``create_app``: the app's lifespan starts loading the
 model in a worker thread, so ``/health`` answers at once and ``/ready`` turns 200 when
 the model is in. The engine then runs on its own thread (``AsyncEngine``); handlers
-only submit requests to it and await their tokens. On shutdown the lifespan lets the
-requests in flight finish (uvicorn waits up to the profile's ``shutdown_grace_s``), then
-cancels what is left and stops the engine thread.
+only submit requests to it and await their tokens.
+
+Every check comes before admission, and none on the engine thread, in order of cost: the
+API key before the body is read; the body's size; its schema (strict types, valid
+Unicode); the batch's item count; the prompt's characters against the context (before
+tokenizing); the image count (before decoding); each image through the bounded decode
+stage (:mod:`edgeinfer.server.decoding`); then rendering, tokenizing and the context and
+memory checks on the engine's prepare thread. Only then is the request submitted, and
+only there is "busy" (503 + Retry-After) an answer: a request that can never fit gets its
+4xx however busy the server is.
+
+On shutdown (:func:`edgeinfer.server.daemon.serve`) the requests in flight get the
+profile's ``shutdown_grace_s`` to finish; then queued ones are answered 503 + Retry-After
+(``shutting_down``) and running streams end with an error event and ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
@@ -28,14 +40,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import edgeinfer
 from edgeinfer.engine.async_engine import AsyncEngine, Completion, GenerationRequest, RequestHandle
 from edgeinfer.engine.sampling import SamplingParams
-from edgeinfer.errors import EdgeInferError, PreflightError, RequestCancelled, http_status_for, mapping_for
-from edgeinfer.preflight import ImageRules, OnOversize, PreparedImage, prepare_image, read_image_source
+from edgeinfer.errors import (
+    EdgeInferError, PreflightError, RequestCancelled, RequestError, http_status_for, mapping_for,
+)
+from edgeinfer.preflight import ImageRules, read_image_source
 from edgeinfer.server import chat
+from edgeinfer.server.decoding import (
+    DecodeBudget, check_image_count, decode_budget_bytes, decode_one, prepare_refs,
+)
 from edgeinfer.server.errors import (
     AuthenticationError, BodyTooLarge, InvalidParam, ModelNotReady, error_payload, error_response,
     install_error_handlers,
 )
-from edgeinfer.server.images import ImageRef, ImageSourcePolicy, prepare_refs
+from edgeinfer.server.images import ImageSourcePolicy
 from edgeinfer.server.metrics import ServerMetrics
 from edgeinfer.server.schemas import (
     BatchRequest, BatchResponse, ChatCompletion, ChatCompletionRequest, ErrorResponse, Health, ModelCard,
@@ -47,6 +64,8 @@ log = logging.getLogger("edgeinfer.server")
 T = TypeVar("T")
 _CLIENT_LEFT = mapping_for(RequestCancelled).http_status  # counted in the metrics, never sent
 
+# Paths that need the API key when the server has one; it is checked before the body is read.
+PROTECTED_PREFIXES = ("/v1/", "/metrics")
 KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/vqa", "/v1/models",
                          "/health", "/ready", "/metrics", "/openapi.json", "/docs"})
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -73,6 +92,8 @@ class Runtime:
         self.state: Literal["loading", "ready", "failed", "draining"] = "loading"
         self.engine: AsyncEngine | None = None
         self.rules: ImageRules | None = None
+        self.decoder: DecodeBudget | None = None
+        self._drain: asyncio.Task[int] | None = None
         self.error: str | None = None
         self.started = int(time.time())
         self.policy = ImageSourcePolicy(allow_remote=settings.allow_remote_images,
@@ -90,6 +111,9 @@ class Runtime:
         self.rules = ImageRules.from_profile(settings.profile.images, limits.get("max_side"),
                                              limits.get("max_pixels"), limits.get("min_side"))
         server = settings.server
+        self.decoder = DecodeBudget(decode_budget_bytes(settings.profile, self.rules),
+                                    settings.profile.memory.available_floor_mb * 2**20,
+                                    max_waiting=server.max_concurrent + server.max_queue)
         self.engine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue).start()
         if self.state == "draining":  # shut down while loading: nobody will use it
             self.engine.close()
@@ -103,13 +127,21 @@ class Runtime:
                   "failed": f"the model failed to load: {self.error}"}[self.state]
         raise ModelNotReady(f"{detail}; see GET /ready")
 
-    async def shutdown(self) -> None:
+    def begin_shutdown(self) -> None:
+        """Take no new requests; give those in flight the grace period, then end them with
+        503 (queued) or an error event (streaming). Call on the event loop; idempotent."""
+        if self._drain is not None:
+            return
         self.state = "draining"
         if self.engine is not None:
-            # uvicorn has already waited up to shutdown_grace_s for the open requests.
-            cancelled = await self.engine.drain(grace_s=1.0)
-            if cancelled:
-                log.warning("cancelled %d requests still running at shutdown", cancelled)
+            self._drain = asyncio.ensure_future(self.engine.drain(self.settings.server.shutdown_grace_s))
+
+    async def shutdown(self) -> None:
+        self.begin_shutdown()
+        if self.engine is not None and self._drain is not None:
+            ended = await self._drain
+            if ended:
+                log.warning("ended %d requests still in flight after the shutdown grace period", ended)
             await asyncio.to_thread(self.engine.close, 30.0)  # the engine flushes its KV tiers
 
 
@@ -138,17 +170,46 @@ _bearer = HTTPBearer(auto_error=False, description="The server's API key, when i
 
 def require_api_key(request: Request,
                     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    expected = get_runtime(request).settings.api_key
+    """The key check as a dependency, so /docs shows the scheme; :class:`ApiKeyMiddleware`
+    has already made the same check before the body was read."""
+    check_api_key(get_runtime(request).settings.api_key, credentials.credentials if credentials else None,
+                  request.headers.get("x-api-key"))
+
+
+def check_api_key(expected: str | None, bearer: str | None, header_key: str | None) -> None:
     if expected is None:
         return
-    given = credentials.credentials if credentials else request.headers.get("x-api-key")
+    given = bearer or header_key
     if not given:
         raise AuthenticationError("missing API key: send the header 'Authorization: Bearer <key>'")
     if not hmac.compare_digest(given.encode(), expected.encode()):
         raise AuthenticationError("invalid API key")
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    scheme, _, token = (authorization or "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
 # --------------------------------------------------------------------------- middleware
+
+
+class ApiKeyMiddleware:
+    """401 before the body is read, for the protected paths, when the server has a key."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.api_key is not None and scope["path"].startswith(PROTECTED_PREFIXES):
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            try:
+                check_api_key(self.api_key, bearer_token(headers.get("authorization")), headers.get("x-api-key"))
+            except AuthenticationError as error:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -259,16 +320,11 @@ async def _admitted_result(handle: RequestHandle) -> Completion:
     return await handle.result()
 
 
-async def preflight_refs(runtime: Runtime, metrics: ServerMetrics, refs: list[ImageRef],
-                         on_oversize: str) -> list[PreparedImage]:
-    assert runtime.rules is not None
-    return await _counting_preflight(metrics, run_in_threadpool(prepare_refs, refs, runtime.rules,
-                                                                on_oversize, runtime.policy))
-
-
-async def _counting_preflight(metrics: ServerMetrics, work: Awaitable[T]) -> T:
+@contextmanager
+def counting_rejections(metrics: ServerMetrics) -> Iterator[None]:
+    """Count the preflight refusals raised inside, by reason."""
     try:
-        return await work
+        yield
     except PreflightError as error:
         metrics.preflight_rejections.labels(error.reason).inc()
         raise
@@ -297,8 +353,8 @@ api = APIRouter(dependencies=[Depends(require_api_key)], responses=ERROR_RESPONS
 async def chat_completions(body: ChatCompletionRequest, request: Request, runtime: RuntimeDep, engine: EngineDep,
                            metrics: MetricsDep) -> Any:
     settings = runtime.settings
-    # Preflight before admission: a malformed request gets its 4xx however busy the server is.
-    generation, reports = await _prepare_item(body, runtime, metrics)
+    # Every check before admission: a request that can never fit gets its 4xx however busy the server is.
+    generation, reports = await _prepare_item(body, runtime, metrics, engine)
     handle = engine.submit(generation)
     await unless_disconnected(request, handle.admitted(), [handle])
     done, failed = _observe(request, metrics)
@@ -317,11 +373,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, runtim
 async def chat_batch(body: BatchRequest, request: Request, runtime: RuntimeDep, engine: EngineDep,
                      metrics: MetricsDep) -> BatchResponse:
     settings = runtime.settings
+    if len(body.requests) > engine.capacity:  # counted before any item is looked at
+        raise RequestError(f"a batch of {len(body.requests)} requests is over the server's capacity of "
+                           f"{engine.capacity} (max_concurrent {engine.max_concurrent} + max_queue "
+                           f"{engine.max_queue}); send at most {engine.capacity} per batch")
     for i, item in enumerate(body.requests):
         if item.stream:
             raise InvalidParam(f"requests[{i}].stream: a batch is answered whole and cannot stream; "
                                     f"use /v1/chat/completions for streaming", f"requests[{i}].stream")
-    prepared_items = await asyncio.gather(*(_prepare_item(item, runtime, metrics) for item in body.requests),
+    prepared_items = await asyncio.gather(*(_prepare_item(item, runtime, metrics, engine) for item in body.requests),
                                           return_exceptions=True)
     accepted = [(i, p) for i, p in enumerate(prepared_items) if not isinstance(p, BaseException)]
     handles = engine.submit_many([p[0] for _, p in accepted])
@@ -338,12 +398,20 @@ async def chat_batch(body: BatchRequest, request: Request, runtime: RuntimeDep, 
     return BatchResponse(data=data)
 
 
-async def _prepare_item(item: ChatCompletionRequest, runtime: Runtime, metrics: ServerMetrics):
+async def _prepare_item(item: ChatCompletionRequest, runtime: Runtime, metrics: ServerMetrics,
+                        engine: AsyncEngine) -> tuple[GenerationRequest, list]:
+    """One chat checked completely, cheapest checks first; the engine thread is never used."""
     settings = runtime.settings
+    assert runtime.rules is not None
     chat.check_unsupported(item, settings.served_model)
     parsed = chat.parse_chat(item, settings.default_max_tokens)
-    prepared = await preflight_refs(runtime, metrics, parsed.images, item.on_oversize)
-    request = chat.generation_request(parsed, prepared, settings.server.request_timeout_s)
+    assert runtime.decoder is not None
+    engine.check_text_bounds(chat.generation_request(parsed, [], settings.server.request_timeout_s))
+    with counting_rejections(metrics):
+        check_image_count(len(parsed.images), runtime.rules)
+        prepared = await prepare_refs(parsed.images, runtime.rules, item.on_oversize, runtime.policy,
+                                      runtime.decoder)
+    request = await engine.prepare(chat.generation_request(parsed, prepared, settings.server.request_timeout_s))
     return request, [p.report for p in prepared]
 
 
@@ -366,16 +434,15 @@ async def vqa(
     on_oversize: Annotated[Literal["reject", "fit"], Form()] = "reject",
 ) -> VQAResponse:
     settings = runtime.settings
-    rules = runtime.rules
-    assert rules is not None
-
-    def prepare() -> PreparedImage:
-        data, _ = read_image_source(image.file, rules.max_file_bytes, name="image")
-        return prepare_image(data, rules, OnOversize(on_oversize), name="image")
-
-    prepared = await _counting_preflight(metrics, run_in_threadpool(prepare))
+    rules, decoder = runtime.rules, runtime.decoder
+    assert rules is not None and decoder is not None
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-    handle = engine.submit(GenerationRequest(question, (prepared,), sampling, settings.server.request_timeout_s))
+    generation = GenerationRequest(question, (), sampling, settings.server.request_timeout_s)
+    engine.check_text_bounds(generation)
+    with counting_rejections(metrics):
+        data, _ = await run_in_threadpool(read_image_source, image.file, rules.max_file_bytes, name="image")
+        prepared = await decode_one(data, rules, on_oversize, "image", decoder)
+    handle = engine.submit(await engine.prepare(dataclasses.replace(generation, images=(prepared,))))
     completion = await unless_disconnected(request, _admitted_result(handle), [handle])
     metrics.observe(completion)
     return VQAResponse(answer=completion.result.text, finish_reason=completion.result.finish_reason,
@@ -417,7 +484,7 @@ def create_app(settings: ServerSettings,
     """The daemon's app. ``on_load_failure`` is told when the model cannot be loaded
     (the CLI uses it to exit non-zero); the app itself keeps answering /health."""
     runtime = Runtime(settings)
-    metrics = ServerMetrics(lambda: runtime.engine, settings.served_model)
+    metrics = ServerMetrics(lambda: runtime.engine, settings.served_model, lambda: runtime.decoder)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -438,6 +505,7 @@ def create_app(settings: ServerSettings,
     app.include_router(probes)
     app.include_router(api)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_mb * 2**20)
+    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app
 

@@ -30,8 +30,13 @@ log = logging.getLogger(__name__)
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
           504: "timeout"}
-# Codes of the errors Starlette itself raises (routing, the body limit while reading).
-_STARLETTE_CODES = {404: "unknown_endpoint", 405: "method_not_allowed", 413: "request_too_large"}
+# Codes of the errors Starlette and FastAPI raise themselves: routing, the body limit while
+# reading, and a body that cannot be parsed at all (not UTF-8, JSON nested past the parser's
+# depth, a multipart field over its size).
+_STARLETTE_CODES = {400: "invalid_body", 404: "unknown_endpoint", 405: "method_not_allowed",
+                    413: "request_too_large"}
+# Validation errors whose own type is a stable code (raised by the wire schemas' validators).
+_VALIDATION_CODES = frozenset({"invalid_text"})
 DEFAULT_RETRY_AFTER_S = 1
 
 
@@ -105,11 +110,14 @@ def validation_response(exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body("request body must be a JSON object sent with "
                                        "Content-Type: application/json", 400, code="invalid_json"),
                             status_code=400)
+    coded = [e for e in errors if e.get("type") in _VALIDATION_CODES]
+    errors = coded or errors  # the error with a stable code first: it is the one to fix
     described = [f"{param_path(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:3]]
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     first = param_path(errors[0].get("loc", ())) if errors else None
+    code = coded[0]["type"] if coded else "invalid_value"
     return JSONResponse(error_body("invalid request: " + "; ".join(described) + more, 422,
-                                   code="invalid_value", param=first or None), status_code=422)
+                                   code=code, param=first or None), status_code=422)
 
 
 def _raw_body(error: dict[str, Any]) -> bool:
@@ -128,7 +136,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        if exc.status_code == 404:
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            message = ("the request body cannot be parsed (not UTF-8, JSON nested too deep, or a form field "
+                       "over its size limit)")
+        elif exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}; see /docs"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"

@@ -1,27 +1,28 @@
-"""Image URLs of a request, turned into preflight-checked images.
+"""Image URLs of a request, read into bytes that preflight then checks.
 
 A ``data:image/...;base64,`` URI is always accepted. ``http(s)://`` URLs are refused
 unless the server was started with ``--allow-remote-images``, and then fetched with a
-byte cap, a time limit and at most a few redirects. ``file://`` URLs are refused unless
-``--allowed-local-dir`` is set, and then only for files that resolve inside it. Every
-image then goes through :func:`edgeinfer.preflight.prepare_image`.
+byte cap, at most a few redirects, and one deadline over the whole fetch (redirects,
+headers and a slow body together). ``file://`` URLs are refused unless
+``--allowed-local-dir`` is set, and then only for files that resolve inside it. The bytes
+then go through the decode stage (:mod:`edgeinfer.server.decoding`).
 
-These functions block (decoding, downloading): the app calls them in a worker thread.
+:func:`read_ref` is a coroutine; the blocking parts (base64, the file system) run on a
+worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import math
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
-from edgeinfer.errors import FileTooLargeError, PreflightError
-from edgeinfer.preflight import ImageRules, OnOversize, PreparedImage, prepare_image, read_image_source
+from edgeinfer.errors import FileTooLargeError
+from edgeinfer.preflight import read_image_source
 from edgeinfer.server.errors import InvalidParam
 
 MAX_REDIRECTS = 3
@@ -45,29 +46,18 @@ class ImageRef:
     where: str
 
 
-def prepare_refs(refs: Sequence[ImageRef], rules: ImageRules, on_oversize: OnOversize | str,
-                 policy: ImageSourcePolicy) -> list[PreparedImage]:
-    """Check the count, then read and preflight each image in order."""
-    if len(refs) > rules.max_images:
-        override = None if "max_images" in rules.model_limited else f"--set images.max_images={len(refs)}"
-        raise PreflightError("too_many_images", len(refs), rules.max_images, override,
-                             what="images in the request (max_images)", source="messages")
-    return [prepare_image(read_url(ref, rules.max_file_bytes, policy), rules, on_oversize, ref.where)
-            for ref in refs]
-
-
-def read_url(ref: ImageRef, max_bytes: int, policy: ImageSourcePolicy) -> bytes:
+async def read_ref(ref: ImageRef, max_bytes: int, policy: ImageSourcePolicy) -> bytes:
     url = ref.url.strip()
     if not url:
         raise InvalidParam(f"{ref.where}: image_url.url is empty; send a data:image/...;base64 URI",
                            f"{ref.where}.image_url.url")
     scheme = urlsplit(url).scheme.lower() if ":" in url else ""
     if scheme == "data":
-        return decode_data_uri(url, max_bytes, ref.where)
+        return await asyncio.to_thread(decode_data_uri, url, max_bytes, ref.where)
     if scheme in ("http", "https"):
-        return fetch_remote(url, max_bytes, policy, ref.where)
+        return await fetch_remote(url, max_bytes, policy, ref.where)
     if scheme == "file":
-        return read_local(url, max_bytes, policy, ref.where)
+        return await asyncio.to_thread(read_local, url, max_bytes, policy, ref.where)
     raise InvalidParam(f"{ref.where}: unsupported image URL scheme {scheme or '(none)'!r}; use a "
                        f"data:image/...;base64 URI (or http(s):// / file:// where the server allows them)",
                        f"{ref.where}.image_url.url")
@@ -113,48 +103,52 @@ def read_local(url: str, max_bytes: int, policy: ImageSourcePolicy, where: str) 
     return data
 
 
-def fetch_remote(url: str, max_bytes: int, policy: ImageSourcePolicy, where: str) -> bytes:
-    """GET ``url`` with the byte cap and one overall time limit; redirects only to http(s)."""
+async def fetch_remote(url: str, max_bytes: int, policy: ImageSourcePolicy, where: str) -> bytes:
+    """GET ``url`` with the byte cap; redirects only to http(s); ``remote_timeout_s`` is one
+    deadline for the whole fetch, however the time is spent (hops, trickled headers or body)."""
     param = f"{where}.image_url.url"
     if not policy.allow_remote:
         raise InvalidParam(f"{where}: remote image URLs are disabled; send a data:image/...;base64 URI, or "
                            f"start the server with --allow-remote-images", param)
     import httpx
 
-    deadline = time.monotonic() + policy.remote_timeout_s
     try:
-        with httpx.Client(timeout=policy.remote_timeout_s, follow_redirects=False) as client:
-            for _ in range(MAX_REDIRECTS + 1):
-                with client.stream("GET", url, headers={"Accept": "image/*"}) as response:
-                    if response.is_redirect:
-                        url = urljoin(url, response.headers.get("location", ""))
-                        if urlsplit(url).scheme not in ("http", "https"):
-                            raise InvalidParam(f"{where}: image URL redirects to a non-http(s) URL", param)
-                        continue
-                    if response.status_code != 200:
-                        raise InvalidParam(f"{where}: fetching the image URL gave HTTP {response.status_code}",
-                                           param)
-                    return _read_capped(response, max_bytes, deadline, where, policy.remote_timeout_s)
-    except httpx.TimeoutException:
-        raise InvalidParam(f"{where}: fetching the image URL took over {policy.remote_timeout_s:g} s "
+        async with asyncio.timeout(policy.remote_timeout_s):
+            return await _fetch(url, max_bytes, policy.remote_timeout_s, where)
+    except (TimeoutError, httpx.TimeoutException):
+        raise InvalidParam(f"{where}: fetching the image URL took over {policy.remote_timeout_s:g} s in all "
                            f"(override: --remote-image-timeout)", param) from None
     except httpx.HTTPError as exc:
         raise InvalidParam(f"{where}: fetching the image URL failed ({type(exc).__name__}: {exc})", param) from None
+
+
+async def _fetch(url: str, max_bytes: int, timeout_s: float, where: str) -> bytes:
+    import httpx
+
+    param = f"{where}.image_url.url"
+    async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            async with client.stream("GET", url, headers={"Accept": "image/*"}) as response:
+                if response.is_redirect:
+                    url = urljoin(url, response.headers.get("location", ""))
+                    if urlsplit(url).scheme not in ("http", "https"):
+                        raise InvalidParam(f"{where}: image URL redirects to a non-http(s) URL", param)
+                    continue
+                if response.status_code != 200:
+                    raise InvalidParam(f"{where}: fetching the image URL gave HTTP {response.status_code}", param)
+                return await _read_capped(response, max_bytes, where)
     raise InvalidParam(f"{where}: image URL redirects more than {MAX_REDIRECTS} times", param)
 
 
-def _read_capped(response, max_bytes: int, deadline: float, where: str, timeout_s: float) -> bytes:
+async def _read_capped(response, max_bytes: int, where: str) -> bytes:
     declared = response.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         _too_large(int(declared), max_bytes, where)
     chunks, total = [], 0
-    for chunk in response.iter_bytes(64 * 1024):
+    async for chunk in response.aiter_bytes(64 * 1024):
         total += len(chunk)
         if total > max_bytes:
             _too_large(total, max_bytes, where)
-        if time.monotonic() > deadline:
-            raise InvalidParam(f"{where}: fetching the image URL took over {timeout_s:g} s "
-                               f"(override: --remote-image-timeout)", f"{where}.image_url.url")
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -19,6 +19,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from edgeinfer.engine.async_engine import AsyncEngine, Completion, metric_triples
+from edgeinfer.server.decoding import DecodeBudget
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -26,7 +27,8 @@ POWER_EVERY_S = 5.0
 
 
 class ServerMetrics:
-    def __init__(self, engine: Callable[[], AsyncEngine | None], model: str) -> None:
+    def __init__(self, engine: Callable[[], AsyncEngine | None], model: str,
+                 decoder: Callable[[], DecodeBudget | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("edgeinfer_requests", "HTTP requests answered, by endpoint and status "
@@ -49,7 +51,7 @@ class ServerMetrics:
                                             "Requests refused by image preflight, by reason", ["reason"],
                                             registry=r)
         ProcessCollector(namespace="edgeinfer", registry=r)
-        r.register(_LiveCollector(engine, model, _kv_collector(engine)))
+        r.register(_LiveCollector(engine, model, _kv_collector(engine), decoder))
 
     def observe(self, completion: Completion) -> None:
         stats, result = completion.stats, completion.result
@@ -71,8 +73,9 @@ class _LiveCollector(Collector):
     """Gauges computed at scrape time."""
 
     def __init__(self, engine: Callable[[], AsyncEngine | None], model: str,
-                 kv: CollectorRegistry | None) -> None:
+                 kv: CollectorRegistry | None, decoder: Callable[[], DecodeBudget | None]) -> None:
         self._engine = engine
+        self._decoder = decoder
         self._model = model
         self._kv = kv
         self._power: list[tuple[str, dict[str, str], float]] = []
@@ -91,6 +94,9 @@ class _LiveCollector(Collector):
         yield from _memory()
         if engine is not None:
             yield from _engine_metrics(engine, self._kv)
+        decoder = self._decoder()
+        if decoder is not None:
+            yield from _decode_metrics(decoder)
         yield from _families(self._power_gauges(), "board reading")
 
     def _power_gauges(self) -> list[tuple[str, dict[str, str], float]]:
@@ -125,6 +131,18 @@ def _memory() -> Iterator[Metric]:
                          torch.cuda.memory_allocated())
     except Exception:  # no usable torch.cuda: no GPU gauge
         return
+
+
+def _decode_metrics(decoder: DecodeBudget) -> Iterator[Metric]:
+    usage = decoder.usage()
+    decode_bytes = GaugeMetricFamily("edgeinfer_image_decode_bytes", "Image decode budget: its capacity, the "
+                                     "bytes reserved now, the most ever reserved at once", labels=["state"])
+    for state, value in (("capacity", usage.capacity_bytes), ("reserved", usage.reserved_bytes),
+                         ("peak", usage.peak_bytes)):
+        decode_bytes.add_metric([state], value)
+    yield decode_bytes
+    yield _gauge("edgeinfer_image_decodes_running", "Image decodes holding a reservation", usage.running)
+    yield _gauge("edgeinfer_image_decodes_waiting", "Image decodes waiting for the budget", usage.waiting)
 
 
 def _kv_collector(engine: Callable[[], AsyncEngine | None]) -> CollectorRegistry | None:

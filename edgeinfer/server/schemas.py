@@ -4,25 +4,43 @@ These are separate from the engine's own types (``SamplingParams``,
 ``GenerationResult``); ``edgeinfer.server.chat`` translates between the two. Fields
 OpenAI defines that change the output and that edgeinfer does not implement are
 accepted only at their neutral value, so nothing is ignored silently; unknown fields
-are refused.
+are refused. Types are strict: ``"stream": "yes"``, ``"max_tokens": true`` or ``"5"`` are
+422, never coerced. Text must be valid Unicode: a lone surrogate (``"\\ud800"``, which
+JSON can escape but UTF-8 cannot carry) is 422 ``invalid_text``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4
 
 
+INVALID_TEXT = "invalid_text"
+
+
+def _unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(INVALID_TEXT, "text is not valid Unicode: {detail}; send UTF-8 text",
+                                  {"detail": f"{exc.reason} at character {exc.start}"}) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ImageURL(_Wire):
-    url: str = Field(description="data:image/...;base64,<data> URI; http(s):// only with --allow-remote-images; "
+    url: Text = Field(description="data:image/...;base64,<data> URI; http(s):// only with --allow-remote-images; "
                                  "file:// only under --allowed-local-dir.")
     detail: Literal["auto", "low", "high"] | None = Field(
         None, description="Accepted for compatibility; the model's processor sets the resolution.")
@@ -30,7 +48,7 @@ class ImageURL(_Wire):
 
 class TextPart(_Wire):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImagePart(_Wire):
@@ -43,8 +61,8 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = Field(None, description="Accepted for compatibility; not shown to the model.")
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = Field(None, description="Accepted for compatibility; not shown to the model.")
 
 
 class StreamOptions(_Wire):
@@ -55,7 +73,7 @@ class ChatCompletionRequest(_Wire):
     """``POST /v1/chat/completions``. Defaults differ from OpenAI's in one place:
     ``temperature`` is 0 (greedy), so a device answers the same question the same way."""
 
-    model: str | None = Field(None, description="The id from /v1/models; may be left out.")
+    model: Text | None = Field(None, description="The id from /v1/models; may be left out.")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
@@ -63,7 +81,7 @@ class ChatCompletionRequest(_Wire):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} stop strings.")
+    stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} stop strings.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, description="Only 1 is supported.")
@@ -78,7 +96,7 @@ class ChatCompletionRequest(_Wire):
     frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
     presence_penalty: float | None = Field(None, description="Only 0 is supported.")
     logprobs: bool | None = Field(None, description="Only false is supported.")
-    user: str | None = Field(None, description="Accepted for compatibility; not used.")
+    user: Text | None = Field(None, description="Accepted for compatibility; not used.")
 
     @field_validator("stop")
     @classmethod

@@ -1,14 +1,16 @@
 """The daemon's settings: one frozen object built from the device profile and the flags.
 
 Unsafe combinations are refused here, before anything listens: a non-loopback address
-without an API key (unless ``insecure_public`` says so on purpose), an empty API key,
-a local-image folder that does not exist.
+without an API key (unless ``insecure_public`` says so on purpose), an empty API key from
+any source (the flag, or ``$EDGEINFER_API_KEY`` set to an empty string, which the CLI's
+option parser alone would take for "not set"), a local-image folder that does not exist.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from edgeinfer.profiles import DeviceProfile, ServerConfig, load_profile
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+API_KEY_ENV = "EDGEINFER_API_KEY"
 
 
 def is_loopback(host: str) -> bool:
@@ -77,6 +80,12 @@ class ServerSettings:
 
     @classmethod
     def build(cls, model_dir: Path, profile: str | None = None, overrides: Sequence[str] = (),
-              **flags: object) -> ServerSettings:
-        """From CLI values: ``profile`` is a name or YAML file (None: $EDGEINFER_PROFILE, else detected)."""
+              environ: Mapping[str, str] | None = None, **flags: object) -> ServerSettings:
+        """From CLI values: ``profile`` is a name or YAML file (None: $EDGEINFER_PROFILE, else detected).
+
+        With no ``api_key`` flag, ``$EDGEINFER_API_KEY`` is the key when it is set at all, so that
+        an empty one is refused rather than read as "no key"."""
+        env = os.environ if environ is None else environ
+        if flags.get("api_key") is None and API_KEY_ENV in env:
+            flags = {**flags, "api_key": env[API_KEY_ENV]}
         return cls(model_dir=Path(model_dir), profile=load_profile(profile, overrides), **flags)  # type: ignore[arg-type]
