@@ -42,13 +42,16 @@ from edgeinfer.server.schemas import (
     ModelList, Readiness, VQAResponse,
 )
 from edgeinfer.server.settings import ServerSettings
+from edgeinfer.server.throttle import AdmissionGovernor
 
 log = logging.getLogger("edgeinfer.server")
 T = TypeVar("T")
 _CLIENT_LEFT = mapping_for(RequestCancelled).http_status  # counted in the metrics, never sent
 
 KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/vqa", "/v1/models",
-                         "/health", "/ready", "/metrics", "/openapi.json", "/docs"})
+                         "/health", "/ready", "/metrics", "/openapi.json", "/docs",
+                         "/sleep", "/wake_up", "/is_sleeping", "/admin/cache", "/admin/cache/clear",
+                         "/admin/cache/verify"})
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description} for status, description in (
         (400, "Malformed request (invalid JSON, bad base64, unsupported field value)"),
@@ -78,6 +81,7 @@ class Runtime:
         self.policy = ImageSourcePolicy(allow_remote=settings.allow_remote_images,
                                         remote_timeout_s=settings.remote_image_timeout_s,
                                         allowed_local_dir=settings.allowed_local_dir)
+        self.governor = AdmissionGovernor(settings.profile.power, settings.server, settings.board_root)
 
     def load(self) -> None:
         """Blocking: load the checkpoint, derive the image rules, start the engine thread."""
@@ -90,7 +94,8 @@ class Runtime:
         self.rules = ImageRules.from_profile(settings.profile.images, limits.get("max_side"),
                                              limits.get("max_pixels"), limits.get("min_side"))
         server = settings.server
-        self.engine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue).start()
+        self.engine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue,
+                                  idle_sleep_s=server.idle_sleep_s, idle_sleep_level=server.idle_sleep_level).start()
         if self.state == "draining":  # shut down while loading: nobody will use it
             self.engine.close()
             return
@@ -398,8 +403,10 @@ probes = APIRouter()
 
 
 @probes.get("/health", response_model=Health, summary="The process is alive")
-async def health() -> Health:
-    return Health()
+async def health(runtime: RuntimeDep) -> Health:
+    engine, throttle = runtime.engine, runtime.governor.state
+    return Health(sleeping=engine is not None and engine.is_sleeping, throttled=throttle.throttled,
+                  throttle_reasons=list(throttle.reasons))
 
 
 @probes.get("/ready", response_model=Readiness, summary="The model is loaded and requests are taken",
@@ -417,14 +424,18 @@ def create_app(settings: ServerSettings,
     """The daemon's app. ``on_load_failure`` is told when the model cannot be loaded
     (the CLI uses it to exit non-zero); the app itself keeps answering /health."""
     runtime = Runtime(settings)
-    metrics = ServerMetrics(lambda: runtime.engine, settings.served_model)
+    metrics = ServerMetrics(lambda: runtime.engine, settings.served_model, lambda: runtime.governor.state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load(runtime, on_load_failure))
+        governor = asyncio.create_task(runtime.governor.run(lambda: runtime.engine)) \
+            if settings.profile.power.enabled else None
         try:
             yield
         finally:
+            if governor is not None:
+                governor.cancel()
             if not loader.done():
                 log.warning("shutting down while the model is still loading")
             await runtime.shutdown()
@@ -437,6 +448,9 @@ def create_app(settings: ServerSettings,
     install_error_handlers(app)
     app.include_router(probes)
     app.include_router(api)
+    from edgeinfer.server.admin import admin  # it reads this module's dependencies
+
+    app.include_router(admin)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_mb * 2**20)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app
