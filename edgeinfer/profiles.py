@@ -424,13 +424,17 @@ class DeviceProfile:
         _require(bool(_NAME.match(self.name)), "name",
                  f"must be lower-case letters, digits and '-', got {self.name!r}")
         self._check_device()
-        power = self.power
-        _require(power.throttled_max_concurrent <= self.server.max_concurrent, "power.throttled_max_concurrent",
-                 f"{power.throttled_max_concurrent} is over server.max_concurrent {self.server.max_concurrent}")
-        _require(power.throttled_max_queue <= self.server.max_queue, "power.throttled_max_queue",
-                 f"{power.throttled_max_queue} is over server.max_queue {self.server.max_queue}")
+        if self.power.enabled:
+            self._check_throttled_below_server()
         self._check_engine_shapes()
         self._check_body_fits_image()
+
+    def _check_throttled_below_server(self) -> None:
+        power, server = self.power, self.server
+        _require(power.throttled_max_concurrent <= server.max_concurrent, "power.throttled_max_concurrent",
+                 f"{power.throttled_max_concurrent} is over server.max_concurrent {server.max_concurrent}")
+        _require(power.throttled_max_queue <= server.max_queue, "power.throttled_max_queue",
+                 f"{power.throttled_max_queue} is over server.max_queue {server.max_queue}")
 
     def _check_device(self) -> None:
         _require(self.detect.kind != "cpu" or self.runtime.device == "cpu", "runtime.device",

@@ -58,12 +58,16 @@ def _print(report: CacheReport, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps({**report.to_dict(), "summary": _said(report)}, indent=2))
         return
-    table = Table("folder", "fingerprint", "codec", "KV blocks", "KV bytes", "vision", "vision bytes", "note",
-                  title=f"{report.root}")
+    table = Table(title=f"{report.root}")
+    for name in ("folder", "fingerprint"):
+        table.add_column(name, no_wrap=True, min_width=12)
+    for name in ("codec", "KV blocks", "KV bytes", "vision", "vision bytes"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("note")
     for f in report.folders:
         done = {"clear": f"removed {f.removed_blocks} blocks, {f.removed_vision} vision",
                 "verify": f"damaged {f.damaged_blocks} blocks, {f.damaged_vision} vision"}.get(report.action, "")
-        table.add_row(f.digest[:12], f.fingerprint[:16], f.codec, str(f.kv_blocks), _size(f.kv_bytes),
+        table.add_row(f.digest[:12], f.fingerprint[:12], f.codec, str(f.kv_blocks), _size(f.kv_bytes),
                       str(f.vision_entries), _size(f.vision_bytes), f.skipped or done)
     console = Console(soft_wrap=True)
     console.print(table)
