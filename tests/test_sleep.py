@@ -201,3 +201,24 @@ def test_fifty_sleep_wake_cycles_under_load_fail_no_request(checkpoint):
         assert metric(url, "edgeinfer_sleeps_total", AUTH) == 50
         assert metric(url, "edgeinfer_requests_total", AUTH, endpoint="/v1/chat/completions", status="200") \
             == len(statuses)
+
+
+def test_bench_sleep_writes_its_raw_file_at_tiny_size(checkpoint, tmp_path):
+    """The GPU benchmark's code paths, on the CPU with a tiny Qwen2-VL checkpoint."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from edgeinfer.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "sleep", "--model", str(checkpoint("qwen2_vl")), "--profile", "cpu",
+                                      "--set", "kv.device_blocks=64", "--set", "memory.disk_tier_mb=0",
+                                      "--image-size", "64x64", "--repeats", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(next(tmp_path.glob("sleep-cpu-*.json")).read_text())
+    assert report["benchmark"] == "sleep" and [r["level"] for r in report["runs"]] == [1, 2]
+    for run in report["runs"]:
+        assert run["weights"] == ("host-file" if run["level"] == 1 else "dropped")
+        assert 0 < run["wake_s"] < run["wake_to_first_token_s"]
+        assert run["asleep"]["rss"] < run["awake"]["rss"]
+    assert set(report["summary"]) == {"1", "2"}
