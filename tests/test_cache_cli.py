@@ -14,12 +14,18 @@ from edgeinfer.cli.main import app
 from edgeinfer.demo import DEMO_MODEL_DIR, synthetic
 from edgeinfer.engine import Engine, SamplingParams
 from edgeinfer.kv.disk import DiskStore
-from edgeinfer.kv.inventory import _layout, model_folders
+from edgeinfer.kv.inventory import folder_layout, model_folders
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings
 
 try:
-    from tests.test_server import API_KEY, data_uri, image_message, png_bytes, running_server
+    from tests.test_server import (
+        API_KEY,
+        data_uri,
+        image_message,
+        png_bytes,
+        running_server,
+    )
 except ImportError:
     from test_server import API_KEY, data_uri, image_message, png_bytes, running_server
 
@@ -48,7 +54,7 @@ def cache_cmd(*args: str) -> dict:
 def damage(cache: Path) -> None:
     """Flip bytes in one stored KV block and in one vision file."""
     folder = model_folders(cache)[0]
-    layout = _layout(folder)
+    layout = folder_layout(folder)
     store = DiskStore(cache, layout, (folder / "blocks.dat").stat().st_size // layout.nbytes)
     slot = min(store.records)
     store.close()

@@ -134,7 +134,7 @@ def test_heat_lowers_batch_and_queue_and_stretches_retry_after_then_recovers(tmp
     settings = ServerSettings(model_dir=DEMO_MODEL_DIR, profile=profile, api_key=API_KEY, backend="torch",
                               model_name="tiny", board_root=root)
     with running_server(settings) as url:
-        health = lambda: httpx.get(f"{url}/health").json()  # noqa: E731
+        health = lambda: httpx.get(f"{url}/health").json()
         assert health()["throttled"] is False
         assert metric(url, "edgeinfer_admission_max_concurrent", AUTH) == 2
         cool_retry = overload_retry_after(url, running=2, queued=1)

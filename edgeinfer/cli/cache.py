@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -17,10 +17,10 @@ from edgeinfer.kv.inventory import CacheReport, cache_stats, clear_cache, verify
 cache_app = typer.Typer(help="See, clear and check the persisted cache (KV blocks, vision entries).",
                         no_args_is_help=True)
 
-DirOption = Annotated[Optional[Path], typer.Option(
+DirOption = Annotated[Path | None, typer.Option(
     "--dir", help="The cache folder. Default: the profile's kv.disk_dir, else $XDG_CACHE_HOME/edgeinfer/kv.",
     envvar="EDGEINFER_CACHE_DIR")]
-ModelPrefix = Annotated[Optional[str], typer.Option(
+ModelPrefix = Annotated[str | None, typer.Option(
     "--model", help="Only the folder whose digest or model fingerprint starts with this (see `cache stats`).")]
 
 

@@ -128,7 +128,7 @@ class FileStash:
     @torch.no_grad()
     def __init__(self, modules: Iterable[torch.nn.Module], folder: Path) -> None:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        self._file = tempfile.TemporaryFile(dir=folder, prefix="edgeinfer-weights-")
+        self._file = tempfile.TemporaryFile(dir=folder, prefix="edgeinfer-weights-")  # noqa: SIM115 - open until restore
         self._slots: list[_Slot] = []
         offset = 0
         for t in _tensors(modules):

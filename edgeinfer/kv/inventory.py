@@ -15,7 +15,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgeinfer.kv.disk import FORMAT_VERSION, ChecksumError, DiskBusyError, DiskLayout, DiskStore
+from edgeinfer.kv.disk import (
+    FORMAT_VERSION,
+    ChecksumError,
+    DiskBusyError,
+    DiskLayout,
+    DiskStore,
+)
 from edgeinfer.kv.embeddings import EmbeddingStore
 
 
@@ -63,7 +69,7 @@ def model_folders(root: Path) -> list[Path]:
     return sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
 
 
-def _layout(folder: Path) -> DiskLayout | None:
+def folder_layout(folder: Path) -> DiskLayout | None:
     """The layout ``meta.json`` names, when it is the one the folder's name stands for."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
@@ -108,7 +114,7 @@ def _describe(folder: Path, layout: DiskLayout, store: DiskStore, **done: int) -
 def _each_folder(root: Path, model: str | None, work) -> list[FolderReport]:
     reports = []
     for folder in model_folders(root):
-        layout = _layout(folder)
+        layout = folder_layout(folder)
         if layout is None:
             if model is None:
                 reports.append(FolderReport(folder.name, skipped="not a cache folder (meta.json missing or "

@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel
 
+from edgeinfer.engine.async_engine import AsyncEngine
 from edgeinfer.engine.engine import Engine, SleepLevel
 from edgeinfer.kv.inventory import cache_stats, clear_cache, verify_cache
-from edgeinfer.server.app import ERROR_RESPONSES, EngineDep, require_api_key
 
 
 class SleepState(BaseModel):
@@ -34,7 +34,14 @@ class SleepAnswer(SleepState):
     weights: str = ""
 
 
-admin = APIRouter(dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES, tags=["admin"])
+def _engine(request: Request) -> AsyncEngine:
+    return request.app.state.runtime.require_engine()
+
+
+EngineDep = Annotated[AsyncEngine, Depends(_engine)]
+
+# The app includes it behind its API key check (``create_app``).
+admin = APIRouter(tags=["admin"])
 
 
 def _state(engine: Engine) -> dict[str, Any]:

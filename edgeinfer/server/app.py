@@ -31,6 +31,7 @@ from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.errors import EdgeInferError, PreflightError, RequestCancelled, http_status_for, mapping_for
 from edgeinfer.preflight import ImageRules, OnOversize, PreparedImage, prepare_image, read_image_source
 from edgeinfer.server import chat
+from edgeinfer.server.admin import admin
 from edgeinfer.server.errors import (
     AuthenticationError, BodyTooLarge, InvalidParam, ModelNotReady, error_payload, error_response,
     install_error_handlers,
@@ -448,9 +449,7 @@ def create_app(settings: ServerSettings,
     install_error_handlers(app)
     app.include_router(probes)
     app.include_router(api)
-    from edgeinfer.server.admin import admin  # it reads this module's dependencies
-
-    app.include_router(admin)
+    app.include_router(admin, dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_mb * 2**20)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app
