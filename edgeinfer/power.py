@@ -20,6 +20,7 @@ _MODE_LINE = re.compile(r"<\s*POWER_MODEL\s+ID=(\d+)\s+NAME=([^\s>]+)", re.IGNOR
 _STATUS_LINE = re.compile(r"pmode:\s*(\d+)", re.IGNORECASE)
 _GPU_DEVFREQ = re.compile(r"gpu|ga10b|gb10b|gv11b", re.IGNORECASE)
 _WATTS = re.compile(r"(\d+)W", re.IGNORECASE)
+_GPU_MAX_FREQ = re.compile(r"^\s*GPU\s+MAX_FREQ\s+(-?\d+)", re.IGNORECASE | re.MULTILINE)
 _INVALID_TEMP_C = -40.0  # zones without a sensor report large negative values
 
 
@@ -33,6 +34,7 @@ class PowerMode:
     id: int
     name: str | None
     modes: tuple[tuple[int, str], ...]
+    gpu_max_hz: int | None = None  # the GPU clock cap this mode sets; None: none (MAXN) or not said
 
     @property
     def max_mode(self) -> tuple[int, str] | None:
@@ -62,6 +64,19 @@ def read_power_modes(root: str | Path = "/") -> tuple[tuple[int, str], ...]:
     return tuple((int(i), name) for i, name in _MODE_LINE.findall(text))
 
 
+def read_mode_gpu_max_hz(root: str | Path, mode_id: int) -> int | None:
+    """``GPU MAX_FREQ`` of mode ``mode_id`` in ``/etc/nvpmodel.conf``; None where it is absent or -1."""
+    text = read_text(root, "/etc/nvpmodel.conf") or ""
+    starts = [(m.start(), int(m.group(1))) for m in _MODE_LINE.finditer(text)]
+    for i, (start, found) in enumerate(starts):
+        if found == mode_id:
+            end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
+            match = _GPU_MAX_FREQ.search(text, start, end)
+            hz = int(match.group(1)) if match else -1
+            return hz if hz > 0 else None
+    return None
+
+
 def read_power_mode(root: str | Path = "/") -> PowerMode | None:
     """The current mode from nvpmodel's status file; None where nvpmodel is absent."""
     match = _STATUS_LINE.search(read_text(root, "/var/lib/nvpmodel/status") or "")
@@ -69,7 +84,7 @@ def read_power_mode(root: str | Path = "/") -> PowerMode | None:
         return None
     modes = read_power_modes(root)
     current = int(match.group(1))
-    return PowerMode(current, dict(modes).get(current), modes)
+    return PowerMode(current, dict(modes).get(current), modes, read_mode_gpu_max_hz(root, current))
 
 
 # --------------------------------------------------------------------------- clocks
@@ -215,6 +230,30 @@ class PowerSnapshot:
             out.append(("edgeinfer_power_mode", {"name": self.mode.name or str(self.mode.id)}, float(self.mode.id)))
         out.append(("edgeinfer_clocks_locked", {}, float(self.clocks.locked)))
         return out
+
+
+def limits_reached(snapshot: PowerSnapshot, *, thermal_zone: str = ".*", thermal_limit_c: float | None = None,
+                   power_budget_w: float | None = None, clock_cap_check: bool = False) -> tuple[str, ...]:
+    """Which of the given limits the board is at, each said with its reading; empty when none.
+
+    Thermal: a zone whose name matches ``thermal_zone`` at or above ``thermal_limit_c``. Power:
+    board input at or above ``power_budget_w``. Clocks: the GPU's clock cap (devfreq
+    ``max_freq``) under the cap the nvpmodel mode sets, which is how the kernel throttles.
+    """
+    reasons = []
+    if thermal_limit_c is not None:
+        pattern = re.compile(thermal_zone, re.IGNORECASE)
+        hot = [z for z in snapshot.thermal if pattern.search(z.name) and z.temp_c >= thermal_limit_c]
+        reasons += [f"{z.name} at {z.temp_c:.1f} C, limit {thermal_limit_c:g} C" for z in hot]
+    watts = snapshot.input_watts
+    if power_budget_w is not None and watts is not None and watts >= power_budget_w:
+        reasons.append(f"board input {watts:.1f} W, budget {power_budget_w:g} W")
+    mode, clocks = snapshot.mode, snapshot.clocks
+    if clock_cap_check and mode is not None and mode.gpu_max_hz and clocks.gpu_max_mhz is not None \
+            and clocks.gpu_max_mhz < mode.gpu_max_hz // 1_000_000:
+        reasons.append(f"GPU clock cap {clocks.gpu_max_mhz} MHz, under mode {mode.name or mode.id}'s "
+                       f"{mode.gpu_max_hz // 1_000_000} MHz")
+    return tuple(reasons)
 
 
 def read_power_snapshot(root: str | Path = "/", *, use_jtop: bool = True) -> PowerSnapshot:

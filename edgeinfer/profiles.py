@@ -347,18 +347,63 @@ class BuildConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """Daemon limits: waiting requests, requests in flight, time and body size."""
+    """Daemon limits: waiting requests, requests in flight, time and body size. ``idle_sleep_s``:
+    after this long without a request the engine sleeps at ``idle_sleep_level`` (1: weights to
+    host memory, 2: weights dropped) and the next request wakes it; null never."""
 
     max_queue: int
     max_concurrent: int
     request_timeout_s: float
     max_body_mb: int
     shutdown_grace_s: float
+    idle_sleep_s: float | None = None
+    idle_sleep_level: int = 1
 
     def __post_init__(self) -> None:
         _check_types(self)
         _require_positive(self, "max_queue", "max_concurrent", "request_timeout_s", "max_body_mb")
         _require_non_negative(self, "shutdown_grace_s")
+        _require(self.idle_sleep_s is None or self.idle_sleep_s > 0, "idle_sleep_s",
+                 f"must be > 0 or null, got {self.idle_sleep_s}")
+        _require(self.idle_sleep_level in (1, 2), "idle_sleep_level",
+                 f"must be 1 or 2, got {self.idle_sleep_level}")
+
+
+@dataclass(frozen=True, slots=True)
+class PowerLimits:
+    """When the board is at its limit, and what the daemon admits then.
+
+    At the limit: the hottest zone whose name matches ``thermal_zone`` (a regular expression)
+    is at ``thermal_limit_c`` or above, board input power is at ``power_budget_w`` or above,
+    or (``clock_cap_check``) the GPU's clock cap is under what the nvpmodel mode sets. Then
+    ``max_concurrent`` and ``max_queue`` fall to the ``throttled_`` values and Retry-After is
+    stretched ``retry_factor`` times; readings every ``check_every_s``. A limit left null is
+    not checked.
+    """
+
+    thermal_zone: str = ".*"
+    thermal_limit_c: float | None = None
+    power_budget_w: float | None = None
+    clock_cap_check: bool = False
+    throttled_max_concurrent: int = 1
+    throttled_max_queue: int = 2
+    retry_factor: float = 4.0
+    check_every_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _require(_compiles(self.thermal_zone), "thermal_zone",
+                 f"not a valid regular expression: {self.thermal_zone!r}")
+        for name in ("thermal_limit_c", "power_budget_w"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, f"must be > 0 or null, got {value}")
+        _require_positive(self, "throttled_max_concurrent", "check_every_s")
+        _require_non_negative(self, "throttled_max_queue")
+        _require(self.retry_factor >= 1, "retry_factor", f"must be >= 1, got {self.retry_factor}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.thermal_limit_c is not None or self.power_budget_w is not None or self.clock_cap_check
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,14 +417,24 @@ class DeviceProfile:
     runtime: RuntimeConfig
     build: BuildConfig
     server: ServerConfig
+    power: PowerLimits = PowerLimits()
 
     def __post_init__(self) -> None:
         _check_types(self)
         _require(bool(_NAME.match(self.name)), "name",
                  f"must be lower-case letters, digits and '-', got {self.name!r}")
         self._check_device()
+        if self.power.enabled:
+            self._check_throttled_below_server()
         self._check_engine_shapes()
         self._check_body_fits_image()
+
+    def _check_throttled_below_server(self) -> None:
+        power, server = self.power, self.server
+        _require(power.throttled_max_concurrent <= server.max_concurrent, "power.throttled_max_concurrent",
+                 f"{power.throttled_max_concurrent} is over server.max_concurrent {server.max_concurrent}")
+        _require(power.throttled_max_queue <= server.max_queue, "power.throttled_max_queue",
+                 f"{power.throttled_max_queue} is over server.max_queue {server.max_queue}")
 
     def _check_device(self) -> None:
         _require(self.detect.kind != "cpu" or self.runtime.device == "cpu", "runtime.device",

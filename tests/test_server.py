@@ -257,7 +257,8 @@ def test_batch_answers_each_item(client, question, reference):
 
 
 def test_probes_and_models(served, client):
-    assert httpx.get(f"{served}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{served}/health").json() == {"status": "ok", "sleeping": False, "throttled": False,
+                                                    "throttle_reasons": []}
     assert httpx.get(f"{served}/ready").json()["status"] == "ready"
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and len(models["data"]) == 1

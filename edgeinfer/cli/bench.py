@@ -189,3 +189,30 @@ def kv(
                            session_tokens=session_tokens, sessions=sessions, rounds=rounds, new_tokens=new_tokens,
                            demo_questions=demo_questions)
         _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, say=typer.echo))
+
+
+@bench_app.command("sleep")
+def sleep(
+    *,
+    model: ModelOption = None,
+    shape: ShapeOption = "qwen2-vl-2b",
+    cache: CacheOption = DEFAULT_CACHE,
+    out: OutOption = Path("bench-results"),
+    profile: Annotated[str, typer.Option(help="Profile the engine runs with (cuda on a GPU, cpu to check "
+                                              "the code paths).")] = "cuda",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override one profile field (repeatable).")]
+    = None,
+    image_size: Annotated[str, typer.Option(help="WIDTHxHEIGHT of the random picture.")] = "1024x768",
+    repeats: RepeatsOption = 3,
+) -> None:
+    """Memory a level-1 and a level-2 sleep free, and the seconds from a wake to the next first token."""
+    from edgeinfer.bench import raw
+    from edgeinfer.bench.sleep import SleepBenchSpec, bench, markdown
+    from edgeinfer.profiles import parse_size
+
+    with cli_errors():
+        spec = _spec(SleepBenchSpec, _model(model, shape, cache), profile, tuple(set_ or ()),
+                     parse_size(image_size), repeats)
+        report = bench(spec)
+        _done(raw.write(out, f"sleep-{spec.profile}-{Path(spec.model).name}", report, markdown(report)))
+

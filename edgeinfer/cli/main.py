@@ -45,6 +45,9 @@ app.command("build")(build)
 from edgeinfer.cli.bench import bench_app  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
+from edgeinfer.cli.cache import cache_app  # noqa: E402
+
+app.add_typer(cache_app, name="cache")
 
 
 if __name__ == "__main__":

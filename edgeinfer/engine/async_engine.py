@@ -23,11 +23,18 @@ wait for a slot, and past that :meth:`AsyncEngine.submit` raises
 :class:`QueueFullError` at once (a :class:`CapacityError`, with a retry hint). :meth:`AsyncEngine.drain`
 stops admitting and waits for the requests in flight, for a shutdown; what is left then
 fails with :class:`ServerShuttingDown` (HTTP 503).
+
+Sleep (:meth:`AsyncEngine.control`, and idle release after ``idle_sleep_s``) runs on the
+engine thread too, once no request is inside the engine; requests that arrive meanwhile
+wait, and the first of them wakes the engine (each one's ``timings`` say how long the wake
+took). :meth:`AsyncEngine.set_limits` lowers or restores admission while it runs (a board
+at its power or heat limit).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -37,7 +44,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from edgeinfer.engine.engine import Engine
 from edgeinfer.engine.inputs import Message, PreparedPrompt
@@ -52,6 +59,7 @@ from edgeinfer.errors import (
 log = logging.getLogger(__name__)
 
 MetricTriple = tuple[str, dict[str, str], float]
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- requests
@@ -165,6 +173,7 @@ class RequestHandle:
         self.submitted_at: float | None = None
         self.finished = False
         self.trimmer = _Trimmer()
+        self.wake_s = 0.0  # the engine's wake this request waited for
 
     # --- event loop side ------------------------------------------------------------
     async def admitted(self) -> None:
@@ -228,12 +237,18 @@ class AsyncEngine:
     SNAPSHOT_EVERY_S = 0.2
     TRANSFER_POLL_S = 0.05  # while idle with KV transfers in flight: how often to complete them
 
-    def __init__(self, engine: Engine, *, max_concurrent: int, max_queue: int) -> None:
+    def __init__(self, engine: Engine, *, max_concurrent: int, max_queue: int,
+                 idle_sleep_s: float | None = None, idle_sleep_level: int = 1) -> None:
         if max_concurrent < 1 or max_queue < 0:
             raise ValueError(f"max_concurrent={max_concurrent} must be >= 1 and max_queue={max_queue} >= 0")
         self.engine = engine
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
+        self.retry_factor = 1.0  # Retry-After is stretched by this while admission is lowered
+        self.idle_sleep_s = idle_sleep_s
+        self.idle_sleep_level = idle_sleep_level
+        self._controls: list[tuple[Callable[[Engine], Any], concurrent.futures.Future]] = []
+        self._idle_since = time.monotonic()  # engine thread: when the last request left
         self._cond = threading.Condition()
         # Shared, under _cond:
         self._inbox: list[RequestHandle] = []
@@ -383,9 +398,36 @@ class AsyncEngine:
                 f"retry after {retry} s", retry)
 
     def retry_after_s(self) -> int:
-        """A hint for Retry-After: the mean request time times the queue ahead, per slot."""
+        """A hint for Retry-After: the mean request time times the queue ahead, per slot, stretched
+        by ``retry_factor`` while admission is lowered."""
         waves = 1 + self.queue_depth / self.max_concurrent
-        return int(min(60, max(1, math.ceil(self._mean_latency_s * waves))))
+        factor = self.retry_factor
+        return int(min(60 * factor, max(factor, math.ceil(self._mean_latency_s * waves * factor))))
+
+    # --- control (any thread, run on the engine thread) -------------------------------------
+    def set_limits(self, max_concurrent: int, max_queue: int, retry_factor: float = 1.0) -> None:
+        """Change admission while running; requests already admitted finish as they are."""
+        if max_concurrent < 1 or max_queue < 0 or retry_factor < 1:
+            raise ValueError(f"max_concurrent={max_concurrent} must be >= 1, max_queue={max_queue} >= 0 and "
+                             f"retry_factor={retry_factor} >= 1")
+        with self._cond:
+            self.max_concurrent, self.max_queue, self.retry_factor = max_concurrent, max_queue, retry_factor
+            self._cond.notify_all()
+
+    async def control(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread once no request is inside the engine (sleep,
+        wake, cache maintenance); requests arriving meanwhile wait for it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise RequestCancelled("the engine has stopped")
+            self._controls.append((fn, future))
+            self._cond.notify_all()
+        return await asyncio.wrap_future(future)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(getattr(self.engine, "is_sleeping", False))
 
     # --- cancelling (any thread) ------------------------------------------------------------
     def _request_cancel(self, handle: RequestHandle,
@@ -424,10 +466,16 @@ class AsyncEngine:
     def _next_round(self) -> bool:
         """Take new requests and cancellations, waiting while there is nothing to do."""
         with self._cond:
-            while not (self._inbox or self._cancels or self._pending or self._active or self._stopping):
+            while not (self._inbox or self._cancels or self._pending or self._active or self._stopping
+                       or self._controls):
                 in_flight = self._collect_transfers()
                 self._publish_snapshot(force=True)
-                self._cond.wait(self.TRANSFER_POLL_S if in_flight else None)
+                wait_s = self._idle_wait_s()
+                if wait_s == 0.0:
+                    break  # idle release is due: done below, without holding the lock
+                if in_flight:
+                    wait_s = self.TRANSFER_POLL_S if wait_s is None else min(wait_s, self.TRANSFER_POLL_S)
+                self._cond.wait(wait_s)
             if self._stopping:
                 return False
             inbox, self._inbox = self._inbox, []
@@ -437,7 +485,58 @@ class AsyncEngine:
             for target in ([*self._pending, *self._active.values()] if handle is None else [handle]):
                 self._cancel_now(target, error)
         self._expire(time.perf_counter())
+        self._run_controls()
         self._admit()
+        if self._active or self._pending:
+            self._idle_since = time.monotonic()
+        elif self._idle_wait_s() == 0.0:
+            self._sleep_when_idle()
+        return True
+
+    def _idle_wait_s(self) -> float | None:
+        """Seconds until idle release is due; None when there is none to do."""
+        if self.idle_sleep_s is None or self.is_sleeping:
+            return None
+        return max(0.0, self._idle_since + self.idle_sleep_s - time.monotonic())
+
+    def _sleep_when_idle(self) -> None:
+        """Idle release: nothing has run for ``idle_sleep_s``."""
+        try:
+            self.engine.sleep(self.idle_sleep_level)
+        except Exception:
+            log.exception("idle release failed; the engine stays awake")
+            self._idle_since = time.monotonic()
+        self._publish_snapshot(force=True)
+
+    def _run_controls(self) -> None:
+        """Controls run when no request is inside the engine; until then admission waits for them."""
+        if self._active:
+            return
+        with self._cond:
+            controls, self._controls = self._controls, []
+        for fn, future in controls:
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # the caller gets the error; the engine thread goes on
+                future.set_exception(exc)
+        if controls:
+            self._idle_since = time.monotonic()
+            self._publish_snapshot(force=True)
+
+    def _wake_for(self, waiting: list[RequestHandle]) -> bool:
+        """Wake the engine for the requests ``waiting``; False (each failed) when it cannot."""
+        if not self.is_sleeping:
+            return True
+        try:
+            seconds = self.engine.wake_up()
+        except Exception as exc:
+            log.exception("waking the engine failed")
+            for handle in waiting:
+                self._pending.remove(handle)
+                self._finish(handle, _Failed(_typed(exc)))
+            return False
+        for handle in waiting:
+            handle.wake_s = seconds
         return True
 
     def _collect_transfers(self) -> bool:
@@ -453,6 +552,8 @@ class AsyncEngine:
             return False
 
     def _admit(self) -> None:
+        if self._controls or not self._pending or not self._wake_for(list(self._pending)):
+            return
         while self._pending and len(self._active) < self.max_concurrent:
             handle = self._pending.popleft()
             request = handle.request
@@ -464,6 +565,7 @@ class AsyncEngine:
                 self._finish(handle, _Failed(_typed(exc)))
                 continue
             handle.seq, handle.submitted_at = seq, time.perf_counter()
+            seq.timings.wake_s = handle.wake_s
             self._active[seq.seq_id] = handle
             with self._cond:
                 self._running += 1
@@ -539,6 +641,9 @@ class AsyncEngine:
         with self._cond:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+            controls, self._controls = self._controls, []
+        for _, future in controls:
+            future.set_exception(error)
         self._pending.extend(inbox)
         for handle in [*self._pending, *self._active.values(), *(h for h, _ in cancels if h is not None)]:
             self._cancel_now(handle, error)
@@ -556,9 +661,9 @@ class AsyncEngine:
         if not force and now - self._last_snapshot < self.SNAPSHOT_EVERY_S:
             return
         self._last_snapshot = now
-        pool = self.engine.pool
+        pool = self.engine.pool  # None while the engine sleeps
         self.snapshot = EngineSnapshot(
-            kv_free=pool.num_free, kv_total=pool.num_blocks,
+            kv_free=pool.num_free if pool is not None else 0, kv_total=pool.num_blocks if pool is not None else 0,
             counters=dict(getattr(self.engine, "counters", {})),
             kv=_kv_metrics(self.engine),
         )

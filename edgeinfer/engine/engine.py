@@ -4,13 +4,17 @@
 sequence (:class:`Inputs`, then the :class:`VisionCache`); ``step`` runs one prefill chunk
 or one batched decode step (:class:`Scheduler`, then the :class:`Runner`); ``generate`` and
 ``stream`` are loops over ``step`` for one request; :class:`Output` makes text and results.
+``sleep`` releases the KV pool and the weights between requests (:mod:`edgeinfer.engine.sleep`);
+``wake_up``, or the next ``submit``, builds them again.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,9 @@ from edgeinfer.engine.runner import Runner
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
+from edgeinfer.engine.sleep import (
+    SleepLevel, SleepReport, SleepStats, WeightStash, release_unused_memory, stash_weights,
+)
 from edgeinfer.engine.vision_cache import VisionCache
 from edgeinfer.errors import RequestError
 from edgeinfer.kv.manager import KVManager
@@ -34,20 +41,43 @@ from edgeinfer.models.loader import LoadedModel, load_model
 from edgeinfer.preflight import ImageRules
 from edgeinfer.profiles import ImageLimits
 
-__all__ = ["Engine", "EngineConfig", "GenerationResult", "image_key"]
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "SleepLevel", "SleepReport", "image_key"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRecipe:
+    """How ``Engine.load`` opened an engine: what a wake from level 2 repeats."""
+
+    path: Path
+    backend: Any  # a registry Backend
+    device_profile: Any
+    engines_root: str | Path | None
+    trust_remote_code: bool
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig, engines: Engines, profile: Any = None) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig, engines: Engines, profile: Any = None,
+                 recipe: LoadRecipe | None = None) -> None:
         """``engines``: what a backend opened for ``model``; ``profile``: the DeviceProfile the
-        engine was sized from, when it was loaded from one (its image limits apply)."""
+        engine was sized from, when it was loaded from one (its image limits apply); ``recipe``:
+        how it was loaded (``Engine.load`` gives it), which sleep level 2 needs to wake."""
         if config.threads:
             torch.set_num_threads(config.threads)
+        self.config = config
+        self.profile = profile
+        self.recipe = recipe
+        self.sleep_stats = SleepStats()
+        self._stash: WeightStash | None = None
+        self._carried: Counter[str] = Counter()  # counters of the parts a sleep dropped
+        self._assemble(model, engines)
+
+    def _assemble(self, model: LoadedModel, engines: Engines) -> None:
+        """Build every part over ``model`` and ``engines``: at load, and again at each wake."""
+        config = self.config
         self.model = model
         self.adapter = model.adapter
-        self.config = config
         self.engines = engines
-        self.profile = profile
+        self._backend = engines.backend
         cfg = model.decoder.cfg
         num_blocks = config.device_blocks(cfg)
         self.pool = BlockPool(num_blocks, config.block_size)
@@ -67,7 +97,8 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        return self.engines.backend
+        return self._backend
+
 
     @property
     def decoder_engine(self) -> DecoderEngine:
@@ -91,7 +122,14 @@ class Engine:
 
     @property
     def counters(self) -> dict[str, int]:
-        """Engine counters and the KV manager's (prefix hits, spills, restores, preemptions, recomputes)."""
+        """Engine counters and the KV manager's (prefix hits, spills, restores, preemptions, recomputes),
+        counted since load, across sleeps."""
+        total = Counter(self._carried)
+        if not self.is_sleeping:
+            total.update(self._live_counters())
+        return dict(total)
+
+    def _live_counters(self) -> dict[str, int]:
         vision = {"vision_runs": self.vision_cache.runs, "vision_reused": self.vision_cache.reused}
         return {**vision, **self.runner.counters, **self.kv_manager.counters()}
 
@@ -103,13 +141,119 @@ class Engine:
         runs = f"{type(self.adapter).__name__}|{self.config.dtype}|{self.model.decoder.cfg}|{engines.backend}|{build}"
         return prefix_cache_root(self.adapter.checkpoint.path, runs)
 
-    def kv_metrics(self) -> KVMetrics:
-        """A snapshot of the KV tiers (also iterable as (name, labels, value) metric triples)."""
-        return self.kv_manager.metrics()
+    def kv_metrics(self) -> KVMetrics | None:
+        """A snapshot of the KV tiers (also iterable as (name, labels, value) metric triples);
+        None while asleep (there are no tiers then)."""
+        return None if self.is_sleeping else self.kv_manager.metrics()
 
     def close(self) -> None:
         """Finish KV transfers and write the prefix cache through to disk (also done at exit)."""
-        self.kv_manager.close()
+        if not self.is_sleeping:
+            self.kv_manager.close()
+
+    # --- sleep -----------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_stats.level != SleepLevel.AWAKE
+
+    @property
+    def sleep_level(self) -> SleepLevel:
+        return SleepLevel(self.sleep_stats.level)
+
+    def sleep(self, level: int | SleepLevel = SleepLevel.OFFLOAD) -> SleepReport:
+        """Release the KV pool and the weights; only between requests.
+
+        The prefix cache goes through to the disk tier first (where the profile has one: a
+        question after the wake reuses it). Level 1 keeps the weights in host memory (a file on a
+        CPU); level 2 drops them. A backend other than torch holds its weights inside its runtime:
+        its engines are closed and, at either level, opened again from the engines folder.
+        Sleeping again deeper is allowed; sleeping while asleep at the same level is a no-op.
+        """
+        level = SleepLevel.parse(level)
+        if level <= self.sleep_level:
+            return SleepReport(int(self.sleep_level), 0.0, 0, 0, "unchanged")
+        started = time.perf_counter()
+        if self.is_sleeping:  # level 1 to level 2: drop what level 1 kept
+            return self._deepen(started)
+        self._require_idle()
+        self._require_reloadable(level)
+        persisted_before = self.kv_manager.stats.persisted_blocks
+        freed = self.kv.k.nbytes + self.kv.v.nbytes
+        self.kv_manager.close()  # flushes the prefix cache to disk and releases the cache folder
+        persisted = self.kv_manager.stats.persisted_blocks - persisted_before
+        self._carried.update(self._live_counters())
+        weights = self._put_weights_away(level)
+        self._drop_parts()
+        release_unused_memory()
+        self.sleep_stats.level = int(level)
+        self.sleep_stats.sleeps[int(level)] += 1
+        return SleepReport(int(level), time.perf_counter() - started, persisted, freed, weights)
+
+    def wake_up(self) -> float:
+        """Build the KV pool and bring the weights back; returns the seconds it took (0 when awake)."""
+        if not self.is_sleeping:
+            return 0.0
+        started = time.perf_counter()
+        model, engines = self._weights_back()
+        self._assemble(model, engines)
+        seconds = time.perf_counter() - started
+        stats = self.sleep_stats
+        stats.level, stats.wakes = int(SleepLevel.AWAKE), stats.wakes + 1
+        stats.wake_s_total += seconds
+        stats.last_wake_s = seconds
+        return seconds
+
+    def _require_idle(self) -> None:
+        if self.has_work():
+            running = len(self.scheduler.running) + len(self.scheduler.waiting)
+            raise RequestError(f"cannot sleep with {running} requests in the engine; sleep between requests")
+
+    def _require_reloadable(self, level: SleepLevel) -> None:
+        if self.recipe is None and (level is SleepLevel.DISCARD or self.backend != "torch"):
+            raise RequestError(f"sleep level {int(level)} on the {self.backend} backend reloads the model on "
+                               f"wake, and this engine was not loaded from a folder (use Engine.load)")
+
+    def _put_weights_away(self, level: SleepLevel) -> str:
+        if level is SleepLevel.OFFLOAD and self.backend == "torch":
+            self._stash = stash_weights((self.model.decoder, self.model.vision), self.config.device,
+                                        self._stash_folder())
+            return self._stash.kind
+        self.model = None  # type: ignore[assignment]
+        return "dropped"
+
+    def _stash_folder(self) -> Path:
+        from edgeinfer.kv.disk import default_cache_dir
+
+        return Path(self.config.disk_dir).expanduser() if self.config.disk_dir else default_cache_dir()
+
+    def _deepen(self, started: float) -> SleepReport:
+        self._require_reloadable(SleepLevel.DISCARD)
+        self._stash, self.model = None, None  # type: ignore[assignment]
+        release_unused_memory()
+        self.sleep_stats.level = int(SleepLevel.DISCARD)
+        self.sleep_stats.sleeps[int(SleepLevel.DISCARD)] += 1
+        return SleepReport(int(SleepLevel.DISCARD), time.perf_counter() - started, 0, 0, "dropped")
+
+    def _drop_parts(self) -> None:
+        """Let go of every part that holds device memory: pool, engines (CUDA graphs), caches."""
+        self.engines = None  # type: ignore[assignment]
+        for name in ("pool", "kv", "kv_manager", "scheduler", "inputs", "vision_cache", "runner"):
+            setattr(self, name, None)
+
+    def _weights_back(self) -> tuple[LoadedModel, Engines]:
+        from edgeinfer.backends.registry import Backend, open_engines
+
+        recipe = self.recipe
+        if self._stash is not None:
+            self._stash.restore()
+            self._stash = None
+            chosen = recipe.backend if recipe is not None else Backend.TORCH
+            profile = recipe.device_profile if recipe is not None else None
+            root = recipe.engines_root if recipe is not None else None
+            return self.model, open_engines(chosen, self.model, profile, self.config, root)
+        assert recipe is not None  # _require_reloadable made sure
+        model = load_model(recipe.path, self.config.torch_dtype, self.config.device, recipe.trust_remote_code)
+        return model, open_engines(recipe.backend, model, recipe.device_profile, self.config, recipe.engines_root)
 
     # --- construction ------------------------------------------------------------------
     @classmethod
@@ -138,7 +282,8 @@ class Engine:
             config = replace(config, profile_name=device_profile.name)
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
         engines = open_engines(chosen, model, device_profile, config, engines_root)
-        return cls(model, config, engines, profile=device_profile)
+        recipe = LoadRecipe(Path(path), chosen, device_profile, engines_root, trust_remote_code)
+        return cls(model, config, engines, profile=device_profile, recipe=recipe)
 
     def image_rules(self) -> ImageRules:
         """Preflight rules for this engine: the stricter of the profile's and the model's limits."""
@@ -164,14 +309,17 @@ class Engine:
 
     @torch.inference_mode()
     def submit_prepared(self, prompt_in: PreparedPrompt, sampling: SamplingParams = SamplingParams()) -> Sequence:
-        """Encode the images of a prepared request and hand its sequence to the scheduler."""
+        """Encode the images of a prepared request and hand its sequence to the scheduler; an engine
+        asleep wakes first (the wake is in the sequence's timings)."""
         started = time.perf_counter()
+        wake_s = self.wake_up()
         embeds = [self.vision_cache.embeddings(key, image) for key, image in zip(prompt_in.keys, prompt_in.images)]
         vision_s = time.perf_counter() - started
         seq = self.inputs.sequence(prompt_in, [e for e, _ in embeds], sampling,
                                    vision_reused=sum(reused for _, reused in embeds))
         seq.timings.created = started
-        seq.timings.vision_s = vision_s
+        seq.timings.wake_s = wake_s
+        seq.timings.vision_s = vision_s - wake_s
         self.scheduler.add(seq)
         self.output.start(seq)
         return seq
@@ -182,6 +330,8 @@ class Engine:
 
     # --- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
+        if self.is_sleeping:
+            return False
         return self.scheduler.has_work() or self.runner.burst_in_flight
 
     @torch.inference_mode()

@@ -85,7 +85,7 @@ class Output:
         self._text.pop(seq.seq_id, None)
         t = seq.timings
         timings = {
-            "vision_s": t.vision_s, "prefill_s": t.prefill_s, "ttft_s": t.ttft_s,
+            "wake_s": t.wake_s, "vision_s": t.vision_s, "prefill_s": t.prefill_s, "ttft_s": t.ttft_s,
             "total_s": (t.finished or time.perf_counter()) - t.created,
             "decode_tokens_per_s": t.decode_tokens_per_s(len(seq.generated)),
         }

@@ -31,6 +31,7 @@ class FinishReason(str, enum.Enum):
 @dataclass
 class Timings:
     created: float = field(default_factory=time.perf_counter)
+    wake_s: float = 0.0  # waking the engine from sleep for this request
     vision_s: float = 0.0
     prefill_s: float = 0.0
     first_token: float | None = None

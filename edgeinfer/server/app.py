@@ -45,6 +45,7 @@ from edgeinfer.errors import (
 )
 from edgeinfer.preflight import ImageRules, read_image_source
 from edgeinfer.server import chat
+from edgeinfer.server.admin import admin
 from edgeinfer.server.decoding import (
     DecodeBudget, check_image_count, decode_budget_bytes, decode_one, prepare_refs,
 )
@@ -59,15 +60,18 @@ from edgeinfer.server.schemas import (
     ModelList, Readiness, VQAResponse,
 )
 from edgeinfer.server.settings import ServerSettings
+from edgeinfer.server.throttle import AdmissionGovernor
 
 log = logging.getLogger("edgeinfer.server")
 T = TypeVar("T")
 _CLIENT_LEFT = mapping_for(RequestCancelled).http_status  # counted in the metrics, never sent
 
 # Paths that need the API key when the server has one; it is checked before the body is read.
-PROTECTED_PREFIXES = ("/v1/", "/metrics")
+PROTECTED_PREFIXES = ("/v1/", "/metrics", "/sleep", "/wake_up", "/is_sleeping", "/admin/")
 KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/vqa", "/v1/models",
-                         "/health", "/ready", "/metrics", "/openapi.json", "/docs"})
+                         "/health", "/ready", "/metrics", "/openapi.json", "/docs",
+                         "/sleep", "/wake_up", "/is_sleeping", "/admin/cache", "/admin/cache/clear",
+                         "/admin/cache/verify"})
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description} for status, description in (
         (400, "Malformed request (invalid JSON, bad base64, unsupported field value)"),
@@ -99,6 +103,7 @@ class Runtime:
         self.policy = ImageSourcePolicy(allow_remote=settings.allow_remote_images,
                                         remote_timeout_s=settings.remote_image_timeout_s,
                                         allowed_local_dir=settings.allowed_local_dir)
+        self.governor = AdmissionGovernor(settings.profile.power, settings.server, settings.board_root)
 
     def load(self) -> None:
         """Blocking: load the checkpoint, derive the image rules, start the engine thread."""
@@ -114,7 +119,8 @@ class Runtime:
         self.decoder = DecodeBudget(decode_budget_bytes(settings.profile, self.rules),
                                     settings.profile.memory.available_floor_mb * 2**20,
                                     max_waiting=server.max_concurrent + server.max_queue)
-        self.engine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue).start()
+        self.engine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue,
+                                  idle_sleep_s=server.idle_sleep_s, idle_sleep_level=server.idle_sleep_level).start()
         if self.state == "draining":  # shut down while loading: nobody will use it
             self.engine.close()
             return
@@ -465,8 +471,10 @@ probes = APIRouter()
 
 
 @probes.get("/health", response_model=Health, summary="The process is alive")
-async def health() -> Health:
-    return Health()
+async def health(runtime: RuntimeDep) -> Health:
+    engine, throttle = runtime.engine, runtime.governor.state
+    return Health(sleeping=engine is not None and engine.is_sleeping, throttled=throttle.throttled,
+                  throttle_reasons=list(throttle.reasons))
 
 
 @probes.get("/ready", response_model=Readiness, summary="The model is loaded and requests are taken",
@@ -484,14 +492,19 @@ def create_app(settings: ServerSettings,
     """The daemon's app. ``on_load_failure`` is told when the model cannot be loaded
     (the CLI uses it to exit non-zero); the app itself keeps answering /health."""
     runtime = Runtime(settings)
-    metrics = ServerMetrics(lambda: runtime.engine, settings.served_model, lambda: runtime.decoder)
+    metrics = ServerMetrics(lambda: runtime.engine, settings.served_model, lambda: runtime.decoder,
+                            lambda: runtime.governor.state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load(runtime, on_load_failure))
+        governor = asyncio.create_task(runtime.governor.run(lambda: runtime.engine)) \
+            if settings.profile.power.enabled else None
         try:
             yield
         finally:
+            if governor is not None:
+                governor.cancel()
             if not loader.done():
                 log.warning("shutting down while the model is still loading")
             await runtime.shutdown()
@@ -504,6 +517,7 @@ def create_app(settings: ServerSettings,
     install_error_handlers(app)
     app.include_router(probes)
     app.include_router(api)
+    app.include_router(admin, dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_mb * 2**20)
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)

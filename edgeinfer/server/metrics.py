@@ -11,6 +11,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -28,7 +29,8 @@ POWER_EVERY_S = 5.0
 
 class ServerMetrics:
     def __init__(self, engine: Callable[[], AsyncEngine | None], model: str,
-                 decoder: Callable[[], DecodeBudget | None] = lambda: None) -> None:
+                 decoder: Callable[[], DecodeBudget | None] = lambda: None,
+                 throttle: Callable[[], Any] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("edgeinfer_requests", "HTTP requests answered, by endpoint and status "
@@ -52,6 +54,7 @@ class ServerMetrics:
                                             registry=r)
         ProcessCollector(namespace="edgeinfer", registry=r)
         r.register(_LiveCollector(engine, model, _kv_collector(engine), decoder))
+        r.register(_SleepCollector(engine, throttle))
 
     def observe(self, completion: Completion) -> None:
         stats, result = completion.stats, completion.result
@@ -111,6 +114,42 @@ class _LiveCollector(Collector):
                     self._power = []
                 self._power_at = time.monotonic()
             return self._power
+
+
+class _SleepCollector(Collector):
+    """Sleep state and counts (the engine's own), and power- and heat-aware admission."""
+
+    def __init__(self, engine: Callable[[], AsyncEngine | None], throttle: Callable[[], Any]) -> None:
+        self._engine = engine
+        self._throttle = throttle
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        stats = getattr(engine.engine, "sleep_stats", None) if engine is not None else None
+        if stats is not None:
+            yield _gauge("edgeinfer_sleep_level", "0 awake, 1 asleep with weights in host memory, "
+                         "2 asleep with weights dropped", stats.level)
+            sleeps = CounterMetricFamily("edgeinfer_sleeps", "Times the engine went to sleep", labels=["level"])
+            for level, count in sorted(stats.sleeps.items()):
+                sleeps.add_metric([str(level)], count)
+            yield sleeps
+            wakes = CounterMetricFamily("edgeinfer_wakes", "Times the engine woke up")
+            wakes.add_metric([], stats.wakes)
+            yield wakes
+            wake_s = CounterMetricFamily("edgeinfer_wake_seconds", "Seconds spent waking up, in all")
+            wake_s.add_metric([], stats.wake_s_total)
+            yield wake_s
+            yield _gauge("edgeinfer_last_wake_seconds", "Seconds the last wake took", stats.last_wake_s)
+        state = self._throttle()
+        if state is not None:
+            yield _gauge("edgeinfer_throttled", "1 while the board is at its power or heat limit", state.throttled)
+        if engine is not None:
+            yield _gauge("edgeinfer_admission_max_concurrent", "Requests admitted into the engine at once now",
+                         engine.max_concurrent)
+            yield _gauge("edgeinfer_admission_max_queue", "Requests that may wait now", engine.max_queue)
 
 
 def _gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:

@@ -226,6 +226,9 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
+    sleeping: bool = False  # the engine released its memory; the next request wakes it
+    throttled: bool = False  # the board is at its power or heat limit: admission is lowered
+    throttle_reasons: list[str] = []
 
 
 class Readiness(BaseModel):

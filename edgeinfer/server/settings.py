@@ -49,6 +49,7 @@ class ServerSettings:
     insecure_public: bool = False
     default_max_tokens: int = 256
     engine_config: EngineConfig | None = None  # None: from the profile
+    board_root: Path = Path("/")  # where /sys and /etc are read for power- and heat-aware admission
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():

@@ -1,0 +1,112 @@
+"""Sleep benchmark: the memory a sleep frees and the time from a wake to the next first token.
+
+One engine (the torch backend) answers one warm-up question, then per repeat and level:
+the memory the process holds is read awake, the engine sleeps (level 1, then level 2),
+the memory is read again, and a question is asked at once: its wake, vision, prefill and
+first token, timed together, are "wake to first token". On a GPU the memory is the
+device's (``torch.cuda`` allocator reserve, and the device's used memory, which also counts
+the CUDA context and anything else on the device); on a CPU it is the process's RSS.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from edgeinfer.bench import raw
+from edgeinfer.bench.common import bench_image, environment
+
+QUESTION = "Describe this image."
+
+
+@dataclass(frozen=True)
+class SleepBenchSpec:
+    model: Path
+    profile: str = "cuda"
+    overrides: tuple[str, ...] = ()
+    image_size: tuple[int, int] = (1024, 768)
+    repeats: int = 3
+    levels: tuple[int, ...] = (1, 2)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or not self.levels or set(self.levels) - {1, 2}:
+            raise ValueError(f"repeats must be >= 1 and levels 1 and/or 2, got {self.repeats} and {self.levels}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "model": str(self.model)}
+
+
+def memory_held(device: str) -> dict[str, int]:
+    """Bytes this process holds where the engine runs."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return {"allocator_reserved": torch.cuda.memory_reserved(), "device_used": total - free}
+    import psutil
+
+    return {"rss": psutil.Process().memory_info().rss}
+
+
+def _freed(awake: dict[str, int], asleep: dict[str, int], before_load: dict[str, int]) -> dict[str, float]:
+    """Per reading: the share of what the engine added since before it loaded that the sleep gave back."""
+    out = {}
+    for key, held in awake.items():
+        added = held - before_load.get(key, 0)
+        out[key] = (held - asleep[key]) / added if added > 0 else float("nan")
+    return out
+
+
+def _timed_question(engine, picture) -> tuple[float, float]:
+    """(seconds from the question to its first token, of which waking) for one question."""
+    from edgeinfer.engine import SamplingParams
+
+    started = time.perf_counter()
+    result = engine.generate(QUESTION, [picture], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    return time.perf_counter() - started, float(result.timings["wake_s"] or 0.0)
+
+
+def bench(spec: SleepBenchSpec) -> dict[str, Any]:
+    from edgeinfer.engine import Engine
+    from edgeinfer.profiles import load_profile
+
+    profile = load_profile(spec.profile, spec.overrides)
+    device = profile.runtime.device
+    before_load = memory_held(device)
+    engine = Engine.load(spec.model, profile=profile, backend="torch")
+    picture = bench_image(spec.image_size)
+    awake_first_token_s, _ = _timed_question(engine, picture)  # warm-up: compilation, graphs, caches
+    runs = []
+    for repeat in range(spec.repeats):
+        for level in spec.levels:
+            awake = memory_held(device)
+            report = engine.sleep(level)
+            asleep = memory_held(device)
+            to_first_token_s, wake_s = _timed_question(engine, picture)
+            runs.append({"repeat": repeat, "level": level, "awake": awake, "asleep": asleep,
+                         "freed_fraction": _freed(awake, asleep, before_load), "sleep_s": report.seconds,
+                         "weights": report.weights, "freed_kv_bytes": report.freed_kv_bytes,
+                         "wake_s": wake_s, "wake_to_first_token_s": to_first_token_s})
+    engine.close()
+    summary = {str(level): _summary([r for r in runs if r["level"] == level]) for level in spec.levels}
+    return {**raw.header("sleep", spec.to_json(), environment(device)), "before_load": before_load,
+            "awake_first_token_s": awake_first_token_s, "runs": runs, "summary": summary}
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = runs[0]["freed_fraction"].keys()
+    return {"freed_fraction_median": {k: statistics.median(r["freed_fraction"][k] for r in runs) for k in keys},
+            "wake_s_median": statistics.median(r["wake_s"] for r in runs),
+            "wake_to_first_token_s_median": statistics.median(r["wake_to_first_token_s"] for r in runs)}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["| level | freed (median) | wake s | wake to first token s |", "|---|---|---|---|"]
+    for level, s in report["summary"].items():
+        freed = ", ".join(f"{k} {v:.1%}" for k, v in s["freed_fraction_median"].items())
+        lines.append(f"| {level} | {freed} | {s['wake_s_median']:.3f} | {s['wake_to_first_token_s_median']:.3f} |")
+    return "\n".join(lines) + "\n"
