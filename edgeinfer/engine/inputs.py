@@ -21,6 +21,7 @@ from edgeinfer.errors import LimitExceeded, RequestError
 from edgeinfer.kv.hashing import ImageSpan, image_spans
 from edgeinfer.kv.pool import BlockTable
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout
+from edgeinfer.models.decoder import widen_embeds
 from edgeinfer.models.loader import LoadedModel
 from edgeinfer.preflight import check_cost, content_hash, estimate_cost
 
@@ -87,11 +88,14 @@ def tokenize(adapter: FamilyAdapter, text: str, images: list[ImageInputs]) -> Pr
 
 def merge_embeddings(text_embeds: torch.Tensor, token_ids: list[int], image_token_id: int,
                      image_embeds: list[torch.Tensor]) -> torch.Tensor:
-    """Put image embeddings, in order, at the image-token positions of the text embeddings."""
+    """Put image embeddings, in order, at the image-token positions of the text embeddings.
+
+    Image rows wider than the text's carry deepstack additions; the text rows are widened
+    with zeros to match (``models.decoder.split_visual_additions``)."""
     if not image_embeds:
         return text_embeds
     mask = (torch.tensor(token_ids) == image_token_id).to(text_embeds.device)
-    merged = text_embeds.clone()
+    merged = widen_embeds(text_embeds, image_embeds[0].shape[-1]).clone()
     merged[mask] = torch.cat(image_embeds).to(merged.dtype)
     return merged
 

@@ -27,6 +27,7 @@ from edgeinfer.engine.sampling import draw, filtered_probs
 from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import Sequence, Status
 from edgeinfer.kv.pool import KVCache
+from edgeinfer.models.decoder import widen_embeds
 
 
 @dataclass
@@ -110,7 +111,8 @@ class Runner:
             return seq.prompt_embeds[start:end]
         tail = torch.tensor(seq.generated[max(0, start - seq.prompt_len):end - seq.prompt_len])
         parts = [seq.prompt_embeds[start:seq.prompt_len]] if start < seq.prompt_len else []
-        return torch.cat(parts + [self.decoder.embed(tail)])
+        width = seq.prompt_embeds.shape[-1]  # wider than the tail's where the prompt carries deepstack additions
+        return torch.cat(parts + [widen_embeds(self.decoder.embed(tail), width)])
 
     def _forward(self, embeds, positions, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
         """Run the decoder engine and write the new K/V at each sequence's slots."""
