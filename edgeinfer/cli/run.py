@@ -31,6 +31,9 @@ def run(
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    max_thinking_tokens: Annotated[Optional[int], typer.Option(
+        min=0, help="Models that think: close the thinking span after this many tokens and answer "
+                    "(with --json the thinking is under 'reasoning').")] = None,
     stream: Annotated[Optional[bool], typer.Option(
         "--stream/--no-stream", help="Print tokens as they come (default: on a terminal).")] = None,
     on_oversize: Annotated[OnOversize, typer.Option(
@@ -45,15 +48,16 @@ def run(
             raise ModelLoadError(f"the bundled demo model is not in this install ({DEMO_MODEL_DIR}); "
                                  "pass --model DIR with a Hugging Face checkpoint folder")
         answer(question, image, model or DEMO_MODEL_DIR, profile, set_ or [], backend, max_tokens, temperature,
-               top_p, seed, stream, on_oversize, as_json, trust_remote_code, engines)
+               top_p, seed, stream, on_oversize, as_json, trust_remote_code, engines, max_thinking_tokens)
 
 
 def answer(question, images, model, profile, overrides, backend, max_tokens, temperature, top_p, seed,
-           stream, on_oversize, as_json, trust_remote_code, engines_root=None) -> None:
+           stream, on_oversize, as_json, trust_remote_code, engines_root=None, max_thinking_tokens=None) -> None:
     from edgeinfer.engine import Engine, SamplingParams
     from edgeinfer.preflight import prepare_images
 
-    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              max_thinking_tokens=max_thinking_tokens)
     engine = Engine.load(model, profile=profile, backend=backend, overrides=overrides,
                          trust_remote_code=trust_remote_code, engines_root=engines_root)
     started = time.perf_counter()

@@ -51,6 +51,12 @@ def decode_inputs(seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     return last, torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
 
 
+def thinking_forced(seq: Sequence, token: int) -> int:
+    """``token``, or the end of ``seq``'s thinking span where its thinking cap is spent."""
+    forced = None if seq.thinking is None else seq.thinking.forced()
+    return token if forced is None else forced
+
+
 class Runner:
     def __init__(self, engines: Engines, kv: KVCache, scheduler: Scheduler, output: Output,
                  config: EngineConfig) -> None:
@@ -128,6 +134,7 @@ class Runner:
     def choose_tokens(self, seqs: Seq[Sequence], logits: torch.Tensor) -> list[int]:
         """Next token of each row; greedy rows in one argmax (one device sync for the batch).
 
+        A row whose thinking cap is spent gets the end of its thinking span instead.
         Sampled rows have their distribution (temperature, top-k, top-p) computed where the
         logits are, and draw from it on the CPU with the request's seeded generator, so a seed
         gives the same random numbers on every device.
@@ -136,8 +143,9 @@ class Runner:
             if len(seq.generated) < seq.sampling.min_new_tokens and seq.stop_token_ids:
                 logits[i, list(seq.stop_token_ids)] = float("-inf")
         greedy = logits.argmax(-1).tolist()
-        return [g if s.sampling.greedy else draw(filtered_probs(logits[i], s.sampling), s.generator)
-                for i, (s, g) in enumerate(zip(seqs, greedy))]
+        chosen = [g if s.sampling.greedy else draw(filtered_probs(logits[i], s.sampling), s.generator)
+                  for i, (s, g) in enumerate(zip(seqs, greedy))]
+        return [thinking_forced(s, token) for s, token in zip(seqs, chosen)]
 
     def _accept(self, seq: Sequence, token: int) -> None:
         reason = self.output.accept(seq, token)
@@ -150,13 +158,15 @@ class Runner:
         """How many greedy steps may run before the host looks again (1: step by step), after
         ``ahead`` steps already queued on the device whose tokens the host has not read.
 
-        Only where the decoder engine can burst, every row is greedy and past its
+        Only where the decoder engine can burst, no row's thinking is capped, every row is greedy and past its
         ``min_new_tokens``, no request waits to join, and within the blocks each sequence
         holds (the scheduler gives greedy rows room for a whole burst where it can), so the
         scheduler's accounting never runs behind.
         """
         if self.burst <= 1 or self.bursts is None or self.scheduler.waiting:
             return 1
+        if any(s.thinking is not None and s.thinking.limit is not None for s in seqs):
+            return 1  # a capped thinking span may need its end token forced at any step
         made = [len(s.generated) + ahead for s in seqs]
         if any(not s.sampling.greedy or (n < s.sampling.min_new_tokens and s.stop_token_ids)
                for s, n in zip(seqs, made)):
