@@ -188,4 +188,5 @@ def test_greedy_tokens_match_transformers_through_onnxruntime(checkpoint, export
                          config=EngineConfig(block_size=16, num_blocks=256, profile_name=folder.name,
                                              prefill_chunk=CHUNKED.get(case, 512)))
     assert engine.backend == "onnxruntime"
+    assert type(engine.vision_engine).__name__ == "OrtVisionEngine", "the tower and its deepstack mergers run on ORT"
     assert generate(engine, case) == reference(case)
