@@ -7,6 +7,7 @@ image processor config and the family's published chat template.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -284,6 +285,66 @@ def make_qwen3_vl(out: Path, size: str = "tiny", seed: int = 0, thinking: bool =
     return out
 
 
+# --- InternVL ------------------------------------------------------------------------------
+
+# The parts of the template published with OpenGVLab/InternVL3-*-hf that a chat of text and
+# images takes (its default system prompt and video branch left out).
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}{% elif content['type'] == 'text' %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+INTERNVL_SIZES = {
+    # 32-pixel tiles of 8-pixel patches: 16 patches, pixel-shuffled to 4 tokens a tile; up to 6 tiles + a thumbnail.
+    "tiny": dict(
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=32, patch_size=8),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, rope_parameters=dict(TINY_ROPE)),
+        image_seq_length=4, max_patches=6,
+    ),
+}
+
+
+def make_internvl(out: Path, size: str = "tiny", seed: int = 0, text_model: str = "qwen2") -> Path:
+    """An InternVL folder (transformers' native format): InternVL3 with ``text_model="qwen2"``,
+    InternVL3.5 with ``"qwen3"``."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    spec = INTERNVL_SIZES[size]
+    named = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+             "video_token": "<video>"}
+    tok = build_word_tokenizer(spec["text"]["vocab_size"], ["<|im_start|>", "<|im_end|>", *named.values()],
+                               bos=None, eos="<|im_end|>", pad="<|endoftext|>", named=named)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<IMG_CONTEXT>")}
+    text = dict(spec["text"], model_type=text_model, bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    config = InternVLConfig(vision_config=spec["vision"], text_config=text, image_token_id=ids["<IMG_CONTEXT>"],
+                            image_seq_length=spec["image_seq_length"], downsample_ratio=0.5,
+                            tie_word_embeddings=False)
+    model = randomize(InternVLForConditionalGeneration(config).eval(), seed)
+    with torch.no_grad():  # a Qwen3 text model normalizes q and k per head: their gain lives in the norms
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.mul_(QK_GAIN)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    side = spec["vision"]["image_size"]
+    GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True, min_patches=1,
+                             max_patches=spec["max_patches"]).save_pretrained(out)
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": spec["image_seq_length"]}))
+    save_chat_template(out, INTERNVL_TEMPLATE)
+    return out
+
+
 # --- LLaVA-1.5 and LLaVA-NeXT ---------------------------------------------------------
 
 # llava-hf/llava-1.5-7b-hf's published template (also llava-v1.6-vicuna's).
@@ -412,6 +473,8 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwen2_vl": make_qwen2_vl,
     "qwen2_5_vl": lambda out, size="tiny", seed=0: make_qwen2_vl(out, size, "Qwen2.5-VL", seed),
     "qwen3_vl": make_qwen3_vl,
+    "internvl": make_internvl,
+    "internvl_qwen3": lambda out, size="tiny", seed=0: make_internvl(out, size, seed, text_model="qwen3"),
     "qwen3_vl_thinking": lambda out, size="tiny", seed=0: make_qwen3_vl(out, size, seed, thinking=True),
 }
 
