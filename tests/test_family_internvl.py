@@ -170,7 +170,7 @@ def test_a_second_question_about_the_same_image_reuses_its_blocks(checkpoint, re
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers_through_onnxruntime(checkpoint, exported_graphs, reference, monkeypatch,
                                                               family):
-    model, folder = exported_graphs(family)
+    _, folder = exported_graphs(family)
     monkeypatch.setenv("EDGEINFER_ENGINES", str(folder.parent.parent))
     for case in CASES:
         engine = Engine.load(checkpoint(family), backend="onnxruntime",

@@ -129,14 +129,14 @@ def mrope_frequencies(freqs: torch.Tensor, section: tuple[int, ...], interleaved
     if not interleaved:
         parts = freqs.split(list(section), dim=-1)
         return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+    # Elementwise selection only: no boolean indexing, which would wait on the device inside a CUDA graph.
     j = torch.arange(freqs.shape[-1], device=freqs.device)
-    axis = torch.zeros_like(j)
-    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
-    return torch.where(axis == 0, freqs[0], torch.where(axis == 1, freqs[1], freqs[2]))
+    rows = (j % 3 == 1) & (j < 3 * section[1])
+    cols = (j % 3 == 2) & (j < 3 * section[2])
+    return torch.where(rows, freqs[1], torch.where(cols, freqs[2], freqs[0]))
 
 
-def split_visual_additions(inputs_embeds: torch.Tensor, cfg: "DecoderConfig") -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_visual_additions(inputs_embeds: torch.Tensor, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``inputs_embeds`` [B,T,W] -> (embeddings [B,T,H], deepstack additions [B,T,D,H] or None)."""
     h = cfg.hidden_size
     if inputs_embeds.shape[-1] == h:
@@ -287,8 +287,8 @@ class Decoder(nn.Module):
     def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
         """Decoder engine step.
 
-        inputs_embeds [B,T,H] (or [B,T,embed_width] with deepstack additions); position_ids [B,T] or [3,B,T]; k_pool/v_pool
-        [layers, blocks, block_size, kv_heads, head_dim]; block_tables [B, max_blocks] (int64);
+        inputs_embeds [B,T,H] (or [B,T,embed_width] with deepstack additions); position_ids [B,T] or
+        [3,B,T]; k_pool/v_pool [layers, blocks, block_size, kv_heads, head_dim]; block_tables [B, max_blocks] (int64);
         context_lens [B] tokens already in the pool. Returns logits [B, vocab] of the last
         position and new_k/new_v [layers, B, T, kv_heads, head_dim].
         """

@@ -39,7 +39,8 @@ IMAGE_CONTEXT, IMAGE_START, IMAGE_END = "<IMG_CONTEXT>", "<img>", "</img>"
 
 
 def pixel_shuffle(features: torch.Tensor, scale: float) -> torch.Tensor:
-    """[n, side, side, c] -> [n, side*scale, side*scale, c/scale**2], as transformers' ``InternVLModel.pixel_shuffle``."""
+    """[n, side, side, c] -> [n, side*scale, side*scale, c/scale**2], as transformers'
+    ``InternVLModel.pixel_shuffle`` (which names the axes width, height)."""
     n, width, height, channels = features.shape
     features = features.reshape(n, width, int(height * scale), int(channels / scale))
     features = features.permute(0, 2, 1, 3)

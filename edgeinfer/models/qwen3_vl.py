@@ -96,8 +96,11 @@ class Qwen3VisionGraph(VisionGraph):
                 "interp_indices": {0: "patches"}, "interp_weights": {0: "patches"}, VISION_OUTPUT: {0: "image_tokens"}}
 
     def feeds(self, tensors):
-        from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
-                                               get_vision_position_ids)
+        from transformers.vision_utils import (
+            get_vision_cu_seqlens,
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+        )
 
         visual, grid = self.vision.visual, tensors["image_grid_thw"]
         indices, weights = get_vision_interpolation_indices_and_weights(

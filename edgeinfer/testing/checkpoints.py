@@ -260,9 +260,9 @@ def make_qwen3_vl(out: Path, size: str = "tiny", seed: int = 0, thinking: bool =
     ids = {t: tok.convert_tokens_to_ids(t) for t in names}
     text = dict(spec["text"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                 pad_token_id=ids["<|endoftext|>"])
-    config = Qwen3VLConfig(vision_config=spec["vision"], text_config=text, tie_word_embeddings=spec["tie_word_embeddings"],
-                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    config = Qwen3VLConfig(vision_config=spec["vision"], text_config=text,
+                           tie_word_embeddings=spec["tie_word_embeddings"], image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     model = randomize(Qwen3VLForConditionalGeneration(config).eval(), seed)
     with torch.no_grad():  # q and k are normalized per head, so their gain lives in the norms' weights
         for name, param in model.named_parameters():
