@@ -260,7 +260,7 @@ def test_prompt_chunks_padded_to_their_bucket_give_the_exact_tokens(checkpoint, 
     assert [engine.generate(q, images, params).token_ids for q in prompts] == expected
     graphs = engine.decoder_engine
     assert graphs.prefill_replays >= 3  # two chunks of the first prompt, one of the follow-up
-    assert {width > 0 for _, width, _ in graphs._prefills} == {False, True}, list(graphs._prefills)
+    assert {width > 0 for _, width, _, _ in graphs._prefills} == {False, True}, list(graphs._prefills)
 
 
 def test_a_request_cancelled_with_a_burst_in_flight_leaves_no_trace(checkpoint):

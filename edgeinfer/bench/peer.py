@@ -31,7 +31,7 @@ from edgeinfer.bench.common import (
 from edgeinfer.bench.quiet import RunLog
 
 IDEFICS3_FAMILIES = ("smolvlm", "idefics3")
-QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # Qwen3-VL expands images as Qwen2-VL does
 
 
 def model_type(path: Path) -> str:

@@ -36,6 +36,9 @@ def run(
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    max_thinking_tokens: Annotated[Optional[int], typer.Option(
+        min=0, help="Models that think: close the thinking span after this many tokens and answer "
+                    "(with --json the thinking is under 'reasoning').")] = None,
     stream: Annotated[Optional[bool], typer.Option(
         "--stream/--no-stream", help="Print tokens as they come (default: on a terminal).")] = None,
     on_oversize: Annotated[OnOversize, typer.Option(
@@ -50,17 +53,18 @@ def run(
             raise ModelLoadError(f"the bundled demo model is not in this install ({DEMO_MODEL_DIR}); "
                                  "pass --model DIR with a Hugging Face checkpoint folder")
         answer(question, image, model or DEMO_MODEL_DIR, profile, set_ or [], backend, max_tokens, temperature,
-               top_p, seed, stream, on_oversize, as_json, trust_remote_code, engines)
+               top_p, seed, stream, on_oversize, as_json, trust_remote_code, engines, max_thinking_tokens)
 
 
 def answer(question, images, model, profile, overrides, backend, max_tokens, temperature, top_p, seed,
-           stream, on_oversize, as_json, trust_remote_code, engines_root=None) -> None:
+           stream, on_oversize, as_json, trust_remote_code, engines_root=None, max_thinking_tokens=None) -> None:
     from edgeinfer.backends.registry import require_backend
     from edgeinfer.engine import Engine, SamplingParams
     from edgeinfer.preflight import check_text, prepare_images
 
     check_text(question, "question")
-    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              max_thinking_tokens=max_thinking_tokens)
     require_backend(backend)
     device_profile = load_profile(None if profile in (None, "auto") else str(profile), overrides)
     started = time.perf_counter()

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from edgeinfer.engine.config import EngineConfig
-from edgeinfer.engine.sampling import SamplingParams, make_generator
+from edgeinfer.engine.sampling import SamplingParams, Thinking, make_generator, open_at_end
 from edgeinfer.engine.sequence import Sequence
 from edgeinfer.errors import LimitExceeded, RequestError
 from edgeinfer.kv.hashing import ImageSpan, image_spans
 from edgeinfer.kv.pool import BlockTable
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout
+from edgeinfer.models.decoder import widen_embeds
 from edgeinfer.models.loader import LoadedModel
 from edgeinfer.preflight import check_cost, content_hash, estimate_cost
 
@@ -87,11 +88,14 @@ def tokenize(adapter: FamilyAdapter, text: str, images: list[ImageInputs]) -> Pr
 
 def merge_embeddings(text_embeds: torch.Tensor, token_ids: list[int], image_token_id: int,
                      image_embeds: list[torch.Tensor]) -> torch.Tensor:
-    """Put image embeddings, in order, at the image-token positions of the text embeddings."""
+    """Put image embeddings, in order, at the image-token positions of the text embeddings.
+
+    Image rows wider than the text's carry deepstack additions; the text rows are widened
+    with zeros to match (``models.decoder.split_visual_additions``)."""
     if not image_embeds:
         return text_embeds
     mask = (torch.tensor(token_ids) == image_token_id).to(text_embeds.device)
-    merged = text_embeds.clone()
+    merged = widen_embeds(text_embeds, image_embeds[0].shape[-1]).clone()
     merged[mask] = torch.cat(image_embeds).to(merged.dtype)
     return merged
 
@@ -133,6 +137,7 @@ class Inputs:
         self.config = config
         self.embed = embed  # the decoder engine's: [N] ids -> [N, hidden]
         self.stop_ids = frozenset(self.adapter.stop_token_ids())
+        self.thinking_ids = self.adapter.thinking_token_ids()
 
     def prepare(self, prompt: str | list[Message], images: Seq[Any], sampling: SamplingParams) -> PreparedPrompt:
         """Render, expand, tokenize and lay out the prompt; refuse it over a limit."""
@@ -140,12 +145,27 @@ class Inputs:
             else normalize_messages(prompt)
         if markers != len(images):
             raise RequestError(f"messages reference {markers} images but {len(images)} were given")
+        self.check_thinking(sampling)
         keyed = [image_key(image) for image in images]
         processed = [self.adapter.process_image(pil) for pil, _ in keyed]
         text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
         layout = tokenize(self.adapter, text, processed)
         self.check(layout, processed, sampling)
         return PreparedPrompt(layout, tuple(processed), tuple(key for _, key in keyed))
+
+    def check_thinking(self, sampling: SamplingParams) -> None:
+        """A thinking cap needs a model whose tokenizer opens and closes thinking spans."""
+        if sampling.max_thinking_tokens is not None and self.thinking_ids is None:
+            start, end = self.adapter.thinking_markers
+            raise RequestError(f"max_thinking_tokens needs a model with thinking tokens ({start} ... {end}); "
+                               f"{self.adapter.checkpoint.path.name} has none")
+
+    def thinking(self, token_ids: list[int], sampling: SamplingParams) -> Thinking | None:
+        """The thinking state of a new sequence: open where the prompt ends inside a span."""
+        if self.thinking_ids is None:
+            return None
+        return Thinking(*self.thinking_ids, limit=sampling.max_thinking_tokens,
+                        open=open_at_end(token_ids, *self.thinking_ids))
 
     def check(self, layout: PromptLayout, images: Seq[ImageInputs], sampling: SamplingParams) -> None:
         """Refuse, before any vision work, a request over the context or memory limits."""
@@ -176,4 +196,5 @@ class Inputs:
             stop_token_ids=frozenset() if sampling.ignore_eos else stop,
             block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
             image_tokens=prompt.image_tokens, vision_reused=vision_reused, image_spans=prompt.spans(),
+            thinking=self.thinking(layout.token_ids, sampling),
         )

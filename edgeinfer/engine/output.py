@@ -1,7 +1,9 @@
 """From generated tokens to what a caller reads: incremental text, stop conditions, results.
 
-The text of a sequence is decoded on demand (once per new token at most) and handed out
-in deltas that hold back what a stop string could still cut and a split UTF-8 character.
+The text of a sequence is its answer: for models that think, the tokens of its thinking
+spans are its reasoning, handed out apart (``GenerationResult.reasoning``). The answer is
+decoded on demand (once per new token at most) and handed out in deltas that hold back
+what a stop string could still cut and a split UTF-8 character.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ class GenerationResult:
     usage: dict[str, int]
     timings: dict[str, float | None]
     cache: dict[str, int]
+    reasoning: str | None = None  # the text of the thinking spans, for models that think (``text`` is the answer)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "answer": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
             "usage": self.usage, "timings": self.timings, "cache": self.cache,
         }
+        return out if self.reasoning is None else out | {"reasoning": self.reasoning}
 
 
 @dataclass
@@ -52,6 +56,8 @@ class Output:
         cuts the text where it starts."""
         params = seq.sampling
         seq.generated.append(token)
+        if seq.thinking is not None:
+            seq.thinking.accept(token)
         if seq.timings.first_token is None:
             seq.timings.first_token = time.perf_counter()
         state = self._text[seq.seq_id]
@@ -95,13 +101,22 @@ class Output:
                  "spilled_blocks": seq.spilled_blocks, "restored_blocks": seq.restored_blocks,
                  "recomputed_blocks": seq.recomputed_blocks}
         reason = seq.finish_reason.value if seq.finish_reason else "running"
-        return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache)
+        return GenerationResult(state.text.strip(), list(seq.generated), reason, usage, timings, cache,
+                                self._reasoning(seq))
+
+    def _reasoning(self, seq: Sequence) -> str | None:
+        """The text thought inside ``seq``'s thinking spans; None where it thought nothing."""
+        thinking = seq.thinking
+        if thinking is None or not (thinking.reasoning_ids or thinking.spent):
+            return None
+        return self.tokenizer.decode(thinking.reasoning_ids, skip_special_tokens=True).strip()
 
     def _decoded(self, seq: Sequence) -> _TextState:
         """``seq``'s text state, decoded up to its last token (once per new token, on demand: a
         decode of the whole answer at every token would cost more than a GPU decode step)."""
         state = self._text[seq.seq_id]
-        if not state.stopped and state.decoded != len(seq.generated):
-            state.text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-            state.decoded = len(seq.generated)
+        answer = seq.generated if seq.thinking is None else seq.thinking.answer_ids  # thinking is not the answer
+        if not state.stopped and state.decoded != len(answer):
+            state.text = self.tokenizer.decode(answer, skip_special_tokens=True)
+            state.decoded = len(answer)
         return state

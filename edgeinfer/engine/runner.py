@@ -27,6 +27,7 @@ from edgeinfer.engine.sampling import draw, filtered_probs
 from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import Sequence, Status
 from edgeinfer.kv.pool import KVCache
+from edgeinfer.models.decoder import widen_embeds
 
 
 @dataclass
@@ -48,6 +49,12 @@ def decode_inputs(seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's last token id and its position, the input of the next decode step."""
     last = torch.tensor([s.generated[-1] for s in seqs])
     return last, torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
+
+
+def thinking_forced(seq: Sequence, token: int) -> int:
+    """``token``, or the end of ``seq``'s thinking span where its thinking cap is spent."""
+    forced = None if seq.thinking is None else seq.thinking.forced()
+    return token if forced is None else forced
 
 
 class Runner:
@@ -110,7 +117,8 @@ class Runner:
             return seq.prompt_embeds[start:end]
         tail = torch.tensor(seq.generated[max(0, start - seq.prompt_len):end - seq.prompt_len])
         parts = [seq.prompt_embeds[start:seq.prompt_len]] if start < seq.prompt_len else []
-        return torch.cat(parts + [self.decoder.embed(tail)])
+        width = seq.prompt_embeds.shape[-1]  # wider than the tail's where the prompt carries deepstack additions
+        return torch.cat(parts + [widen_embeds(self.decoder.embed(tail), width)])
 
     def _forward(self, embeds, positions, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
         """Run the decoder engine and write the new K/V at each sequence's slots."""
@@ -126,6 +134,7 @@ class Runner:
     def choose_tokens(self, seqs: Seq[Sequence], logits: torch.Tensor) -> list[int]:
         """Next token of each row; greedy rows in one argmax (one device sync for the batch).
 
+        A row whose thinking cap is spent gets the end of its thinking span instead.
         Sampled rows have their distribution (temperature, top-k, top-p) computed where the
         logits are, and draw from it on the CPU with the request's seeded generator, so a seed
         gives the same random numbers on every device.
@@ -134,8 +143,9 @@ class Runner:
             if len(seq.generated) < seq.sampling.min_new_tokens and seq.stop_token_ids:
                 logits[i, list(seq.stop_token_ids)] = float("-inf")
         greedy = logits.argmax(-1).tolist()
-        return [g if s.sampling.greedy else draw(filtered_probs(logits[i], s.sampling), s.generator)
-                for i, (s, g) in enumerate(zip(seqs, greedy))]
+        chosen = [g if s.sampling.greedy else draw(filtered_probs(logits[i], s.sampling), s.generator)
+                  for i, (s, g) in enumerate(zip(seqs, greedy))]
+        return [thinking_forced(s, token) for s, token in zip(seqs, chosen)]
 
     def _accept(self, seq: Sequence, token: int) -> None:
         reason = self.output.accept(seq, token)
@@ -148,13 +158,15 @@ class Runner:
         """How many greedy steps may run before the host looks again (1: step by step), after
         ``ahead`` steps already queued on the device whose tokens the host has not read.
 
-        Only where the decoder engine can burst, every row is greedy and past its
+        Only where the decoder engine can burst, no row's thinking is capped, every row is greedy and past its
         ``min_new_tokens``, no request waits to join, and within the blocks each sequence
         holds (the scheduler gives greedy rows room for a whole burst where it can), so the
         scheduler's accounting never runs behind.
         """
         if self.burst <= 1 or self.bursts is None or self.scheduler.waiting:
             return 1
+        if any(s.thinking is not None and s.thinking.limit is not None for s in seqs):
+            return 1  # a capped thinking span may need its end token forced at any step
         made = [len(s.generated) + ahead for s in seqs]
         if any(not s.sampling.greedy or (n < s.sampling.min_new_tokens and s.stop_token_ids)
                for s, n in zip(seqs, made)):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.engine.sampling import SamplingParams, Thinking
 from edgeinfer.kv.hashing import ImageSpan
 from edgeinfer.kv.pool import BlockTable
 
@@ -75,6 +75,7 @@ class Sequence:
     spilled_blocks: int = 0  # blocks moved off the device (preempted, or idle above the watermark at its end)
     restored_blocks: int = 0  # blocks brought back from the host or disk tier for it
     recomputed_blocks: int = 0  # blocks it was to reuse but recomputes (a failed checksum or read)
+    thinking: Thinking | None = None  # None: the family has no thinking tokens
 
     @property
     def prompt_len(self) -> int:

@@ -66,6 +66,8 @@ class FamilyAdapter(ABC):
     weight_renames: ClassVar[WeightRenames]
     qkv_bias: ClassVar[bool] = False
     mrope: ClassVar[bool] = False
+    # The tokens that open and close a reasoning variant's thinking span, where its tokenizer has them.
+    thinking_markers: ClassVar[tuple[str, str]] = ("<think>", "</think>")
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
@@ -116,6 +118,12 @@ class FamilyAdapter(ABC):
                 if v is not None and int(v) not in ids:
                     ids.append(int(v))
         return tuple(ids)
+
+    def thinking_token_ids(self) -> tuple[int, int] | None:
+        """Ids of the tokens that open and close a thinking span; None where the tokenizer lacks either."""
+        vocab = self.tokenizer.get_vocab()
+        start, end = (vocab.get(marker) for marker in self.thinking_markers)
+        return None if start is None or end is None else (int(start), int(end))
 
     def layout(self, token_ids: list[int], images: list[ImageInputs]) -> PromptLayout:
         """Positions of a prompt; plain 1-D positions unless the family overrides."""

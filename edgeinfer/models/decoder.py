@@ -1,7 +1,15 @@
-"""Our compact decoder for the Llama / SmolLM2 / Qwen2 family, reading a paged KV pool.
+"""Our compact decoder for the Llama / SmolLM2 / Qwen2 / Qwen3 family, reading a paged KV pool.
 
-One implementation covers RMSNorm, RoPE and M-RoPE (Qwen2-VL's three position axes),
-grouped-query attention, SwiGLU, optional q/k/v bias and tied embeddings.
+One implementation covers RMSNorm, RoPE and M-RoPE (Qwen2-VL's three position axes, in
+sections, or Qwen3-VL's interleaved), grouped-query attention, SwiGLU, optional q/k/v
+bias, Qwen3's per-head q/k RMSNorm, tied embeddings, and Qwen3-VL's deepstack: visual
+features added to the hidden states of the first layers at the image positions.
+
+Deepstack additions ride in the embedding rows: a decoder with ``deepstack_layers = D``
+takes ``inputs_embeds`` of width ``(1 + D) * hidden`` (the token's embedding, then what
+layers ``0..D-1`` add after them), or of width ``hidden`` where no token has additions
+(decode steps, text-only prompts). So the engine contract, the prefix cache and the
+vision cache carry them without a second code path.
 
 Weights are stored transposed (``[in, out]``) and fused (q|k|v, gate|up): at batch 1 a
 decode step is a chain of matrix-vector products, and on CPUs ``x @ W_t`` with a
@@ -36,12 +44,24 @@ class DecoderConfig:
     mlp_bias: bool
     tie_word_embeddings: bool
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: t, h, w frequencies alternate instead of lying in sections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    deepstack_layers: int = 0  # Qwen3-VL: layers after which the embedding rows' visual additions are added
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
             raise ValueError(f"mrope_section {self.mrope_section} does not cover head_dim={self.head_dim}")
+        if self.mrope_interleaved and self.mrope_section is None:
+            raise ValueError("mrope_interleaved needs mrope_section")
+        if not 0 <= self.deepstack_layers <= self.num_layers:
+            raise ValueError(f"deepstack_layers={self.deepstack_layers} is not in [0, num_layers={self.num_layers}]")
+
+    @property
+    def embed_width(self) -> int:
+        """Width of an embedding row that carries deepstack additions (``hidden_size`` without them)."""
+        return (1 + self.deepstack_layers) * self.hidden_size
 
     @property
     def q_size(self) -> int:
@@ -96,6 +116,39 @@ def rope_inv_freq(text_config) -> tuple[torch.Tensor, float]:
     if rope_type == "dynamic":
         raise ValueError("dynamic RoPE scaling is not supported: its frequencies change with length")
     return ROPE_INIT_FUNCTIONS[rope_type](text_config, "cpu")
+
+
+def mrope_frequencies(freqs: torch.Tensor, section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """[3, ..., hd/2] per-axis angles -> [..., hd/2], each frequency taken from one axis.
+
+    In sections (Qwen2-VL) the first ``section[0]`` frequencies follow the temporal axis, the
+    next ``section[1]`` the rows, the rest the columns. Interleaved (Qwen3-VL) frequency
+    ``j`` follows the rows where ``j % 3 == 1 and j < 3 * section[1]``, the columns where
+    ``j % 3 == 2 and j < 3 * section[2]``, the temporal axis otherwise.
+    """
+    if not interleaved:
+        parts = freqs.split(list(section), dim=-1)
+        return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+    # Elementwise selection only: no boolean indexing, which would wait on the device inside a CUDA graph.
+    j = torch.arange(freqs.shape[-1], device=freqs.device)
+    rows = (j % 3 == 1) & (j < 3 * section[1])
+    cols = (j % 3 == 2) & (j < 3 * section[2])
+    return torch.where(rows, freqs[1], torch.where(cols, freqs[2], freqs[0]))
+
+
+def split_visual_additions(inputs_embeds: torch.Tensor, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``inputs_embeds`` [B,T,W] -> (embeddings [B,T,H], deepstack additions [B,T,D,H] or None)."""
+    h = cfg.hidden_size
+    if inputs_embeds.shape[-1] == h:
+        return inputs_embeds, None
+    if inputs_embeds.shape[-1] != cfg.embed_width:
+        raise ValueError(f"inputs_embeds width {inputs_embeds.shape[-1]} is neither {h} nor {cfg.embed_width}")
+    return inputs_embeds[..., :h], reshape_tail(inputs_embeds[..., h:], 2, cfg.deepstack_layers, h)
+
+
+def widen_embeds(embeds: torch.Tensor, width: int) -> torch.Tensor:
+    """``embeds`` [..., H] padded with zeros to ``width``: rows without deepstack additions."""
+    return embeds if embeds.shape[-1] == width else F.pad(embeds, (0, width - embeds.shape[-1]))
 
 
 class RMSNorm(nn.Module):
@@ -162,6 +215,8 @@ class DecoderLayer(nn.Module):
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_t = nn.Parameter(torch.empty(h, qkv))
         self.qkv_bias = nn.Parameter(torch.zeros(qkv)) if cfg.qkv_bias else None
         self.o_t = nn.Parameter(torch.empty(cfg.q_size, h))
@@ -179,6 +234,8 @@ class DecoderLayer(nn.Module):
         q = reshape_tail(q, 2, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = reshape_tail(k, 2, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = reshape_tail(v, 2, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         new_k = k.transpose(1, 2)
@@ -221,8 +278,7 @@ class Decoder(nn.Module):
         if self.cfg.mrope_section is not None:
             if position_ids.dim() == 2:
                 freqs = freqs.expand(3, *freqs.shape)
-            parts = freqs.split(list(self.cfg.mrope_section), dim=-1)
-            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+            freqs = mrope_frequencies(freqs, self.cfg.mrope_section, self.cfg.mrope_interleaved)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
         sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
@@ -231,8 +287,8 @@ class Decoder(nn.Module):
     def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
         """Decoder engine step.
 
-        inputs_embeds [B,T,H]; position_ids [B,T] or [3,B,T]; k_pool/v_pool
-        [layers, blocks, block_size, kv_heads, head_dim]; block_tables [B, max_blocks] (int64);
+        inputs_embeds [B,T,H] (or [B,T,embed_width] with deepstack additions); position_ids [B,T] or
+        [3,B,T]; k_pool/v_pool [layers, blocks, block_size, kv_heads, head_dim]; block_tables [B, max_blocks] (int64);
         context_lens [B] tokens already in the pool. Returns logits [B, vocab] of the last
         position and new_k/new_v [layers, B, T, kv_heads, head_dim].
         """
@@ -250,12 +306,14 @@ class Decoder(nn.Module):
         arranges the same arithmetic its own way: ``backends.onnx.graphs.GraphLayer``.)
         """
         cos, sin = self.rope(position_ids, inputs_embeds.dtype)
-        x = inputs_embeds
+        x, additions = split_visual_additions(inputs_embeds, self.cfg)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             past_k, past_v = read_past(i)
             inputs = (x, cos, sin, past_k, past_v, mask)
             x, k, v = layer(*inputs) if layer_fn is None else layer_fn(layer, *inputs)
+            if additions is not None and i < self.cfg.deepstack_layers:
+                x = x + additions[:, :, i]
             new_k.append(k)
             new_v.append(v)
         x = x[:, -1] if last is None else x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
@@ -334,6 +392,9 @@ def load_decoder_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> 
                 assign(layer.down_bias, take(p + "mlp.down_proj.bias"))
             assign(layer.input_norm.weight, take(p + "input_layernorm.weight"))
             assign(layer.post_attention_norm.weight, take(p + "post_attention_layernorm.weight"))
+            if cfg.qk_norm:
+                assign(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"))
+                assign(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"))
         assign(decoder.norm.weight, take("norm.weight"))
         embed = take("embed_tokens.weight")
         head = remaining.pop("lm_head.weight", None)

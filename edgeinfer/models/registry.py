@@ -7,10 +7,13 @@ from edgeinfer.models.base import FamilyAdapter
 
 def _adapters() -> list[type[FamilyAdapter]]:
     from edgeinfer.models.idefics3 import Idefics3Adapter, SmolVLMAdapter
+    from edgeinfer.models.internvl import InternVLAdapter
     from edgeinfer.models.llava import LlavaAdapter, LlavaNextAdapter
     from edgeinfer.models.qwen2_vl import Qwen2VLAdapter, Qwen25VLAdapter
+    from edgeinfer.models.qwen3_vl import Qwen3VLAdapter
 
-    return [Idefics3Adapter, SmolVLMAdapter, Qwen2VLAdapter, Qwen25VLAdapter, LlavaAdapter, LlavaNextAdapter]
+    return [Idefics3Adapter, SmolVLMAdapter, Qwen2VLAdapter, Qwen25VLAdapter, Qwen3VLAdapter, LlavaAdapter,
+            LlavaNextAdapter, InternVLAdapter]
 
 
 def supported_architectures() -> list[str]:

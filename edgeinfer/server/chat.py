@@ -60,6 +60,7 @@ def parse_chat(body: ChatCompletionRequest, default_max_tokens: int) -> ParsedCh
         temperature=0.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
         seed=None if body.seed is None else body.seed % _UINT64, stop=stop, ignore_eos=body.ignore_eos,
+        max_thinking_tokens=body.max_thinking_tokens,
     )
     return ParsedChat(messages, images, sampling)
 
@@ -116,7 +117,7 @@ def chat_completion(completion: Completion, reports: list[ImageReport], model: s
     result = completion.result
     return ChatCompletion(
         id=request_id or new_id(), created=int(time.time()), model=model,
-        choices=[Choice(index=0, message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)],
+        choices=[Choice(index=0, message=AssistantMessage(content=result.text, reasoning_content=result.reasoning), finish_reason=result.finish_reason)],
         usage=usage_of(completion), edgeinfer=info_of(reports, completion),
     )
 

@@ -92,6 +92,9 @@ class ChatCompletionRequest(_Wire):
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
     min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
+    max_thinking_tokens: int | None = Field(
+        None, ge=0, le=INT64_MAX, description="Models that think: the span closes after this many thinking "
+                                              "tokens and the answer follows (reasoning_content holds them).")
     # OpenAI fields accepted only at their neutral value:
     frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
     presence_penalty: float | None = Field(None, description="Only 0 is supported.")
@@ -148,6 +151,7 @@ class EdgeinferInfo(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None  # models that think: their thinking, apart from the answer
 
 
 class Choice(BaseModel):

@@ -7,6 +7,7 @@ image processor config and the family's published chat template.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +205,146 @@ def make_qwen2_vl(out: Path, size: str = "tiny", architecture: str = "Qwen2-VL",
     return out
 
 
+# --- Qwen3-VL ----------------------------------------------------------------------------
+
+# The parts of the template published with Qwen3-VL-*-Instruct that a chat of text and images
+# takes (its tool-call and video branches left out); the Thinking checkpoints' template ends
+# the generation prompt with an open thinking span.
+QWEN3_VL_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) %}{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' }}{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif 'text' in content %}{{- content['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if thinking %}{{- '<think>\n' }}{%- endif %}{%- endif %}"
+)
+
+QWEN3_VL_SIZES = {
+    # Three text layers and deepstack after the first two, from the tower's blocks 0 and 1 (of 3).
+    "tiny": dict(
+        vision=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                    deepstack_visual_indexes=[0, 1], rope_parameters=dict(TINY_VISION_ROPE)),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512,
+                  rope_parameters={**TINY_ROPE, "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        tie_word_embeddings=False, min_pixels=16 * 32 * 32, max_pixels=64 * 32 * 32,
+    ),
+    "qwen3-vl-2b": dict(
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                    deepstack_visual_indexes=[5, 11, 17]),
+        text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                  max_position_embeddings=262144,
+                  rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True}),
+        tie_word_embeddings=True, min_pixels=64 * 32 * 32, max_pixels=1280 * 32 * 32,
+    ),
+}
+
+
+def make_qwen3_vl(out: Path, size: str = "tiny", seed: int = 0, thinking: bool = False) -> Path:
+    """A Qwen3-VL folder; ``thinking`` gives it the Thinking variant's ``<think>`` tags and template."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    spec = QWEN3_VL_SIZES[size]
+    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = build_word_tokenizer(spec["text"]["vocab_size"], specials + ["<think>", "</think>"] * thinking,
+                               bos=None, eos="<|im_end|>", pad="<|endoftext|>")
+    names = ("<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in names}
+    text = dict(spec["text"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    config = Qwen3VLConfig(vision_config=spec["vision"], text_config=text,
+                           tie_word_embeddings=spec["tie_word_embeddings"], image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    model = randomize(Qwen3VLForConditionalGeneration(config).eval(), seed)
+    with torch.no_grad():  # q and k are normalized per head, so their gain lives in the norms' weights
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.mul_(QK_GAIN)
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    v = spec["vision"]
+    Qwen2VLImageProcessorPil(
+        min_pixels=spec["min_pixels"], max_pixels=spec["max_pixels"], patch_size=v["patch_size"],
+        merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    ).save_pretrained(out)
+    template = QWEN3_VL_TEMPLATE.replace("{%- if thinking %}", "{%- if true %}" if thinking else "{%- if false %}")
+    save_chat_template(out, template)
+    return out
+
+
+# --- InternVL ------------------------------------------------------------------------------
+
+# The parts of the template published with OpenGVLab/InternVL3-*-hf that a chat of text and
+# images takes (its default system prompt and video branch left out).
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}{% elif content['type'] == 'text' %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+INTERNVL_SIZES = {
+    # 32-pixel tiles of 8-pixel patches: 16 patches, pixel-shuffled to 4 tokens a tile; up to 6 tiles + a thumbnail.
+    "tiny": dict(
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=32, patch_size=8),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, rope_parameters=dict(TINY_ROPE)),
+        image_seq_length=4, max_patches=6,
+    ),
+}
+
+
+def make_internvl(out: Path, size: str = "tiny", seed: int = 0, text_model: str = "qwen2") -> Path:
+    """An InternVL folder (transformers' native format): InternVL3 with ``text_model="qwen2"``,
+    InternVL3.5 with ``"qwen3"``."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    spec = INTERNVL_SIZES[size]
+    named = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+             "video_token": "<video>"}
+    tok = build_word_tokenizer(spec["text"]["vocab_size"], ["<|im_start|>", "<|im_end|>", *named.values()],
+                               bos=None, eos="<|im_end|>", pad="<|endoftext|>", named=named)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<IMG_CONTEXT>")}
+    text = dict(spec["text"], model_type=text_model, bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    config = InternVLConfig(vision_config=spec["vision"], text_config=text, image_token_id=ids["<IMG_CONTEXT>"],
+                            image_seq_length=spec["image_seq_length"], downsample_ratio=0.5,
+                            tie_word_embeddings=False)
+    model = randomize(InternVLForConditionalGeneration(config).eval(), seed)
+    with torch.no_grad():  # a Qwen3 text model normalizes q and k per head: their gain lives in the norms
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.mul_(QK_GAIN)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    side = spec["vision"]["image_size"]
+    GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True, min_patches=1,
+                             max_patches=spec["max_patches"]).save_pretrained(out)
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": spec["image_seq_length"]}))
+    save_chat_template(out, INTERNVL_TEMPLATE)
+    return out
+
+
 # --- LLaVA-1.5 and LLaVA-NeXT ---------------------------------------------------------
 
 # llava-hf/llava-1.5-7b-hf's published template (also llava-v1.6-vicuna's).
@@ -331,6 +472,10 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "llava_next": make_llava_next,
     "qwen2_vl": make_qwen2_vl,
     "qwen2_5_vl": lambda out, size="tiny", seed=0: make_qwen2_vl(out, size, "Qwen2.5-VL", seed),
+    "qwen3_vl": make_qwen3_vl,
+    "internvl": make_internvl,
+    "internvl_qwen3": lambda out, size="tiny", seed=0: make_internvl(out, size, seed, text_model="qwen3"),
+    "qwen3_vl_thinking": lambda out, size="tiny", seed=0: make_qwen3_vl(out, size, seed, thinking=True),
 }
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgeinfer.models.decoder import Decoder, _linear, reshape_tail
+from edgeinfer.models.decoder import Decoder, _linear, reshape_tail, split_visual_additions
 from edgeinfer.models.export import VISION_OUTPUT, VisionGraph
 
 __all__ = ["DECODER_INPUTS", "DECODER_OUTPUTS", "VISION_OUTPUT", "DecoderGraph", "VisionGraph", "decoder_axes",
@@ -145,6 +145,8 @@ class GraphLayer(nn.Module):
         layer, cfg = self.layer, self.layer.cfg
         heads = reshape_tail(_linear(layer.input_norm(x), layer.qkv_t, layer.qkv_bias), 3,
                              cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            heads = qk_normed(heads, layer)
         heads = heads * cos + heads[..., torch.tensor(self.rotation)] * sin
         q, k, v = heads.split((cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), dim=3)
         q = reshape_tail(q, 2, -1, cfg.head_dim)
@@ -157,6 +159,13 @@ class GraphLayer(nn.Module):
         gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
         x = x + _linear(F.silu(gate) * up, layer.down_t, layer.down_bias)
         return x, k, v
+
+
+def qk_normed(heads: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """The q|k|v heads ``[..., heads + 2*kvh, hd]`` of a layer with Qwen3's per-head q and k norms applied."""
+    cfg = layer.cfg
+    q, k, v = heads.split((cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), dim=-2)
+    return torch.cat((layer.q_norm(q), layer.k_norm(k), v), dim=-2)
 
 
 class DecoderGraph(nn.Module):
@@ -177,9 +186,12 @@ class DecoderGraph(nn.Module):
         cos, sin = rope_tables(*decoder.rope(position_ids, inputs_embeds.dtype), heads, kv_heads, hd)
         rows = past_rows(block_tables, k_pool.shape[1], k_pool.shape[2], kv_heads, cfg.num_layers)
         flat_k, flat_v = k_pool.reshape(-1, hd), v_pool.reshape(-1, hd)  # views: the pools are not copied
-        x, new_k, new_v = inputs_embeds[None], [], []
-        for layer, past in zip(self.layers, rows):
+        x, additions = split_visual_additions(inputs_embeds, cfg)
+        x, new_k, new_v = x[None], [], []
+        for i, (layer, past) in enumerate(zip(self.layers, rows)):
             x, k, v = layer(x, cos, sin, flat_k[past], flat_v[past], mask, index)
+            if additions is not None and i < cfg.deepstack_layers:
+                x = x + additions[None, :, :, i]
             new_k.append(k)
             new_v.append(v)
         logits = decoder.norm(x[0, :, -1]) @ decoder.lm_head_t
@@ -196,12 +208,19 @@ def decoder_axes(mrope: bool) -> dict[str, dict[int, str]]:
 
 def decoder_example(decoder: Decoder, *, batch: int, tokens: int, block_size: int, context: list[int],
                     num_blocks: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Inputs of one step: token embeddings, positions after each context, a random pool."""
+    """Inputs of one step: token embeddings, positions after each context, a random pool.
+
+    A decoder with deepstack layers takes its rows' full width, with random additions: the
+    graph is exported for (and checked on) rows that carry them."""
     cfg = decoder.cfg
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
     with torch.no_grad():
-        embeds = decoder.embed_tokens(ids).float().contiguous()
+        embeds = decoder.embed_tokens(ids).float()
+    if cfg.deepstack_layers:
+        additions = torch.randn(batch, tokens, cfg.embed_width - cfg.hidden_size, generator=gen)
+        embeds = torch.cat((embeds, additions), dim=-1)
+    embeds = embeds.contiguous()
     lens = torch.tensor(context, dtype=torch.int64)
     positions = lens[:, None] + torch.arange(tokens)
     if cfg.mrope_section is not None:

@@ -37,6 +37,7 @@ from edgeinfer.artifacts import (
 from edgeinfer.backends.onnx.build import GRAPH_FORMAT, BuildSpec, build_command
 from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISION_OUTPUT, VisionGraph, vision_graph_for
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
+from edgeinfer.models.decoder import widen_embeds
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -118,6 +119,8 @@ class OrtDecoderEngine:
         names = [i.name for i in session.get_inputs()]
         if tuple(names) != DECODER_INPUTS:
             raise EngineBuildError(f"decoder graph inputs are {names}, expected {list(DECODER_INPUTS)}")
+        # Rows wider than the embedding table's carry deepstack additions; rows without are widened with zeros.
+        self.embeds_width = int(session.get_inputs()[0].shape[-1])
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -126,6 +129,7 @@ class OrtDecoderEngine:
     def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
         b, t = inputs_embeds.shape[:2]
         device, dtype = k_pool.device, k_pool.dtype
+        inputs_embeds = widen_embeds(inputs_embeds, self.embeds_width)
         inputs = (inputs_embeds.to(dtype).contiguous(), position_ids.to(torch.int64).contiguous(), k_pool, v_pool,
                   block_tables.to(device, torch.int64).contiguous(), context_lens.to(device, torch.int64).contiguous())
         kv_shape = (self.num_layers, b, t, *k_pool.shape[3:])

@@ -51,6 +51,7 @@ from edgeinfer.backends.tensorrt.build import DECODER_PLAN, VISION_PLAN, import_
 from edgeinfer.backends.torch.cuda_graphs import bucket_for, buckets
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError, LimitExceeded
 from edgeinfer.kv.sizing import block_bytes, pool_blocks
+from edgeinfer.models.decoder import widen_embeds
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
                  "INT32": torch.int32, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
@@ -304,6 +305,8 @@ class TrtDecoderEngine:
         if k_pool.dtype != dtypes["k_pool"]:
             raise EngineBuildError(f"the engine reads {dtypes['k_pool']} KV pools, the pool is {k_pool.dtype}",
                                    artifact=str(self.runner.path), fix="match runtime.dtype to the build's")
+        # An engine built for rows with deepstack additions takes rows without them widened with zeros.
+        inputs_embeds = widen_embeds(inputs_embeds, self.runner.limits.ranges["inputs_embeds"][0][2])
         given = {"inputs_embeds": inputs_embeds, "position_ids": position_ids, "block_tables": block_tables,
                  "context_lens": context_lens}
         for name, tensor in (given | {"k_pool": k_pool, "v_pool": v_pool}).items():

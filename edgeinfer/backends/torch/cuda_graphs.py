@@ -256,7 +256,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
     def _static_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, valid=None):
         """One token per row on static shapes. With ``valid`` (fused step only) the new K/V are
         written into the pools at each valid row's slot ``context_lens`` and come back as None."""
-        if self._uses_fused(embeds.shape[0]):
+        if self._uses_fused(embeds.shape[0]) and embeds.shape[-1] == self.decoder.cfg.hidden_size:  # no deepstack additions
             cos, sin = self.decoder.rope(positions, embeds.dtype)
             b = embeds.shape[0]
             return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
@@ -275,12 +275,13 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 return out
         if t != 1 or batch is None or width is None or not inputs_embeds.is_cuda:
             return super().step(inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens)
-        key = (batch, width, position_ids.dim())
+        # Rows carrying deepstack additions are wider than plain ones: a graph of their own.
+        key = (batch, width, position_ids.dim(), inputs_embeds.shape[-1])
         g = self._graphs.get(key) or self._capture(key, inputs_embeds, position_ids, k_pool, v_pool)
         g.embeds[:b].copy_(inputs_embeds)
         self._load(g, position_ids, block_tables, context_lens)
         g.graph.replay()
-        self.fused_replays += self._uses_fused(batch)
+        self.fused_replays += self._uses_fused(batch) and key[3] == self.decoder.cfg.hidden_size
         return g.logits[:b], g.new_k[:, :b], g.new_v[:, :b]
 
     def _load(self, g: _Graph | _BurstGraph | _PrefillGraph, positions, tables, context_lens) -> None:
@@ -314,7 +315,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                     raise
 
     def _capture(self, key, embeds, positions, k_pool, v_pool) -> _Graph:
-        batch, width, rank = key
+        batch, width, rank, _ = key
         device = embeds.device
         static_embeds = torch.zeros(batch, 1, embeds.shape[-1], dtype=embeds.dtype, device=device)
         pos_shape = (3, batch, 1) if rank == 3 else (batch, 1)
@@ -343,7 +344,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """Replay (capturing first if new) the graph of this chunk's bucket; None when capture failed."""
         t = embeds.shape[1]
         past = bool(context_lens[0] > 0)  # a host tensor: no device sync
-        key = (prefill_bucket(t), width if past else 0, positions.dim())
+        key = (prefill_bucket(t), width if past else 0, positions.dim(), embeds.shape[-1])
         g = self._prefills.get(key)
         if g is None:
             if self.prefill_error is not None:
@@ -363,7 +364,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return logits, new_k[:, :, :t], new_v[:, :, :t]
 
     def _capture_prefill(self, key, embeds, k_pool, v_pool) -> _PrefillGraph | None:
-        tokens, width, rank = key
+        tokens, width, rank, _ = key
         device = embeds.device
         buffers = dict(
             embeds=torch.zeros(1, tokens, embeds.shape[-1], dtype=embeds.dtype, device=device),

@@ -352,6 +352,8 @@ class FusedDecode:
         cfg = decoder.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 256:
             raise ValueError(f"head_dim={cfg.head_dim} is odd or over 256")
+        if cfg.qk_norm:  # the attention kernel applies RoPE to q and k as the product left them
+            raise ValueError("per-head q/k RMSNorm (Qwen3) is not in the fused kernels")
         self.decoder = decoder
         self.cfg = cfg
         self.configs: dict[str, GemvConfig] = {}
