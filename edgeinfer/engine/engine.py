@@ -86,7 +86,7 @@ class Engine:
         self.kv_manager = KVManager(self.pool, self.kv, config.kv_manager_config(), self._fingerprint())
         self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context,
                                    lookahead=config.decode_burst if engines.bursts is not None else 1)
-        self.inputs = Inputs(model, config, engines.decoder.embed)
+        self.inputs = Inputs(model, config)
         self.vision_cache = VisionCache(engines.vision, self.kv_manager.embeddings,
                                         config.vision_cache_entries, config.device)
         self.output = Output(self.adapter.tokenizer)
@@ -235,9 +235,10 @@ class Engine:
         return SleepReport(int(SleepLevel.DISCARD), time.perf_counter() - started, 0, 0, "dropped")
 
     def _drop_parts(self) -> None:
-        """Let go of every part that holds device memory: pool, engines (CUDA graphs), caches."""
+        """Let go of every part that holds device memory: pool, engines (CUDA graphs), caches. The
+        inputs (tokenizer, processor, limits) stay, so requests are checked while asleep."""
         self.engines = None  # type: ignore[assignment]
-        for name in ("pool", "kv", "kv_manager", "scheduler", "inputs", "vision_cache", "runner"):
+        for name in ("pool", "kv", "kv_manager", "scheduler", "vision_cache", "runner"):
             setattr(self, name, None)
 
     def _weights_back(self) -> tuple[LoadedModel, Engines]:
@@ -315,7 +316,7 @@ class Engine:
         wake_s = self.wake_up()
         embeds = [self.vision_cache.embeddings(key, image) for key, image in zip(prompt_in.keys, prompt_in.images)]
         vision_s = time.perf_counter() - started
-        seq = self.inputs.sequence(prompt_in, [e for e, _ in embeds], sampling,
+        seq = self.inputs.sequence(prompt_in, [e for e, _ in embeds], sampling, self.engines.decoder.embed,
                                    vision_reused=sum(reused for _, reused in embeds))
         seq.timings.created = started
         seq.timings.wake_s = wake_s

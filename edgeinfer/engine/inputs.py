@@ -129,13 +129,15 @@ class PreparedPrompt:
 
 
 class Inputs:
-    """Chat → text → token layout → merged embeddings, for one model."""
+    """Chat → text → token layout → merged embeddings, for one model.
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    It holds the tokenizer and the decoder's shape, never its weights: an engine asleep keeps
+    it, so requests are still checked (off the engine thread) while the weights are away."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
         self.adapter = model.adapter
         self.decoder_cfg = model.decoder.cfg
         self.config = config
-        self.embed = embed  # the decoder engine's: [N] ids -> [N, hidden]
         self.stop_ids = frozenset(self.adapter.stop_token_ids())
         self.thinking_ids = self.adapter.thinking_token_ids()
 
@@ -184,10 +186,11 @@ class Inputs:
                    self.config.available_floor_mb * 2**20)
 
     def sequence(self, prompt: PreparedPrompt, image_embeds: list[torch.Tensor], sampling: SamplingParams,
-                 vision_reused: int = 0) -> Sequence:
-        """The sequence of ``prompt``: text embeddings with ``image_embeds`` merged at the image tokens."""
+                 embed: Callable[[torch.Tensor], torch.Tensor], vision_reused: int = 0) -> Sequence:
+        """The sequence of ``prompt``: text embeddings (``embed``: the decoder engine's, [N] ids ->
+        [N, hidden]) with ``image_embeds`` merged at the image tokens."""
         layout = prompt.layout
-        embeds = merge_embeddings(self.embed(torch.tensor(layout.token_ids)), layout.token_ids,
+        embeds = merge_embeddings(embed(torch.tensor(layout.token_ids)), layout.token_ids,
                                   layout.image_token_id, image_embeds)
         stop = self.stop_ids if sampling.stop_token_ids is None else frozenset(sampling.stop_token_ids)
         return Sequence(
