@@ -21,7 +21,8 @@ def copy_of(checkpoint, tmp_path):
 def test_every_family_is_registered():
     assert set(supported_architectures()) == {
         "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-        "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"}
+        "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+        "Gemma3ForConditionalGeneration"}
 
 
 def test_unknown_architecture_lists_the_supported_ones(checkpoint, tmp_path):

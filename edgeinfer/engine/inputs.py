@@ -176,4 +176,5 @@ class Inputs:
             stop_token_ids=frozenset() if sampling.ignore_eos else stop,
             block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
             image_tokens=prompt.image_tokens, vision_reused=vision_reused, image_spans=prompt.spans(),
+            image_groups=layout.attend_groups,
         )

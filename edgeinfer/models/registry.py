@@ -6,11 +6,13 @@ from edgeinfer.models.base import FamilyAdapter
 
 
 def _adapters() -> list[type[FamilyAdapter]]:
+    from edgeinfer.models.gemma3 import Gemma3Adapter
     from edgeinfer.models.idefics3 import Idefics3Adapter, SmolVLMAdapter
     from edgeinfer.models.llava import LlavaAdapter, LlavaNextAdapter
     from edgeinfer.models.qwen2_vl import Qwen2VLAdapter, Qwen25VLAdapter
 
-    return [Idefics3Adapter, SmolVLMAdapter, Qwen2VLAdapter, Qwen25VLAdapter, LlavaAdapter, LlavaNextAdapter]
+    return [Idefics3Adapter, SmolVLMAdapter, Qwen2VLAdapter, Qwen25VLAdapter, LlavaAdapter, LlavaNextAdapter,
+            Gemma3Adapter]
 
 
 def supported_architectures() -> list[str]:

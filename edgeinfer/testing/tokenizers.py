@@ -12,8 +12,12 @@ WORDS = (
 
 
 def build_word_tokenizer(vocab_size: int, specials: list[str], *, bos: str | None, eos: str,
-                         pad: str = "<pad>", unk: str = "<unk>", add_bos: bool = False):
-    """A PreTrainedTokenizerFast of exactly ``vocab_size`` entries: specials, common words, fillers."""
+                         pad: str = "<pad>", unk: str = "<unk>", add_bos: bool = False,
+                         named: dict[str, str] | None = None):
+    """A PreTrainedTokenizerFast of exactly ``vocab_size`` entries: specials, common words, fillers.
+
+    ``named`` gives some specials a name the family's processor reads (Gemma 3:
+    ``boi_token``, ``eoi_token``, ``image_token``), saved with the tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -33,6 +37,7 @@ def build_word_tokenizer(vocab_size: int, specials: list[str], *, bos: str | Non
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
         additional_special_tokens=[s for s in specials if s not in base],
+        **({"model_specific_special_tokens": named} if named else {}),
     )
 
 
