@@ -228,3 +228,59 @@ def test_a_different_image_behind_the_same_tokens_never_matches(gemma3):
     first_image_token = min(s.start for s in engine.submit("x", CASES["one_image"]).image_spans)
     assert other.cache["prefix_tokens_reused"] <= first_image_token
     assert other.cache["vision_reused"] == 0
+
+
+# --- the CUDA-graph engine's static shapes, run eagerly off the GPU ---------------------------
+
+def test_cuda_graph_static_steps_match_the_decoder(gemma3):
+    """Whole blocks under the window masks (what the graphs capture) give ``Decoder.forward``'s
+    logits and K/V, for contexts inside and well past the sliding window."""
+    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
+    from edgeinfer.models.loader import load_model
+
+    decoder = load_model(gemma3).decoder
+    engine = CudaGraphDecoderEngine(decoder, 4, 8, compile_layers=False)
+    cfg = decoder.cfg
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v_pool = torch.randn(k_pool.shape, generator=gen)
+    table = torch.randperm(16, generator=gen)[:8][None]
+    for context, tokens in ((0, 5), (3, 1), (13, 1), (13, 4), (27, 1)):
+        x = torch.randn(1, tokens, cfg.hidden_size, generator=gen)
+        positions = (context + torch.arange(tokens))[None]
+        lens = torch.tensor([context])
+        with torch.no_grad():
+            want = decoder(x, positions, k_pool, v_pool, table, lens)
+            if tokens == 1:
+                got = engine._static_step(x, positions, k_pool, v_pool, table, lens)
+            else:
+                got = engine._prefill_step(x, positions, k_pool, v_pool, table, lens, torch.tensor([tokens - 1]),
+                                           past=context > 0)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_bursts_give_the_step_by_step_tokens(gemma3):
+    from edgeinfer.backends.base import Engines
+    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
+    from edgeinfer.backends.torch.eager import TorchVisionEngine
+    from edgeinfer.models.loader import load_model
+
+    config = EngineConfig(block_size=16, num_blocks=256, max_batch_size=4)
+    model = load_model(gemma3)
+    decoder = CudaGraphDecoderEngine(model.decoder, 4, -(-config.max_context // 16), compile_layers=False)
+    engine = Engine(model, config, Engines(decoder, TorchVisionEngine(model.vision), "torch", "fp32", bursts=decoder))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # bursts start past min_new_tokens
+    plain = load_engine(gemma3)
+    expected = plain.run_until_done([plain.submit(QUESTION, CASES[case], params) for case in CASES])
+    results = engine.run_until_done([engine.submit(QUESTION, CASES[case], params) for case in CASES])
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert engine.counters["decode_bursts"] > 0
+
+
+def test_the_fused_triton_step_refuses_gemma_layers(gemma3):
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.models.loader import load_model
+
+    with pytest.raises(ValueError, match="norm_offset.*sliding_layers"):
+        triton_decode.FusedDecode(load_model(gemma3).decoder)

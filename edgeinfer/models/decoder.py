@@ -72,6 +72,17 @@ class DecoderConfig:
     def has_sliding_layers(self) -> bool:
         return any(self.sliding_layers)
 
+    def gemma_features(self) -> list[str]:
+        """The Gemma fields this decoder uses (empty for the Llama/Qwen2 decoder): what a
+        backend that implements only the latter must refuse."""
+        changed = {
+            "norm_offset": self.norm_offset != 0.0, "sandwich_norms": self.sandwich_norms, "qk_norm": self.qk_norm,
+            "hidden_act": self.hidden_act != "silu", "attn_scale": self.attn_scale is not None,
+            "attn_softcap": self.attn_softcap is not None, "sliding_layers": self.has_sliding_layers,
+            "bidirectional_images": self.bidirectional_images,
+        }
+        return [name for name, used in changed.items() if used]
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -328,16 +339,9 @@ class Decoder(nn.Module):
         ``image_groups`` [B,T] (families with ``bidirectional_images`` only): for each new
         token, which image run it belongs to (-1 for text); tokens of one run see each other.
         """
-        cfg, tokens = self.cfg, inputs_embeds.shape[1]
+        tokens = inputs_embeds.shape[1]
         slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], tokens)
-        window_mask = None
-        if cfg.has_sliding_layers or image_groups is not None:
-            past = slots.shape[1]
-            mask = explicit_mask(context_lens, past, tokens) if mask is None else mask
-            if image_groups is not None:
-                mask = with_image_groups(mask, image_groups.to(mask.device))
-            if cfg.has_sliding_layers:
-                window_mask = mask & window_band(context_lens, past, tokens, cfg.sliding_window)
+        mask, window_mask = layer_masks(self.cfg, mask, context_lens, slots.shape[1], tokens, image_groups)
         return self.run_layers(inputs_embeds, position_ids, past_reader(k_pool, v_pool, slots), mask,
                                window_mask=window_mask)
 
@@ -385,6 +389,20 @@ def past_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, 
     if uniform and (new_tokens == 1 or past == 0):  # one token, or a first chunk: causal by itself
         return slots, None
     return slots, explicit_mask(context_lens, past, new_tokens)
+
+
+def layer_masks(cfg: DecoderConfig, mask: torch.Tensor | None, context_lens: torch.Tensor, past: int,
+                new_tokens: int, image_groups: torch.Tensor | None = None):
+    """(global layers' mask, sliding layers' mask) over ``past`` + ``new_tokens`` keys, from
+    the causal ``mask`` of :func:`past_slots_and_mask` or :func:`whole_block_slots_and_mask`
+    (None: plain causal). Without sliding layers or image groups ``mask`` is left as it is."""
+    if not cfg.has_sliding_layers and image_groups is None:
+        return mask, None
+    mask = explicit_mask(context_lens, past, new_tokens) if mask is None else mask
+    if image_groups is not None:
+        mask = with_image_groups(mask, image_groups.to(mask.device))
+    window = mask & window_band(context_lens, past, new_tokens, cfg.sliding_window) if cfg.has_sliding_layers else None
+    return mask, window
 
 
 def explicit_mask(context_lens: torch.Tensor, past: int, new_tokens: int) -> torch.Tensor:

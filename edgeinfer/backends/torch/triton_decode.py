@@ -352,6 +352,8 @@ class FusedDecode:
         cfg = decoder.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 256:
             raise ValueError(f"head_dim={cfg.head_dim} is odd or over 256")
+        if cfg.gemma_features():  # the kernels are the Llama/Qwen2 layer; CUDA graphs of the compiled layers serve these
+            raise ValueError(f"the fused step does not implement {', '.join(cfg.gemma_features())}")
         self.decoder = decoder
         self.cfg = cfg
         self.configs: dict[str, GemvConfig] = {}
