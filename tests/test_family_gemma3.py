@@ -284,3 +284,41 @@ def test_the_fused_triton_step_refuses_gemma_layers(gemma3):
 
     with pytest.raises(ValueError, match="norm_offset.*sliding_layers"):
         triton_decode.FusedDecode(load_model(gemma3).decoder)
+
+
+# --- the KV blocks a sliding layer no longer reads ---------------------------------------------
+
+def test_sliding_layers_never_read_blocks_outside_their_window(gemma3):
+    """Blocks past a sliding layer's window are counted, then overwritten with large values in
+    the sliding layers only: the step's logits and new K/V stay exactly the same, so nothing
+    reads them, and a pool that freed them would lose nothing. (This pool keeps them: every
+    layer of a block is allocated together.)"""
+    from edgeinfer.kv.sizing import blocks_outside_window, sliding_window_saving
+    from edgeinfer.models.loader import load_model
+
+    decoder = load_model(gemma3).decoder
+    cfg, block_size, context = decoder.cfg, 4, 41
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(cfg.num_layers, 16, block_size, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v_pool = torch.randn(k_pool.shape, generator=gen)
+    table = torch.randperm(16, generator=gen)[:11][None]
+    x = torch.randn(1, 1, cfg.hidden_size, generator=gen)
+    step = (torch.tensor([[context]]), k_pool, v_pool, table, torch.tensor([context]))
+    with torch.no_grad():
+        want = decoder(x, *step[:1], *step[1:])
+        unread = blocks_outside_window(context, block_size, cfg.sliding_window)
+        assert unread == 9  # tokens 0..35: the next query, token 41, sees 36..41
+        sliding = [i for i in range(cfg.num_layers) if cfg.is_sliding(i)]
+        for layer in sliding:
+            k_pool[layer, table[0, :unread]] = 1e4
+            v_pool[layer, table[0, :unread]] = -1e4
+        got = decoder(x, *step[:1], *step[1:])
+        k_pool[[i for i in range(cfg.num_layers) if not cfg.is_sliding(i)][0], table[0, 0]] = 1e4
+        global_changed = decoder(x, *step[:1], *step[1:])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert not torch.equal(global_changed[0], want[0]), "the global layers do read the whole past"
+    saving = sliding_window_saving(context, block_size, cfg.sliding_window, len(sliding), cfg.num_layers)
+    print(f"sliding layers leave {unread} of {-(-context // block_size)} blocks unread: "
+          f"{saving:.0%} of this sequence's KV bytes")
+    assert saving == pytest.approx(9 * 2 / (11 * 4))
