@@ -322,3 +322,54 @@ def test_sliding_layers_never_read_blocks_outside_their_window(gemma3):
     print(f"sliding layers leave {unread} of {-(-context // block_size)} blocks unread: "
           f"{saving:.0%} of this sequence's KV bytes")
     assert saving == pytest.approx(9 * 2 / (11 * 4))
+
+
+# --- ONNX Runtime ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def onnx_engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGEINFER_ENGINES", str(root))
+        yield root
+
+
+def test_decoder_graph_matches_the_torch_step(gemma3, onnx_engines):
+    """Image runs, windows and contexts past the window, on shapes other than the export's."""
+    from edgeinfer.backends.onnx.build import BuildSpec, build_engines
+    from edgeinfer.backends.onnx.export import DECODER_FILE, cpu_session
+    from edgeinfer.backends.onnx.graphs import decoder_example
+    from edgeinfer.models.loader import load_model
+
+    model = load_model(gemma3)
+    folder = build_engines(model, BuildSpec.custom("export"), onnx_engines, progress=False).folder
+    session = cpu_session(folder / DECODER_FILE)
+    for case in (dict(batch=1, tokens=9, context=[0], block_size=4, num_blocks=8),
+                 dict(batch=2, tokens=5, context=[13, 2], block_size=4, num_blocks=40),
+                 dict(batch=3, tokens=1, context=[17, 4, 30], block_size=8, num_blocks=40)):
+        inputs = decoder_example(model.decoder, **case)
+        if case["tokens"] > 1:  # two image runs and text between them
+            inputs["image_groups"] = torch.tensor([-1, 0, 0, 0, -1, 1, 1, 1, -1][:case["tokens"]]).expand(
+                case["batch"], -1).contiguous()
+        with torch.no_grad():
+            expected = model.decoder(**inputs)
+        got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(torch.from_numpy(g), e, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_onnxruntime_tokens_match_transformers(gemma3, reference, onnx_engines, case):
+    engine = Engine.load(gemma3, backend="onnxruntime",
+                         config=EngineConfig(block_size=16, num_blocks=256, prefill_chunk=16))
+    assert engine.backend == "onnxruntime" and type(engine.vision_engine).__name__ == "OrtVisionEngine"
+    assert engine.generate(QUESTION, CASES[case], FORCED).token_ids == reference(gemma3, case)
+
+
+def test_tensorrt_refuses_gemma_decoders_before_building(gemma3):
+    from edgeinfer.backends.tensorrt.build import check_decoder_supported
+    from edgeinfer.errors import EngineBuildError
+    from edgeinfer.models.loader import load_model
+
+    with pytest.raises(EngineBuildError, match="sliding_layers.*Gemma 3"):
+        check_decoder_supported(load_model(gemma3).decoder.cfg)

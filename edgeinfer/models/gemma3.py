@@ -33,6 +33,7 @@ from edgeinfer.models.decoder import (
     load_decoder_weights,
     rope_inv_freq,
 )
+from edgeinfer.models.export import VisionGraph
 from edgeinfer.models.llava import finish_vision
 
 # transformers 5 saves the in-memory names; hub checkpoints carry the older ones.
@@ -145,6 +146,10 @@ class Gemma3Adapter(FamilyAdapter):
             tower = AutoModel.from_config(self.config.vision_config)
             projector = Gemma3MultiModalProjector(self.config)
         return finish_vision(load_module_state(Gemma3VisionEncoder(tower, projector), tensors, dtype))
+
+    def vision_graph(self, vision):
+        """The tower and projector as they are: pictures (an image and its crops) in, tokens out."""
+        return VisionGraph(vision, ("pixel_values",), "pictures")
 
     def image_kwargs(self) -> dict:
         """Gemma3Processor's image settings: its defaults (pan-and-scan off), then the
