@@ -373,3 +373,16 @@ def test_tensorrt_refuses_gemma_decoders_before_building(gemma3):
 
     with pytest.raises(EngineBuildError, match="sliding_layers.*Gemma 3"):
         check_decoder_supported(load_model(gemma3).decoder.cfg)
+
+
+def test_gemma4_is_refused_with_what_it_lacks(gemma3, tmp_path):
+    from edgeinfer.errors import UnsupportedArchitectureError
+    from edgeinfer.models.loader import load_model
+
+    folder = tmp_path / "gemma4"
+    shutil.copytree(gemma3, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"architectures": ["Gemma4ForConditionalGeneration"]}))
+    with pytest.raises(UnsupportedArchitectureError, match="Gemma 4 is not supported yet.*head size") as caught:
+        load_model(folder)
+    assert "Gemma3ForConditionalGeneration" in caught.value.supported
