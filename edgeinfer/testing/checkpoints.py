@@ -379,7 +379,7 @@ GEMMA3_TEMPLATE = (
 GEMMA3_SIZES = {
     "tiny": dict(
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    image_size=64, patch_size=8),
+                    image_size=64, patch_size=8, vision_use_head=False),
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=512, query_pre_attn_scalar=24,
                   sliding_window=6, max_position_embeddings=8192,
