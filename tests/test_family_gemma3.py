@@ -386,3 +386,22 @@ def test_gemma4_is_refused_with_what_it_lacks(gemma3, tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="Gemma 4 is not supported yet.*head size") as caught:
         load_model(folder)
     assert "Gemma3ForConditionalGeneration" in caught.value.supported
+
+
+def test_attention_softcap_is_ignored_as_transformers_ignores_it(gemma3, reference, tmp_path):
+    """transformers' Gemma 3 attention never passes ``attn_logit_softcapping`` on, in any of its
+    attention paths (eager included); with a cap of 1.5 in the config both give the uncapped tokens.
+    Should transformers start applying it, this test fails and the decoder needs the cap."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = tmp_path / "capped"
+    shutil.copytree(gemma3, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["attn_logit_softcapping"] = 1.5
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = load_engine(folder)
+    seq = engine.submit(QUESTION, CASES["one_image"], FORCED)
+    hf = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
+    expected = hf_generate(hf, hf_inputs(engine, seq.prompt_ids, CASES["one_image"]))
+    assert expected == reference(gemma3, "one_image")
+    assert engine.run_until_done([seq])[0].token_ids == expected

@@ -4,7 +4,7 @@ One implementation covers RMSNorm, RoPE and M-RoPE (Qwen2-VL's three position ax
 grouped-query attention, SwiGLU, optional q/k/v bias and tied embeddings. Gemma 3's
 differences are separate fields, each off by default: RMSNorm scaling by ``1 + w``, norms
 around the attention and MLP outputs, per-head q/k norms, GELU-tanh, scaled embeddings, its
-attention scale and soft-cap, sliding-window layers with their own RoPE base between global
+attention scale, sliding-window layers with their own RoPE base between global
 ones, and image tokens that attend to the rest of their image (the text stays causal).
 
 Weights are stored transposed (``[in, out]``) and fused (q|k|v, gate|up): at batch 1 a
@@ -47,7 +47,6 @@ class DecoderConfig:
     hidden_act: str = "silu"
     embed_scale: float = 1.0  # token embeddings (not image embeddings) are multiplied by this
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
-    attn_softcap: float | None = None  # attention logits become softcap * tanh(logits / softcap)
     sliding_window: int | None = None  # a sliding layer's query sees the keys less than this many tokens back
     sliding_layers: tuple[bool, ...] = ()  # per layer: True attends within sliding_window (empty: none)
     bidirectional_images: bool = False  # the tokens of one image attend to each other in both directions
@@ -78,7 +77,7 @@ class DecoderConfig:
         changed = {
             "norm_offset": self.norm_offset != 0.0, "sandwich_norms": self.sandwich_norms, "qk_norm": self.qk_norm,
             "hidden_act": self.hidden_act != "silu", "attn_scale": self.attn_scale is not None,
-            "attn_softcap": self.attn_softcap is not None, "sliding_layers": self.has_sliding_layers,
+            "sliding_layers": self.has_sliding_layers,
             "bidirectional_images": self.bidirectional_images,
         }
         return [name for name, used in changed.items() if used]
@@ -202,33 +201,16 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              groups: int, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+              groups: int, scale: float | None = None) -> torch.Tensor:
     """Grouped-query attention: q [B,heads,T,hd], keys/values [B,kv_heads,S,hd].
 
     With no mask, one new token attends to all of the past; more new tokens with no past
     attend causally, which takes the fused (flash) kernels where an explicit mask would not.
-    ``scale`` replaces ``head_dim ** -0.5``; a ``softcap`` takes :func:`softcapped_attention`.
+    ``scale`` replaces ``head_dim ** -0.5``.
     """
     causal = mask is None and q.shape[2] > 1 and keys.shape[2] == q.shape[2]
-    if softcap is not None:
-        return softcapped_attention(q, keys, values, mask, groups, scale, softcap, causal)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, is_causal=causal,
                                           scale=scale)
-
-
-def softcapped_attention(q, keys, values, mask, groups: int, scale: float | None, softcap: float,
-                         causal: bool) -> torch.Tensor:
-    """Attention with logits capped at ``softcap * tanh(logits / softcap)`` before the mask
-    (no fused kernel takes the cap), softmax in float32 as transformers' eager path does."""
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    logits = (q @ keys.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    logits = torch.tanh(logits / softcap) * softcap
-    if causal:
-        mask = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype) @ values
 
 
 class DecoderLayer(nn.Module):
@@ -268,7 +250,7 @@ class DecoderLayer(nn.Module):
         new_k = k.transpose(1, 2)
         keys = torch.cat((past_k, new_k), dim=1).transpose(1, 2)
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
-        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads, cfg.attn_scale, cfg.attn_softcap)
+        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads, cfg.attn_scale)
         attn = reshape_tail(attn.transpose(1, 2), 2, cfg.q_size)
         x = x + _normed(self.attn_out_norm, _linear(attn, self.o_t, self.o_bias))
         gate_up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias)

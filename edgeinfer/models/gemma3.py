@@ -111,7 +111,7 @@ class Gemma3Adapter(FamilyAdapter):
             tie_word_embeddings=bool(getattr(self.config, "tie_word_embeddings", True)),
             norm_offset=1.0, sandwich_norms=True, qk_norm=True, hidden_act=text.hidden_activation,
             embed_scale=float(text.hidden_size) ** 0.5, attn_scale=float(text.query_pre_attn_scalar) ** -0.5,
-            attn_softcap=text.attn_logit_softcapping, sliding_window=text.sliding_window,
+            sliding_window=text.sliding_window,
             sliding_layers=tuple(t == SLIDING for t in layer_types), bidirectional_images=True,
         )
 

@@ -184,10 +184,7 @@ class GraphLayer(nn.Module):
         q = reshape_tail(q, 2, -1, cfg.head_dim)
         keys = _PutRows.apply(past_k, index, reshape_tail(k, 2, -1, cfg.head_dim))
         values = _PutRows.apply(past_v, index, reshape_tail(v, 2, -1, cfg.head_dim))
-        logits = q @ keys.transpose(2, 3)
-        if cfg.attn_softcap is not None:
-            logits = torch.tanh(logits / cfg.attn_softcap) * cfg.attn_softcap
-        probs = torch.softmax(logits + mask, dim=-1)
+        probs = torch.softmax(q @ keys.transpose(2, 3) + mask, dim=-1)
         attn = reshape_tail(probs @ values, 2, -1, cfg.q_size)
         x = x + _normed(layer.attn_out_norm, _linear(attn, layer.o_t, layer.o_bias))
         gate_up = _linear(layer.post_attention_norm(x), layer.gate_up_t, layer.gate_up_bias)
