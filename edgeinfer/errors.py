@@ -119,9 +119,10 @@ class ModelLoadError(EdgeInferError):
 
 
 class UnsupportedArchitectureError(ModelLoadError):
-    def __init__(self, architectures: list[str] | None, supported: list[str]) -> None:
+    def __init__(self, architectures: list[str] | None, supported: list[str], reason: str | None = None) -> None:
         super().__init__(
-            f"unsupported architecture {architectures!r}; supported: {', '.join(sorted(supported))}"
+            f"unsupported architecture {architectures!r}{': ' + reason if reason else ''}; "
+            f"supported: {', '.join(sorted(supported))}"
         )
         self.architectures = architectures
         self.supported = supported

@@ -16,7 +16,11 @@ class DecoderEngine(Protocol):
     def step(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, k_pool: torch.Tensor,
              v_pool: torch.Tensor, block_tables: torch.Tensor,
              context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One step: logits [B, vocab] of the last position, new_k/new_v [layers, B, T, kvh, hd]."""
+        """One step: logits [B, vocab] of the last position, new_k/new_v [layers, B, T, kvh, hd].
+
+        Families whose images attend to themselves both ways (``DecoderConfig.bidirectional_images``)
+        also get ``image_groups=`` [B, T] (each new token's image run, -1 for text) where a
+        prefill chunk holds image tokens; an engine for such a family takes that keyword."""
 
 
 class VisionEngine(Protocol):

@@ -122,7 +122,7 @@ def environment(device: str, threads: int | None = None) -> dict[str, Any]:
 
 
 # Checkpoint shapes the benchmarks build (random weights, published shapes): name -> family.
-SHAPES = {"smolvlm-256m": "smolvlm", "qwen2-vl-2b": "qwen2_vl", "qwen3-vl-2b": "qwen3_vl"}
+SHAPES = {"smolvlm-256m": "smolvlm", "qwen2-vl-2b": "qwen2_vl", "qwen3-vl-2b": "qwen3_vl", "gemma-3-4b": "gemma3"}
 
 
 def bench_checkpoint(shape: str, cache: Path) -> Path:

@@ -200,4 +200,5 @@ class Inputs:
             block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
             image_tokens=prompt.image_tokens, vision_reused=vision_reused, image_spans=prompt.spans(),
             thinking=self.thinking(layout.token_ids, sampling),
+            image_groups=layout.attend_groups,
         )

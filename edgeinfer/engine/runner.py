@@ -90,7 +90,8 @@ class Runner:
         t0 = time.perf_counter()
         embeds = self._embeds(seq, start, end)[None]
         positions = seq.positions(start, end)[..., None, :]
-        logits = self._forward(embeds, positions, [seq], [start])
+        groups = seq.attend_groups(start, end)
+        logits = self._forward(embeds, positions, [seq], [start], None if groups is None else groups[None])
         self.counters["prefill_tokens"] += end - start
         seq.timings.prefill_s += time.perf_counter() - t0
         if not work.samples:
@@ -120,11 +121,14 @@ class Runner:
         width = seq.prompt_embeds.shape[-1]  # wider than the tail's where the prompt carries deepstack additions
         return torch.cat(parts + [widen_embeds(self.decoder.embed(tail), width)])
 
-    def _forward(self, embeds, positions, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
-        """Run the decoder engine and write the new K/V at each sequence's slots."""
+    def _forward(self, embeds, positions, seqs: list[Sequence], context: list[int],
+                 image_groups: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder engine and write the new K/V at each sequence's slots. ``image_groups``
+        [B,T] goes to the step only where a chunk holds images that attend both ways."""
         t = embeds.shape[1]
+        extra = {} if image_groups is None else {"image_groups": image_groups}
         logits, new_k, new_v = self.decoder.step(
-            embeds, positions, self.kv.k, self.kv.v, block_tables(seqs), torch.tensor(context))
+            embeds, positions, self.kv.k, self.kv.v, block_tables(seqs), torch.tensor(context), **extra)
         slots = torch.tensor([slot for s, c in zip(seqs, context) for slot in s.block_table.slots(c, t)])
         self.kv.write(slots, new_k, new_v)
         for s in seqs:

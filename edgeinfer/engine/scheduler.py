@@ -101,7 +101,7 @@ class Scheduler:
         return seq
 
     def _chunk_end(self, seq: Sequence) -> int:
-        return min(seq.prefill_target, seq.num_cached + self.prefill_chunk)
+        return min(seq.prefill_target, seq.chunk_end(seq.num_cached + self.prefill_chunk))
 
     def _prefill(self, seq: Sequence) -> PrefillWork | None:
         """The next chunk of ``seq``, or None when ``seq`` had to give its blocks up."""

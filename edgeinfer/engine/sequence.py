@@ -70,6 +70,8 @@ class Sequence:
     timings: Timings = field(default_factory=Timings)
     image_tokens: int = 0
     image_spans: tuple[ImageSpan, ...] = ()  # which image each image token shows (prefix-cache keys)
+    # [prompt_len] image run of each prompt token (-1 text) where images attend bidirectionally; else None
+    image_groups: torch.Tensor | None = None
     prefix_tokens_reused: int = 0
     vision_reused: int = 0
     spilled_blocks: int = 0  # blocks moved off the device (preempted, or idle above the watermark at its end)
@@ -105,6 +107,27 @@ class Sequence:
         value = self.next_position + index - self.prompt_len
         shape = (3, 1) if self.prompt_positions.dim() == 2 else (1,)
         return torch.full(shape, value, dtype=torch.long)
+
+    def attend_groups(self, start: int, end: int) -> torch.Tensor | None:
+        """[end - start] image run of tokens ``start .. end-1`` (-1 text), where the family's
+        images attend to themselves in both directions and the span holds image tokens; else None."""
+        if self.image_groups is None or start >= self.prompt_len:
+            return None
+        groups = self.image_groups[start:min(end, self.prompt_len)]
+        if not bool((groups >= 0).any()):
+            return None
+        return torch.cat((groups, torch.full((end - start - groups.shape[0],), -1, dtype=groups.dtype)))
+
+    def chunk_end(self, end: int) -> int:
+        """``end``, moved past the image run it would cut where images attend both ways: a
+        chunk ending inside an image would hide the image's later tokens from its earlier ones."""
+        groups = self.image_groups
+        if groups is None or not 0 < end < self.prompt_len:
+            return end
+        run = int(groups[end - 1])
+        if run < 0 or int(groups[end]) != run:
+            return end
+        return end + int((groups[end:] == run).sum())  # a run is contiguous
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         if end <= self.prompt_len:

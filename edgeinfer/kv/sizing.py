@@ -34,3 +34,21 @@ def pool_blocks(budget_mb: int, bytes_per_block: int, configured: int | None = N
     if bytes_per_block < 1:
         raise ValueError(f"a KV block of {bytes_per_block} bytes; it must have >= 1")
     return max(MIN_POOL_BLOCKS, budget_mb * 2**20 // bytes_per_block)
+
+
+def blocks_outside_window(num_tokens: int, block_size: int, window: int) -> int:
+    """Leading blocks of a sequence of ``num_tokens`` tokens that a sliding layer (Gemma 3)
+    never reads again: its next query, token ``num_tokens``, sees keys from token
+    ``num_tokens - window + 1`` on, and later queries see less of the past."""
+    return max(0, (num_tokens - window + 1) // block_size)
+
+
+def sliding_window_saving(num_tokens: int, block_size: int, window: int, sliding_layers: int, layers: int) -> float:
+    """Share of a sequence's KV bytes held only for sliding layers that will not read them: what a
+    pool that frees a sliding layer's blocks once they leave its window would save. The pool
+    here keeps every layer of a block together, so these blocks stay allocated; the decoder
+    masks them out of the sliding layers' attention."""
+    blocks = -(-num_tokens // block_size)
+    if not blocks:
+        return 0.0
+    return blocks_outside_window(num_tokens, block_size, window) * sliding_layers / (blocks * layers)

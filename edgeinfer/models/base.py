@@ -52,6 +52,9 @@ class PromptLayout:
     position_ids: torch.Tensor  # [T], or [3, T] for M-RoPE
     next_position: int  # position of the first generated token
     image_token_id: int
+    # [T] image run of each token (-1 for text), for families whose images attend to
+    # themselves in both directions (Gemma 3); None: causal everywhere.
+    attend_groups: torch.Tensor | None = None
 
 
 WeightRenames = tuple[tuple[str, str], ...]

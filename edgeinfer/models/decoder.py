@@ -11,6 +11,11 @@ layers ``0..D-1`` add after them), or of width ``hidden`` where no token has add
 (decode steps, text-only prompts). So the engine contract, the prefix cache and the
 vision cache carry them without a second code path.
 
+Gemma 3's differences are separate fields, each off by default: RMSNorm scaling by
+``1 + w``, norms around the attention and MLP outputs, GELU-tanh, scaled embeddings, its
+attention scale, sliding-window layers with their own RoPE base between global ones, and
+image tokens that attend to the rest of their image (the text stays causal).
+
 Weights are stored transposed (``[in, out]``) and fused (q|k|v, gate|up): at batch 1 a
 decode step is a chain of matrix-vector products, and on CPUs ``x @ W_t`` with a
 row-major ``W_t`` streams memory about twice as fast as ``F.linear`` with ``W``.
@@ -45,8 +50,17 @@ class DecoderConfig:
     tie_word_embeddings: bool
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False  # Qwen3-VL: t, h, w frequencies alternate instead of lying in sections
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
     deepstack_layers: int = 0  # Qwen3-VL: layers after which the embedding rows' visual additions are added
+    # Gemma 3 (see the module docstring); the defaults are the Llama/Qwen2 decoder.
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight); Gemma stores weight - 1
+    sandwich_norms: bool = False  # attention and MLP outputs are normed before the residual adds
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0  # token embeddings (not image embeddings) are multiplied by this
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    sliding_window: int | None = None  # a sliding layer's query sees the keys less than this many tokens back
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True attends within sliding_window (empty: none)
+    bidirectional_images: bool = False  # the tokens of one image attend to each other in both directions
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -57,11 +71,36 @@ class DecoderConfig:
             raise ValueError("mrope_interleaved needs mrope_section")
         if not 0 <= self.deepstack_layers <= self.num_layers:
             raise ValueError(f"deepstack_layers={self.deepstack_layers} is not in [0, num_layers={self.num_layers}]")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported by the decoder; "
+                             f"supported: {sorted(ACTIVATIONS)}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers names {len(self.sliding_layers)} layers, the decoder has {self.num_layers}")
+        if any(self.sliding_layers) and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError(f"sliding layers need a positive sliding_window, got {self.sliding_window}")
 
     @property
     def embed_width(self) -> int:
         """Width of an embedding row that carries deepstack additions (``hidden_size`` without them)."""
         return (1 + self.deepstack_layers) * self.hidden_size
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.sliding_layers)
+
+    def gemma_features(self) -> list[str]:
+        """The Gemma fields this decoder uses (empty for the Llama/Qwen2/Qwen3 decoder): what a
+        backend that implements only the latter must refuse."""
+        changed = {
+            "norm_offset": self.norm_offset != 0.0, "sandwich_norms": self.sandwich_norms,
+            "hidden_act": self.hidden_act != "silu", "attn_scale": self.attn_scale is not None,
+            "sliding_layers": self.has_sliding_layers,
+            "bidirectional_images": self.bidirectional_images,
+        }
+        return [name for name, used in changed.items() if used]
 
     @property
     def q_size(self) -> int:
@@ -102,11 +141,20 @@ class DecoderConfig:
         )
 
 
-def rope_inv_freq(text_config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for any RoPE type transformers knows."""
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def rope_inv_freq(text_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for any RoPE type transformers knows;
+    ``layer_type`` picks one of per-layer-type parameters (Gemma 3: sliding / full attention)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = getattr(text_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        rope = rope[layer_type]
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         heads = text_config.num_attention_heads
@@ -115,6 +163,8 @@ def rope_inv_freq(text_config) -> tuple[torch.Tensor, float]:
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
     if rope_type == "dynamic":
         raise ValueError("dynamic RoPE scaling is not supported: its frequencies change with length")
+    if layer_type is not None:
+        return ROPE_INIT_FUNCTIONS[rope_type](text_config, "cpu", layer_type=layer_type)
     return ROPE_INIT_FUNCTIONS[rope_type](text_config, "cpu")
 
 
@@ -152,15 +202,21 @@ def widen_embeds(embeds: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm; with an ``offset`` (Gemma: 1) it scales by ``offset + weight`` in float32
+    before casting back, as Gemma's norm does."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -198,25 +254,31 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              groups: int) -> torch.Tensor:
+              groups: int, scale: float | None = None) -> torch.Tensor:
     """Grouped-query attention: q [B,heads,T,hd], keys/values [B,kv_heads,S,hd].
 
     With no mask, one new token attends to all of the past; more new tokens with no past
     attend causally, which takes the fused (flash) kernels where an explicit mask would not.
+    ``scale`` replaces ``head_dim ** -0.5``.
     """
     causal = mask is None and q.shape[2] > 1 and keys.shape[2] == q.shape[2]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, is_causal=causal)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, is_causal=causal,
+                                          scale=scale)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        h, qkv, offset = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.norm_offset
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, offset)
+        self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps, offset)  # the norm before the MLP
+        # Gemma's sandwich: the attention and MLP outputs are normed before their residual adds.
+        self.attn_out_norm = RMSNorm(h, cfg.rms_norm_eps, offset) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(h, cfg.rms_norm_eps, offset) if cfg.sandwich_norms else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.qkv_t = nn.Parameter(torch.empty(h, qkv))
         self.qkv_bias = nn.Parameter(torch.zeros(qkv)) if cfg.qkv_bias else None
         self.o_t = nn.Parameter(torch.empty(cfg.q_size, h))
@@ -241,28 +303,37 @@ class DecoderLayer(nn.Module):
         new_k = k.transpose(1, 2)
         keys = torch.cat((past_k, new_k), dim=1).transpose(1, 2)
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
-        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads)
+        attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads, cfg.attn_scale)
         attn = reshape_tail(attn.transpose(1, 2), 2, cfg.q_size)
-        x = x + _linear(attn, self.o_t, self.o_bias)
+        x = x + _normed(self.attn_out_norm, _linear(attn, self.o_t, self.o_bias))
         gate_up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias)
         gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
-        x = x + _linear(F.silu(gate) * up, self.down_t, self.down_bias)
+        x = x + _normed(self.mlp_out_norm, _linear(self.act(gate) * up, self.down_t, self.down_bias))
         return x, new_k, v
+
+
+def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 class Decoder(nn.Module):
     """The text decoder. ``forward`` implements the decoder engine contract."""
 
-    def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+    def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                 local_rope: tuple[torch.Tensor, float] | None = None) -> None:
+        """``local_rope`` (inverse frequencies, scaling) is the sliding layers' own RoPE (Gemma 3:
+        base 1e4 where the global layers use 1e6); None: they share the global one."""
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head_t = nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size))
         # Tied checkpoints keep one matrix: the lookup reads columns of the transposed head.
         self.embed = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
+        local_freq, self.local_attention_scaling = local_rope if local_rope is not None else (None, attention_scaling)
+        self.register_buffer("local_inv_freq", None if local_freq is None else local_freq.float(), persistent=False)
 
     @property
     def embed_table(self) -> torch.Tensor:
@@ -270,34 +341,48 @@ class Decoder(nn.Module):
         return self.lm_head_t.t() if self.embed is None else self.embed
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_table)
+        embeds = F.embedding(ids, self.embed_table)
+        if self.cfg.embed_scale != 1.0:  # Gemma: the scale in the table's dtype, as transformers rounds it
+            embeds = embeds * torch.tensor(self.cfg.embed_scale, dtype=embeds.dtype)
+        return embeds
 
-    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape [B, 1, T, head_dim] for [B,T] positions, or [3,B,T] with M-RoPE."""
-        freqs = position_ids[..., None].float() * self.inv_freq
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [B, 1, T, head_dim] for [B,T] positions, or [3,B,T] with M-RoPE;
+        ``local``: the sliding layers' own RoPE where they have one."""
+        local = local and self.local_inv_freq is not None
+        inv_freq = self.local_inv_freq if local else self.inv_freq
+        scaling = self.local_attention_scaling if local else self.attention_scaling
+        freqs = position_ids[..., None].float() * inv_freq
         if self.cfg.mrope_section is not None:
             if position_ids.dim() == 2:
                 freqs = freqs.expand(3, *freqs.shape)
             freqs = mrope_frequencies(freqs, self.cfg.mrope_section, self.cfg.mrope_interleaved)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
-        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        cos = (emb.cos() * scaling).to(dtype)[:, None]
+        sin = (emb.sin() * scaling).to(dtype)[:, None]
         return cos, sin
 
-    def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
+    def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
         """Decoder engine step.
 
         inputs_embeds [B,T,H] (or [B,T,embed_width] with deepstack additions); position_ids [B,T] or
         [3,B,T]; k_pool/v_pool [layers, blocks, block_size, kv_heads, head_dim]; block_tables [B, max_blocks] (int64);
         context_lens [B] tokens already in the pool. Returns logits [B, vocab] of the last
         position and new_k/new_v [layers, B, T, kv_heads, head_dim].
-        """
-        slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], inputs_embeds.shape[1])
-        return self.run_layers(inputs_embeds, position_ids, past_reader(k_pool, v_pool, slots), mask)
 
-    def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None, last=None):
+        ``image_groups`` [B,T] (families with ``bidirectional_images`` only): for each new
+        token, which image run it belongs to (-1 for text); tokens of one run see each other.
+        """
+        tokens = inputs_embeds.shape[1]
+        slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], tokens)
+        mask, window_mask = layer_masks(self.cfg, mask, context_lens, slots.shape[1], tokens, image_groups)
+        return self.run_layers(inputs_embeds, position_ids, past_reader(k_pool, v_pool, slots), mask,
+                               window_mask=window_mask)
+
+    def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None, last=None, window_mask=None):
         """The layers and the head over a past that ``read_past(i)`` returns for layer ``i`` as
         (k, v) ``[B,S,kvh,hd]``, under ``mask`` ``[B,1,T,S+T]`` (None: all of the past, and the new tokens causally).
+        Sliding layers attend under ``window_mask`` instead, and take the local RoPE.
         ``layer_fn(layer, *inputs)`` replaces a layer's call (a compiled forward on GPUs).
         The logits are those of position ``last`` (``[B]``; None: the last position).
 
@@ -305,12 +390,15 @@ class Decoder(nn.Module):
         under a mask, so that no shape depends on the values of their inputs. (The ONNX graph
         arranges the same arithmetic its own way: ``backends.onnx.graphs.GraphLayer``.)
         """
-        cos, sin = self.rope(position_ids, inputs_embeds.dtype)
-        x, additions = split_visual_additions(inputs_embeds, self.cfg)
+        cfg = self.cfg
+        rope = self.rope(position_ids, inputs_embeds.dtype)
+        local_rope = self.rope(position_ids, inputs_embeds.dtype, local=True) if cfg.has_sliding_layers else rope
+        x, additions = split_visual_additions(inputs_embeds, cfg)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             past_k, past_v = read_past(i)
-            inputs = (x, cos, sin, past_k, past_v, mask)
+            sliding = cfg.is_sliding(i)
+            inputs = (x, *(local_rope if sliding else rope), past_k, past_v, window_mask if sliding else mask)
             x, k, v = layer(*inputs) if layer_fn is None else layer_fn(layer, *inputs)
             if additions is not None and i < self.cfg.deepstack_layers:
                 x = x + additions[:, :, i]
@@ -336,10 +424,49 @@ def past_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, 
     uniform = bool((context_lens == past).all())
     if uniform and (new_tokens == 1 or past == 0):  # one token, or a first chunk: causal by itself
         return slots, None
-    past_ok = offsets[None, :] < context_lens[:, None]  # [B, S]
-    causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=block_tables.device).tril()
+    return slots, explicit_mask(context_lens, past, new_tokens)
+
+
+def layer_masks(cfg: DecoderConfig, mask: torch.Tensor | None, context_lens: torch.Tensor, past: int,
+                new_tokens: int, image_groups: torch.Tensor | None = None):
+    """(global layers' mask, sliding layers' mask) over ``past`` + ``new_tokens`` keys, from
+    the causal ``mask`` of :func:`past_slots_and_mask` or :func:`whole_block_slots_and_mask`
+    (None: plain causal). Without sliding layers or image groups ``mask`` is left as it is."""
+    if not cfg.has_sliding_layers and image_groups is None:
+        return mask, None
+    mask = explicit_mask(context_lens, past, new_tokens) if mask is None else mask
+    if image_groups is not None:
+        mask = with_image_groups(mask, image_groups.to(mask.device))
+    window = mask & window_band(context_lens, past, new_tokens, cfg.sliding_window) if cfg.has_sliding_layers else None
+    return mask, window
+
+
+def explicit_mask(context_lens: torch.Tensor, past: int, new_tokens: int) -> torch.Tensor:
+    """[B,1,T,past+T] bool: each row's own past (``context_lens``), then the new tokens causally."""
+    b, device = context_lens.shape[0], context_lens.device
+    past_ok = torch.arange(past, device=device)[None, :] < context_lens[:, None]  # [B, S]
+    causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=device).tril()
     mask = torch.cat((past_ok[:, None, :].expand(b, new_tokens, past), causal.expand(b, -1, -1)), dim=-1)
-    return slots, mask[:, None]
+    return mask[:, None]
+
+
+def with_image_groups(mask: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``mask`` [B,1,T,S+T] where new tokens of one image run (``groups`` [B,T], -1 for text)
+    also see the run's later tokens: an image attends to itself in both directions."""
+    tokens = groups.shape[1]
+    same = (groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] >= 0)
+    past = mask[..., :mask.shape[-1] - tokens]
+    return torch.cat((past, mask[..., -tokens:] | same[:, None]), dim=-1)
+
+
+def window_band(context_lens: torch.Tensor, past: int, new_tokens: int, window: int) -> torch.Tensor:
+    """[B,1,T,past+T] bool: the keys less than ``window`` tokens before each new token (a
+    sliding layer's view; keys after the token are left to the causal mask). Past key ``s``
+    is token ``s``; new key ``j`` is token ``context + j``."""
+    device = context_lens.device
+    new = context_lens[:, None] + torch.arange(new_tokens, device=device)  # [B, T] token index of each query
+    keys = torch.cat((torch.arange(past, device=device).expand(new.shape[0], past), new), dim=-1)
+    return (keys[:, None, :] > new[:, :, None] - window)[:, None]
 
 
 def past_reader(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor):
@@ -391,7 +518,12 @@ def load_decoder_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> 
                 assign(layer.gate_up_bias, torch.cat((take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias"))))
                 assign(layer.down_bias, take(p + "mlp.down_proj.bias"))
             assign(layer.input_norm.weight, take(p + "input_layernorm.weight"))
-            assign(layer.post_attention_norm.weight, take(p + "post_attention_layernorm.weight"))
+            if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
+                assign(layer.attn_out_norm.weight, take(p + "post_attention_layernorm.weight"))
+                assign(layer.post_attention_norm.weight, take(p + "pre_feedforward_layernorm.weight"))
+                assign(layer.mlp_out_norm.weight, take(p + "post_feedforward_layernorm.weight"))
+            else:
+                assign(layer.post_attention_norm.weight, take(p + "post_attention_layernorm.weight"))
             if cfg.qk_norm:
                 assign(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"))
                 assign(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"))

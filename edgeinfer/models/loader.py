@@ -11,7 +11,7 @@ import torch
 from edgeinfer.errors import ModelLoadError, UnsupportedArchitectureError
 from edgeinfer.models.base import Checkpoint, FamilyAdapter, rename_weights
 from edgeinfer.models.decoder import Decoder
-from edgeinfer.models.registry import adapter_for, supported_architectures
+from edgeinfer.models.registry import adapter_for, not_yet_supported, supported_architectures
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ def read_checkpoint(path: str | Path, trust_remote_code: bool = False) -> tuple[
     archs = list(getattr(config, "architectures", None) or [])
     adapter_cls = adapter_for(archs)
     if adapter_cls is None:
-        raise UnsupportedArchitectureError(archs or None, supported_architectures())
+        raise UnsupportedArchitectureError(archs or None, supported_architectures(), not_yet_supported(archs))
     if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelLoadError(f"{path / 'tokenizer.json'} is missing (no tokenizer files)")
     _require(path, "preprocessor_config.json") if not (path / "processor_config.json").is_file() else None

@@ -89,9 +89,15 @@ def _idefics3_tokenizer(vocab_size: int):
 
 
 def make_smolvlm(out: Path, size: str = "tiny", architecture: str = "SmolVLM", seed: int = 0) -> Path:
-    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, SmolVLMConfig,
-                              SmolVLMForConditionalGeneration)
-    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+        SmolVLMImageProcessorPil,
+    )
 
     spec = SMOLVLM_SIZES[size]
     tok = _idefics3_tokenizer(spec["text"]["vocab_size"])
@@ -172,9 +178,15 @@ def _qwen_tokenizer(vocab_size: int):
 
 
 def make_qwen2_vl(out: Path, size: str = "tiny", architecture: str = "Qwen2-VL", seed: int = 0) -> Path:
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     qwen25 = architecture == "Qwen2.5-VL"
     spec = (QWEN2_5_VL_SIZES if qwen25 else QWEN2_VL_SIZES)[size]
@@ -395,7 +407,12 @@ def _llava_tokenizer(vocab_size: int):
 
 def _llava_configs(spec: dict, tok, tower: str, text_model: str):
     """(vision_config, text_config, token ids) for a LLaVA-family checkpoint."""
-    from transformers import CLIPVisionConfig, LlamaConfig, MistralConfig, SiglipVisionConfig
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        MistralConfig,
+        SiglipVisionConfig,
+    )
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<image>", "<s>", "</s>", "<pad>")}
     vision_cls = {"clip": CLIPVisionConfig, "siglip": SiglipVisionConfig}[tower]
@@ -443,8 +460,14 @@ def make_llava(out: Path, size: str = "tiny", seed: int = 0, *, tower: str = "cl
 
 def make_llava_next(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     """A LLaVA-NeXT (1.6, any-res) folder: CLIP tower, Mistral text model, llava-v1.6-mistral's template."""
-    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
-    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextProcessor,
+    )
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
 
     spec = LLAVA_NEXT_SIZES[size]
     tok = _llava_tokenizer(spec["text"]["vocab_size"])
@@ -465,6 +488,113 @@ def make_llava_next(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     return _save_llava(model, out, tok, processor)
 
 
+# --- Gemma 3 -----------------------------------------------------------------------------
+
+# google/gemma-3-4b-it's published template.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
+
+# Sliding windows of 6 tokens and 16 image tokens per picture: the prompts are several
+# windows long, so a window one token off, a causal image or a global layer treated as
+# sliding changes the greedy tokens. The two RoPE bases differ (and rotate fast, see
+# TINY_ROPE), query_pre_attn_scalar differs from head_dim, and the norms' stored weights
+# sit near 0 (Gemma scales by 1 + w), so a norm without the + 1 changes everything.
+GEMMA3_SIZES = {
+    "tiny": dict(
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=64, patch_size=8, vision_use_head=False),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, query_pre_attn_scalar=24,
+                  sliding_window=6, max_position_embeddings=8192,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                  rope_parameters={"full_attention": dict(TINY_ROPE),
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 40.0}}),
+        mm_tokens_per_image=16,
+    ),
+    "gemma-3-4b": dict(
+        vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                    image_size=896, patch_size=14, vision_use_head=False),
+        text=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=256, vocab_size=262208, query_pre_attn_scalar=256,
+                  sliding_window=1024, max_position_embeddings=131072,
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        mm_tokens_per_image=256,
+    ),
+}
+GEMMA3_NAMED = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def _gemma3_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Gemma's RMSNorm weights are stored as ``w - 1``: draw them near 0, so a norm scales by
+    about 1 (``randomize`` draws norm weights near 1), except the q/k norms, which scale by
+    about 2 so that attention stays peaked (q/k norms undo ``QK_GAIN``). The tied embeddings
+    are drawn 4x smaller: scaled by sqrt(hidden) they would otherwise outweigh every layer,
+    and a token would predict itself forever."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+            elif "language_model" in name and name.endswith("norm.weight") or name.endswith("mm_soft_emb_norm.weight"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("embed_tokens.weight"):
+                param.mul_(0.25)
+    return model
+
+
+def make_gemma3(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    spec = GEMMA3_SIZES[size]
+    specials = ["<start_of_turn>", "<end_of_turn>", *GEMMA3_NAMED.values()]
+    tok = build_word_tokenizer(spec["text"]["vocab_size"], specials, bos="<bos>", eos="<eos>", named=GEMMA3_NAMED)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<bos>", "<eos>", "<pad>", "<end_of_turn>", *GEMMA3_NAMED.values())}
+    text = Gemma3TextConfig(**spec["text"], bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"],
+                            pad_token_id=ids["<pad>"])
+    config = Gemma3Config(vision_config=SiglipVisionConfig(**spec["vision"]), text_config=text,
+                          mm_tokens_per_image=spec["mm_tokens_per_image"], image_token_index=ids["<image_soft_token>"],
+                          boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"])
+    model = _gemma3_weights(randomize(Gemma3ForConditionalGeneration(config).eval(), seed), seed)
+    model.generation_config.bos_token_id = ids["<bos>"]
+    model.generation_config.eos_token_id = [ids["<eos>"], ids["<end_of_turn>"]]
+    model.generation_config.pad_token_id = ids["<pad>"]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    side = spec["vision"]["image_size"]
+    Gemma3ImageProcessorPil(size={"height": side, "width": side}).save_pretrained(out)
+    processor = {"processor_class": "Gemma3Processor", "image_seq_length": spec["mm_tokens_per_image"]}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    save_chat_template(out, GEMMA3_TEMPLATE)
+    return out
+
+
 BUILDERS: dict[str, Callable[..., Path]] = {
     "smolvlm": make_smolvlm,
     "idefics3": lambda out, size="tiny", seed=0: make_smolvlm(out, size, "Idefics3", seed),
@@ -476,6 +606,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "internvl": make_internvl,
     "internvl_qwen3": lambda out, size="tiny", seed=0: make_internvl(out, size, seed, text_model="qwen3"),
     "qwen3_vl_thinking": lambda out, size="tiny", seed=0: make_qwen3_vl(out, size, seed, thinking=True),
+    "gemma3": make_gemma3,
 }
 
 

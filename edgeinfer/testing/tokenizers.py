@@ -16,7 +16,8 @@ def build_word_tokenizer(vocab_size: int, specials: list[str], *, bos: str | Non
                          named: dict[str, str] | None = None):
     """A PreTrainedTokenizerFast of exactly ``vocab_size`` entries: specials, common words, fillers.
     ``named`` special tokens become attributes (``tokenizer.<name>``, ``<name>_id``), as a
-    family's processor reads them (InternVL's ``context_image_token``)."""
+    family's processor reads them (InternVL's ``context_image_token``; Gemma 3's ``boi_token``,
+    ``eoi_token``, ``image_token``), saved with the tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

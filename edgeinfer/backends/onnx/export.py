@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from edgeinfer.backends.onnx.graphs import (
-    DECODER_INPUTS,
     DECODER_OUTPUTS,
     VISION_OUTPUT,
     DecoderGraph,
     VisionGraph,
     decoder_axes,
     decoder_example,
+    decoder_inputs,
 )
 from edgeinfer.errors import EngineBuildError
 from edgeinfer.models.decoder import Decoder
@@ -52,11 +52,12 @@ def export_vision(graph: VisionGraph, example: dict[str, torch.Tensor], path: Pa
 
 def export_decoder(decoder: Decoder, path: Path, block_size: int, opset: int = OPSET) -> None:
     example = decoder_example(decoder, batch=2, tokens=3, block_size=block_size, context=[5, 2])
-    mrope = decoder.cfg.mrope_section is not None
+    cfg = decoder.cfg
     with torch.no_grad(), _quiet_exporter():
         torch.onnx.export(DecoderGraph(decoder).eval(), tuple(example.values()), str(path), dynamo=False,
-                          opset_version=opset, input_names=list(DECODER_INPUTS),
-                          output_names=list(DECODER_OUTPUTS), dynamic_axes=decoder_axes(mrope))
+                          opset_version=opset, input_names=list(decoder_inputs(cfg)),
+                          output_names=list(DECODER_OUTPUTS),
+                          dynamic_axes=decoder_axes(cfg.mrope_section is not None, cfg.bidirectional_images))
     finalize_graph(path)
 
 

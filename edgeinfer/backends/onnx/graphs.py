@@ -22,6 +22,10 @@ depends on the image grid as Python values computed on the host:
   packing (unpadding, row newlines) runs on the host, as its shapes follow the image size;
 - Qwen2-VL / Qwen2.5-VL (``models/qwen2_vl.py``): flattened patches + rotary position ids +
   segment (and window) boundaries -> merged embeddings, dynamic patch count.
+
+Gemma 3's decoder graph takes one more input, ``image_groups`` [B, T] (each new token's
+image run, -1 for text; :func:`decoder_inputs`), so that an image's tokens see each other,
+and its sliding layers attend under a second mask that also bounds the past to the window.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgeinfer.models.decoder import Decoder, _linear, reshape_tail, split_visual_additions
+from edgeinfer.models.decoder import Decoder, _linear, _normed, reshape_tail, split_visual_additions
 from edgeinfer.models.export import VISION_OUTPUT, VisionGraph
 
 __all__ = ["DECODER_INPUTS", "DECODER_OUTPUTS", "VISION_OUTPUT", "DecoderGraph", "VisionGraph", "decoder_axes",
@@ -38,6 +42,13 @@ __all__ = ["DECODER_INPUTS", "DECODER_OUTPUTS", "VISION_OUTPUT", "DecoderGraph",
 
 DECODER_INPUTS = ("inputs_embeds", "position_ids", "k_pool", "v_pool", "block_tables", "context_lens")
 DECODER_OUTPUTS = ("logits", "new_k", "new_v")
+IMAGE_GROUPS = "image_groups"
+
+
+def decoder_inputs(cfg) -> tuple[str, ...]:
+    """The decoder graph's inputs for a decoder config: the contract's, plus ``image_groups``
+    where images attend to themselves both ways."""
+    return DECODER_INPUTS + ((IMAGE_GROUPS,) if cfg.bidirectional_images else ())
 
 
 # --------------------------------------------------------------------------- the decoder graph
@@ -61,20 +72,39 @@ def past_rows(block_tables: torch.Tensor, blocks, block_size, kv_heads: int, lay
 
 
 def folded_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size, tokens, heads: int,
-                kv_heads: int) -> torch.Tensor:
+                kv_heads: int, image_groups: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
     """Additive mask [B, T*heads, W*bs*kvh] of the folded attention of :class:`GraphLayer`.
 
     Query row ``t * heads + h`` (new token ``t``, query head ``h``) may see key row
     ``s * kvh + j`` when slot ``s`` is at most the token's own position, ``context + t``,
-    and ``j`` is the K/V head of ``h``. Built once for every layer.
+    and ``j`` is the K/V head of ``h``. Built once for every layer (once more for sliding
+    layers). With ``image_groups`` [B, T] a new token also sees the new tokens of its own
+    image run; with a ``window`` only the slots less than ``window`` before it.
     """
     device = block_tables.device
     rows = torch.arange(tokens * heads, device=device)
     row_token, row_head = rows // heads, (rows % heads) // (heads // kv_heads)
     keys = torch.arange(block_tables.shape[1] * block_size * kv_heads, device=device)
-    seen = (keys // kv_heads)[None, None, :] <= (context_lens[:, None] + row_token[None, :])[..., None]
+    key_slot = keys // kv_heads
+    query_slot = (context_lens[:, None] + row_token[None, :])[..., None]  # [B, T*heads, 1]
+    seen = key_slot[None, None, :] <= query_slot
+    if image_groups is not None:
+        seen = seen | _same_image(image_groups, context_lens, key_slot, row_token, tokens)
+    if window is not None:
+        seen = seen & (key_slot[None, None, :] > query_slot - window)
     ok = seen & ((keys % kv_heads)[None, :] == row_head[:, None])[None]
     return torch.where(ok, 0.0, float("-inf"))
+
+
+def _same_image(groups: torch.Tensor, context_lens: torch.Tensor, key_slot: torch.Tensor, row_token: torch.Tensor,
+                tokens) -> torch.Tensor:
+    """[B, T*heads, K] bool: key slot is a new token of the query row's image run."""
+    new_index = key_slot[None, :] - context_lens[:, None]  # [B, K] which new token a slot holds
+    is_new = (new_index >= 0) & (new_index < tokens)
+    key_group = groups.gather(1, torch.where(is_new, new_index, torch.zeros_like(new_index)))
+    row_group = groups[:, row_token]  # [B, T*heads]
+    return is_new[:, None, :] & (key_group[:, None, :] == row_group[..., None]) & (row_group[..., None] >= 0)
 
 
 def new_rows(context_lens: torch.Tensor, tokens, kv_heads: int) -> torch.Tensor:
@@ -103,7 +133,7 @@ class _PutRows(torch.autograd.Function):
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                head_dim: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, 1, T, hd] -> tables [B, T, heads + 2*kvh, hd] over the q|k|v heads of a layer.
 
     ``x * cos + x[..., rotation] * sin`` is RoPE on the q and k heads (``rotate_half``'s
@@ -112,7 +142,7 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
     half = head_dim // 2
     cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
     sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    scale = [head_dim ** -0.5] * heads + [1.0] * kv_heads + [0.0] * kv_heads
+    scale = [head_dim ** -0.5 if scale is None else scale] * heads + [1.0] * kv_heads + [0.0] * kv_heads
     per_head = torch.tensor(scale, dtype=cos.dtype, device=cos.device)[:, None]
     keep_v = torch.tensor([0.0] * (heads + kv_heads) + [1.0] * kv_heads, dtype=cos.dtype, device=cos.device)[:, None]
     return cos * per_head + keep_v, sin * per_head
@@ -130,7 +160,8 @@ class GraphLayer(nn.Module):
     from the gather (:func:`past_rows`): the past is never transposed nor concatenated,
     the new tokens' rows are written over their own (not yet filled) slots of the table
     (:class:`_PutRows`), and a query row's products with the other K/V heads' rows (a few
-    thousand multiply-adds) are masked out by :func:`folded_mask`.
+    thousand multiply-adds) are masked out by :func:`folded_mask`. Gemma's per-head q/k norms
+    run before RoPE, its sandwich norms and activation as in ``DecoderLayer.forward``.
     """
 
     def __init__(self, layer: nn.Module) -> None:
@@ -154,10 +185,10 @@ class GraphLayer(nn.Module):
         values = _PutRows.apply(past_v, index, reshape_tail(v, 2, -1, cfg.head_dim))
         probs = torch.softmax(q @ keys.transpose(2, 3) + mask, dim=-1)
         attn = reshape_tail(probs @ values, 2, -1, cfg.q_size)
-        x = x + _linear(attn, layer.o_t, layer.o_bias)
+        x = x + _normed(layer.attn_out_norm, _linear(attn, layer.o_t, layer.o_bias))
         gate_up = _linear(layer.post_attention_norm(x), layer.gate_up_t, layer.gate_up_bias)
         gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
-        x = x + _linear(F.silu(gate) * up, layer.down_t, layer.down_bias)
+        x = x + _normed(layer.mlp_out_norm, _linear(layer.act(gate) * up, layer.down_t, layer.down_bias))
         return x, k, v
 
 
@@ -177,19 +208,24 @@ class DecoderGraph(nn.Module):
         self.decoder = decoder
         self.layers = nn.ModuleList(GraphLayer(layer) for layer in decoder.layers)
 
-    def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
+    def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
         decoder, cfg = self.decoder, self.decoder.cfg
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         tokens = inputs_embeds.shape[1]
-        mask = folded_mask(block_tables, context_lens, k_pool.shape[2], tokens, heads, kv_heads)
+        masking = (block_tables, context_lens, k_pool.shape[2], tokens, heads, kv_heads, image_groups)
+        mask = folded_mask(*masking)
         index = new_rows(context_lens, tokens, kv_heads)
-        cos, sin = rope_tables(*decoder.rope(position_ids, inputs_embeds.dtype), heads, kv_heads, hd)
+        cos_sin = rope_tables(*decoder.rope(position_ids, inputs_embeds.dtype), heads, kv_heads, hd, cfg.attn_scale)
+        local = (folded_mask(*masking, window=cfg.sliding_window),
+                 rope_tables(*decoder.rope(position_ids, inputs_embeds.dtype, local=True), heads, kv_heads, hd,
+                             cfg.attn_scale)) if cfg.has_sliding_layers else None
         rows = past_rows(block_tables, k_pool.shape[1], k_pool.shape[2], kv_heads, cfg.num_layers)
         flat_k, flat_v = k_pool.reshape(-1, hd), v_pool.reshape(-1, hd)  # views: the pools are not copied
         x, additions = split_visual_additions(inputs_embeds, cfg)
         x, new_k, new_v = x[None], [], []
         for i, (layer, past) in enumerate(zip(self.layers, rows)):
-            x, k, v = layer(x, cos, sin, flat_k[past], flat_v[past], mask, index)
+            layer_mask, (cos, sin) = local if cfg.is_sliding(i) else (mask, cos_sin)
+            x, k, v = layer(x, cos, sin, flat_k[past], flat_v[past], layer_mask, index)
             if additions is not None and i < cfg.deepstack_layers:
                 x = x + additions[None, :, :, i]
             new_k.append(k)
@@ -198,10 +234,11 @@ class DecoderGraph(nn.Module):
         return logits, torch.cat(new_k), torch.cat(new_v)
 
 
-def decoder_axes(mrope: bool) -> dict[str, dict[int, str]]:
+def decoder_axes(mrope: bool, image_groups: bool = False) -> dict[str, dict[int, str]]:
     positions = {1: "batch", 2: "tokens"} if mrope else {0: "batch", 1: "tokens"}
     pool = {1: "blocks", 2: "block_size"}
-    return {"inputs_embeds": {0: "batch", 1: "tokens"}, "position_ids": positions, "k_pool": pool, "v_pool": pool,
+    groups = {IMAGE_GROUPS: {0: "batch", 1: "tokens"}} if image_groups else {}
+    return groups | {"inputs_embeds": {0: "batch", 1: "tokens"}, "position_ids": positions, "k_pool": pool, "v_pool": pool,
             "block_tables": {0: "batch", 1: "table"}, "context_lens": {0: "batch"}, "logits": {0: "batch"},
             "new_k": {1: "batch", 2: "tokens"}, "new_v": {1: "batch", 2: "tokens"}}
 
@@ -228,9 +265,12 @@ def decoder_example(decoder: Decoder, *, batch: int, tokens: int, block_size: in
     width = max(1, -(-(max(context) + tokens) // block_size))
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)])
     shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return {"inputs_embeds": embeds, "position_ids": positions.contiguous(),
-            "k_pool": torch.randn(shape, generator=gen), "v_pool": torch.randn(shape, generator=gen),
-            "block_tables": tables.contiguous(), "context_lens": lens}
+    example = {"inputs_embeds": embeds, "position_ids": positions.contiguous(),
+               "k_pool": torch.randn(shape, generator=gen), "v_pool": torch.randn(shape, generator=gen),
+               "block_tables": tables.contiguous(), "context_lens": lens}
+    if cfg.bidirectional_images:  # new tokens 1.. of each row form one image run (all text with one token)
+        example[IMAGE_GROUPS] = torch.where(torch.arange(tokens) > 0, 0, -1).expand(batch, tokens).contiguous()
+    return example
 
 
 # --------------------------------------------------------------------------- the vision graphs

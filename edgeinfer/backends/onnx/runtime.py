@@ -35,7 +35,8 @@ from edgeinfer.artifacts import (
     stale_reasons,
 )
 from edgeinfer.backends.onnx.build import GRAPH_FORMAT, BuildSpec, build_command
-from edgeinfer.backends.onnx.graphs import DECODER_INPUTS, DECODER_OUTPUTS, VISION_OUTPUT, VisionGraph, vision_graph_for
+from edgeinfer.backends.onnx.graphs import (DECODER_INPUTS, DECODER_OUTPUTS, IMAGE_GROUPS, VISION_OUTPUT, VisionGraph,
+                                            vision_graph_for)
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
 from edgeinfer.models.decoder import widen_embeds
 
@@ -111,22 +112,27 @@ def _bind(binding, name: str, tensor: torch.Tensor, output: bool = False) -> Non
 class OrtDecoderEngine:
     """Decoder engine contract over an ORT session; every tensor bound by pointer."""
 
-    def __init__(self, session, embed_table: torch.Tensor, num_layers: int, vocab_size: int) -> None:
+    def __init__(self, session, embed_table: torch.Tensor, num_layers: int, vocab_size: int,
+                 embed_scale: float = 1.0) -> None:
         self.session = session
         self.embed_table = embed_table
+        self.embed_scale = embed_scale  # Gemma scales token embeddings by sqrt(hidden)
         self.num_layers = num_layers
         self.vocab_size = vocab_size
-        names = [i.name for i in session.get_inputs()]
-        if tuple(names) != DECODER_INPUTS:
-            raise EngineBuildError(f"decoder graph inputs are {names}, expected {list(DECODER_INPUTS)}")
+        names = tuple(i.name for i in session.get_inputs())
+        if names not in (DECODER_INPUTS, DECODER_INPUTS + (IMAGE_GROUPS,)):
+            raise EngineBuildError(f"decoder graph inputs are {list(names)}, expected {list(DECODER_INPUTS)} "
+                                   f"(+ {IMAGE_GROUPS!r} for families whose images attend both ways)")
+        self.image_groups = names[-1] == IMAGE_GROUPS
         # Rows wider than the embedding table's carry deepstack additions; rows without are widened with zeros.
         self.embeds_width = int(session.get_inputs()[0].shape[-1])
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.embed_table)
+        embeds = F.embedding(token_ids, self.embed_table)
+        return embeds if self.embed_scale == 1.0 else embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)
 
-    def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
+    def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
         b, t = inputs_embeds.shape[:2]
         device, dtype = k_pool.device, k_pool.dtype
         inputs_embeds = widen_embeds(inputs_embeds, self.embeds_width)
@@ -138,6 +144,9 @@ class OrtDecoderEngine:
         binding = self.session.io_binding()
         for name, tensor in zip(DECODER_INPUTS, inputs):
             _bind(binding, name, tensor)
+        if self.image_groups:  # every step feeds it; text-only chunks and decode steps are all -1
+            groups = torch.full((b, t), -1, dtype=torch.int64) if image_groups is None else image_groups
+            _bind(binding, IMAGE_GROUPS, groups.to(device, torch.int64).contiguous())
         for name, tensor in zip(DECODER_OUTPUTS, outputs):
             _bind(binding, name, tensor, output=True)
         self.session.run_with_iobinding(binding)
@@ -232,7 +241,8 @@ def open_engines(model, config, root: str | Path | None = None,
     # cut the time per decoded token by about a quarter (docs/benchmarks.md). The vision
     # engine runs long graphs back to back and keeps spinning.
     session = make_session(folder / manifest.engine("decoder").file, chosen, config.threads, spin=False)
-    decoder_engine = OrtDecoderEngine(session, table.detach(), decoder.cfg.num_layers, decoder.cfg.vocab_size)
+    decoder_engine = OrtDecoderEngine(session, table.detach(), decoder.cfg.num_layers, decoder.cfg.vocab_size,
+                                      decoder.cfg.embed_scale)
     return OrtEngines(decoder_engine, _vision_engine(model, folder, manifest, chosen, config.threads),
                       tuple(chosen), folder, manifest)
 

@@ -577,6 +577,14 @@ def pool_blocks_for(profile, decoder_cfg) -> int:
     return pool_blocks(profile.memory.kv_device_budget_mb, per_block, profile.kv.device_blocks)
 
 
+def check_decoder_supported(cfg) -> None:
+    """Refuse decoders whose graph the TensorRT runtime does not drive yet: Gemma 3's takes an
+    ``image_groups`` input and its plan has not been built or measured on a GPU."""
+    if cfg.gemma_features():
+        raise EngineBuildError(f"TensorRT engines are not built for decoders with {', '.join(cfg.gemma_features())} "
+                               "(Gemma 3) yet", fix="--backend onnxruntime (or torch)")
+
+
 def plan_for_model(model, profile, folder: Path, target: BuildTarget, root: Path) -> TensorRTBuildPlan:
     """The plan of a loaded model whose ONNX graphs are in ``folder``."""
     from edgeinfer.backends.onnx.export import DECODER_FILE, VISION_FILE
@@ -603,6 +611,7 @@ def build_tensorrt_engines(model_dir: str | Path, profile, root: str | Path | No
     import_tensorrt()
     target = current_target(unified=profile.memory.unified)
     model = load_model(model_dir)
+    check_decoder_supported(model.decoder.cfg)
     spec = onnx_spec(profile)
     onnx_result = build_engines(model, spec, root, progress=progress)
     folder = onnx_result.folder

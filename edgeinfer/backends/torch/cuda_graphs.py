@@ -48,7 +48,7 @@ import torch
 
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
-from edgeinfer.models.decoder import Decoder, DecoderLayer, past_reader, whole_block_slots_and_mask
+from edgeinfer.models.decoder import Decoder, DecoderLayer, layer_masks, past_reader, whole_block_slots_and_mask
 
 
 # One compiled layer serves every (batch, width) bucket of every engine in the process; torch's
@@ -262,10 +262,14 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
                                       context_lens, valid)
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], 1)
-        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, self._layer_fn)
+        mask, window = layer_masks(self.decoder.cfg, mask, context_lens, slots.shape[1], 1)
+        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, self._layer_fn,
+                                       window_mask=window)
 
     @torch.inference_mode()
-    def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
+    def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
+        if image_groups is not None:  # a chunk with images that attend both ways: eager, its mask follows them
+            return super().step(inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups)
         b, t, _ = inputs_embeds.shape
         batch = bucket_for(b, self.batch_buckets)
         width = bucket_for(block_tables.shape[1], self.width_buckets)
@@ -334,11 +338,16 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
     # --- prompt chunks -------------------------------------------------------------------------
     def _prefill_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, last, past: bool):
         """A batch-1 chunk on static shapes: no past (causal, no mask) or whole blocks under a mask."""
+        cfg, tokens = self.decoder.cfg, embeds.shape[1]
         if not past:
             empty = k_pool.new_empty(1, 0, *k_pool.shape[3:])
-            return self.decoder.run_layers(embeds, positions, lambda i: (empty, empty), None, last=last)
-        slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], embeds.shape[1])
-        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, last=last)
+            mask, window = layer_masks(cfg, None, context_lens, 0, tokens)
+            return self.decoder.run_layers(embeds, positions, lambda i: (empty, empty), mask, last=last,
+                                           window_mask=window)
+        slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], tokens)
+        mask, window = layer_masks(cfg, mask, context_lens, slots.shape[1], tokens)
+        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, last=last,
+                                       window_mask=window)
 
     def _prefill(self, embeds, positions, k_pool, v_pool, tables, context_lens, width):
         """Replay (capturing first if new) the graph of this chunk's bucket; None when capture failed."""

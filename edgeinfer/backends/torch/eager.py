@@ -21,10 +21,10 @@ class TorchDecoderEngine:
         return self.decoder.embed_tokens(token_ids.to(self.device, non_blocking=True))
 
     @torch.inference_mode()
-    def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens):
+    def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
         move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         return self.decoder(move(inputs_embeds), move(position_ids), k_pool, v_pool, move(block_tables),
-                            move(context_lens))
+                            move(context_lens), None if image_groups is None else move(image_groups))
 
 
 def warm_up(fn, device: torch.device, times: int = 2) -> None:

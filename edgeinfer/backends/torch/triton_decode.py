@@ -354,6 +354,8 @@ class FusedDecode:
             raise ValueError(f"head_dim={cfg.head_dim} is odd or over 256")
         if cfg.qk_norm:  # the attention kernel applies RoPE to q and k as the product left them
             raise ValueError("per-head q/k RMSNorm (Qwen3) is not in the fused kernels")
+        if cfg.gemma_features():  # the kernels are the Llama/Qwen2 layer; CUDA graphs of the compiled layers serve these
+            raise ValueError(f"the fused step does not implement {', '.join(cfg.gemma_features())}")
         self.decoder = decoder
         self.cfg = cfg
         self.configs: dict[str, GemvConfig] = {}
