@@ -16,7 +16,10 @@ def device_blocks(engine: AsyncEngine, state: str) -> int:
 
 
 def settled(engine: AsyncEngine) -> bool:
-    return device_blocks(engine, "running") == 0 and device_blocks(engine, "storing") == 0
+    """The published snapshot is one taken after the request (its image was encoded) with nothing
+    running and nothing storing."""
+    after = engine.snapshot.counters.get("vision_runs") == 1
+    return after and device_blocks(engine, "running") == 0 and device_blocks(engine, "storing") == 0
 
 
 def test_storing_blocks_settle_on_an_idle_engine(checkpoint, tmp_path):

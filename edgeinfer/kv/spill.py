@@ -436,16 +436,18 @@ class SpillManager:
         for tier in (Tier.HOST, Tier.DISK):
             store = self.store_of(tier)
             if store is not None:
-                usage[tier.value] = TierUsage(store.capacity, self._tier_states(tier, store), nbytes)
+                # A tier that stopped writing (a full disk) has no free slots: its capacity is what it holds.
+                capacity = store.capacity if store.writable else store.num_used
+                usage[tier.value] = TierUsage(capacity, self._tier_states(tier, store, capacity), nbytes)
         return usage
 
-    def _tier_states(self, tier: Tier, store: HostStore | DiskStore) -> dict[str, int]:
+    def _tier_states(self, tier: Tier, store: HostStore | DiskStore, capacity: int) -> dict[str, int]:
         entries = [e for e in self.index.entries() if e.where(tier) is not None]
         busy = sum(1 for e in entries if e.busy is not None)
         preempted = sum(1 for e in entries if e.busy is None and e.pins)
         reserved = store.num_used - len(entries)  # destinations of stores in flight
         return {"idle": len(entries) - busy - preempted, "preempted": preempted, "busy": busy + reserved,
-                "free": store.capacity - store.num_used}
+                "free": capacity - store.num_used}
 
     def _device_states(self) -> dict[str, int]:
         pool = self.pool
