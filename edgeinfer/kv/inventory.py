@@ -10,6 +10,7 @@ through :class:`~edgeinfer.kv.embeddings.EmbeddingStore`: the formats are known 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,8 @@ from edgeinfer.kv.disk import (
     DiskStore,
 )
 from edgeinfer.kv.embeddings import EmbeddingStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +181,7 @@ def verify_cache(root: Path, model: str | None = None) -> CacheReport:
                 except ChecksumError:
                     store.release(slot)
                     damaged_blocks += 1
-            damaged_vision = _verify_vision(folder)
+            damaged_vision = _verify_vision(folder, layout)
             after = _kv_bytes(folder) + sum(f.stat().st_size for f in _vision_files(folder))
             return _describe(folder, layout, store, damaged_blocks=damaged_blocks, damaged_vision=damaged_vision,
                              removed_blocks=damaged_blocks, removed_vision=damaged_vision,
@@ -187,14 +190,14 @@ def verify_cache(root: Path, model: str | None = None) -> CacheReport:
     return CacheReport(str(root), "verify", tuple(_each_folder(root, model, verify)))
 
 
-def _verify_vision(folder: Path) -> int:
-    """Vision entries that fail their checksum; the store's ``load`` deletes each of them."""
-    files = _vision_files(folder)
-    if not files:
-        return 0
-    store = EmbeddingStore(folder / "vision")
+def _verify_vision(folder: Path, layout: DiskLayout) -> int:
+    """Vision entries that cannot be used (damaged, or written for another image or model); each is removed."""
+    store = EmbeddingStore(folder / "vision", owner=layout.fingerprint)
     damaged = 0
-    for path in files:
-        if store.load(path.stem) is None and not path.exists():
+    for key in list(store.keys()):
+        problem = store.verify(key)
+        if problem is not None:
+            log.warning("vision cache entry %s removed: %s", key, problem)
+            store.discard(key)
             damaged += 1
     return damaged
