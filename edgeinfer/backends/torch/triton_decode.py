@@ -352,10 +352,11 @@ class FusedDecode:
         cfg = decoder.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 256:
             raise ValueError(f"head_dim={cfg.head_dim} is odd or over 256")
-        if cfg.qk_norm:  # the attention kernel applies RoPE to q and k as the product left them
-            raise ValueError("per-head q/k RMSNorm (Qwen3) is not in the fused kernels")
-        if cfg.gemma_features():  # the kernels are the Llama/Qwen2 layer; CUDA graphs of the compiled layers serve these
-            raise ValueError(f"the fused step does not implement {', '.join(cfg.gemma_features())}")
+        # The kernels are the Llama/Qwen2 layer (RoPE applied to q and k as the product left them);
+        # CUDA graphs of the compiled layers serve the rest.
+        missing = [*cfg.gemma_features(), *(["qk_norm (per-head q/k RMSNorm)"] if cfg.qk_norm else [])]
+        if missing:
+            raise ValueError(f"the fused step does not implement {', '.join(missing)}")
         self.decoder = decoder
         self.cfg = cfg
         self.configs: dict[str, GemvConfig] = {}
