@@ -81,7 +81,7 @@ RSS_GROWTH_LIMIT = 0.10
 # The hostile mix: each kind, and the statuses it may get (503: overload, try later).
 HOSTILE_KINDS = {
     "big_prompt": {413, 422},  # 5 MB of text: refused by its length, never tokenized
-    "big_batch": {400, 413},  # 8,000 image items: counted before any image is read
+    "big_batch": {400, 413, 422},  # 8,000 image items: counted before any item is validated
     "huge_decode": {200, 503},  # nearly 24 MP to decode (fit): through the decode budget
     "surrogate_plain": {422},
     "surrogate_stream": {422},
@@ -440,21 +440,21 @@ async def send_hostile(client: httpx.AsyncClient, url: str, api_key: str, kind: 
     return Outcome(kind, status, ok, time.perf_counter() - started, "" if ok else detail)
 
 
-def hostile_process(url: str, api_key: str, question: Question, concurrency: int, stop, results) -> None:
+def hostile_process(url: str, api_key: str, question: Question, concurrency: int, kinds: list[str],
+                    interval_s: float, stop, results) -> None:
     """The hostile mix in a process of its own, so that building and sending it takes no time from
     the valid clients being measured: ``concurrency`` clients cycle through the kinds until
     ``stop`` (a multiprocessing Event) is set; the outcomes go to ``results`` (a Queue)."""
     # Solid colour: a few KB on the wire, just under the 24 MP decode cap once decoded.
     huge_png = png(Image.new("RGB", (5999, 3999), (40, 160, 40)))
-    requests = {kind: hostile_arguments(kind, question, huge_png) for kind in HOSTILE_KINDS
+    requests = {kind: hostile_arguments(kind, question, huge_png) for kind in kinds
                 if kind not in ("slow_body", "slow_reader")}
-    results.put(asyncio.run(_attack(url, api_key, question, concurrency, requests, stop)))
+    results.put(asyncio.run(_attack(url, api_key, question, concurrency, kinds, interval_s, requests, stop)))
 
 
-async def _attack(url: str, api_key: str, question: Question, concurrency: int,
-                  requests: dict[str, tuple[str, dict]], stop) -> list[Outcome]:
+async def _attack(url: str, api_key: str, question: Question, concurrency: int, kinds: list[str],
+                  interval_s: float, requests: dict[str, tuple[str, dict]], stop) -> list[Outcome]:
     outcomes: list[Outcome] = []
-    kinds = list(HOSTILE_KINDS)
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {api_key}"},
                                  timeout=httpx.Timeout(120.0)) as client:
 
@@ -462,8 +462,10 @@ async def _attack(url: str, api_key: str, question: Question, concurrency: int,
             i = offset
             while not stop.is_set():
                 kind = kinds[i % len(kinds)]
+                started = time.monotonic()
                 outcomes.append(await send_hostile(client, url, api_key, kind, question, requests))
                 i += 1
+                await asyncio.sleep(max(0.0, started + interval_s - time.monotonic()))
 
         await asyncio.gather(*(attacker(k) for k in range(concurrency)))
     return outcomes
@@ -618,14 +620,26 @@ def parse_args() -> argparse.Namespace:
                         help="also measure valid traffic alone and beside the hostile mix (see above)")
     parser.add_argument("--hostile-requests", type=int, default=100, help="valid requests in each hostile phase")
     parser.add_argument("--hostile-concurrency", type=int, default=4, help="clients sending the hostile mix")
+    parser.add_argument("--hostile-interval", type=float, default=0.25,
+                        help="seconds from the start of one hostile request of a client to its next (0: back to "
+                             "back, a flood)")
+    parser.add_argument("--hostile-kinds", default=",".join(HOSTILE_KINDS),
+                        help=f"comma-separated kinds of the hostile mix (default: all of {', '.join(HOSTILE_KINDS)})")
     parser.add_argument("--p99-ratio-limit", type=float, default=2.0,
                         help="valid p99 under the hostile mix over the quiet p99 that still passes")
     args = parser.parse_args()
     if args.requests < 1 or args.requests > 10_000 or not 1 <= args.concurrency <= 64:
         parser.error("--requests must be in 1..10000 and --concurrency in 1..64 (a bounded test)")
+    args.hostile_kinds = [kind.strip() for kind in args.hostile_kinds.split(",") if kind.strip()]
+    unknown = sorted(set(args.hostile_kinds) - set(HOSTILE_KINDS))
+    if unknown or not args.hostile_kinds:
+        parser.error(f"--hostile-kinds: unknown {unknown or 'none given'}; choose from {', '.join(HOSTILE_KINDS)}")
     if not 1 <= args.hostile_requests <= 10_000 or not 1 <= args.hostile_concurrency <= 16:
         parser.error("--hostile-requests must be in 1..10000 and --hostile-concurrency in 1..16 (a bounded test)")
     return args
+
+
+LOAD_AT_START = [round(x, 2) for x in os.getloadavg()]
 
 
 def main() -> int:
@@ -673,7 +687,14 @@ def main() -> int:
         failures += hostile_failures
     print(json.dumps(figures, indent=2))
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "failures": failures}, indent=2))
+        settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
+                    if key != "json"}
+        machine = {"cpus": os.cpu_count(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+                   "load_average_at_start": LOAD_AT_START}
+        args.json.write_text(json.dumps({"command": "python scripts/load_test.py " + " ".join(
+                                             arg if arg != str(args.json) else args.json.name for arg in sys.argv[1:]),
+                                         "settings": settings, "machine": machine, "figures": figures,
+                                         "failures": failures}, indent=2))
     for failure in failures[:30]:
         print(f"FAIL {failure}")
     print("all checks passed" if not failures else f"{len(failures)} checks failed")
@@ -689,7 +710,8 @@ def run_hostile_phases(url: str, api_key: str, pid: int, questions: list[Questio
     context = multiprocessing.get_context("spawn")
     stop, results = context.Event(), context.Queue()
     attacker = context.Process(target=hostile_process, daemon=True,
-                               args=(url, api_key, questions[0], args.hostile_concurrency, stop, results))
+                               args=(url, api_key, questions[0], args.hostile_concurrency, args.hostile_kinds,
+                                     args.hostile_interval, stop, results))
     attacker.start()
     time.sleep(HOSTILE_HEAD_START_S)  # the mix is under way before the measured traffic starts
     try:

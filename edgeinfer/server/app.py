@@ -22,6 +22,7 @@ profile's ``shutdown_grace_s`` to finish; then queued ones are answered 503 + Re
 from __future__ import annotations
 
 import asyncio
+import gc
 import dataclasses
 import hmac
 import logging
@@ -47,7 +48,7 @@ from edgeinfer.preflight import ImageRules, read_image_source
 from edgeinfer.server import chat
 from edgeinfer.server.admin import admin
 from edgeinfer.server.decoding import (
-    DecodeBudget, check_image_count, decode_budget_bytes, decode_one, prepare_refs,
+    DecodeBudget, check_image_count, decode_budget_bytes, decode_executor, decode_one, prepare_refs,
 )
 from edgeinfer.server.errors import (
     AuthenticationError, BodyTooLarge, InvalidParam, ModelNotReady, error_payload, error_response,
@@ -118,12 +119,18 @@ class Runtime:
         server = settings.server
         self.decoder = DecodeBudget(decode_budget_bytes(settings.profile, self.rules),
                                     settings.profile.memory.available_floor_mb * 2**20,
-                                    max_waiting=server.max_concurrent + server.max_queue)
+                                    max_waiting=server.max_concurrent + server.max_queue,
+                                    executor=decode_executor())
         self.engine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue,
                                   idle_sleep_s=server.idle_sleep_s, idle_sleep_level=server.idle_sleep_level).start()
         if self.state == "draining":  # shut down while loading: nobody will use it
             self.engine.close()
             return
+        # The model's millions of Python objects live as long as the process: moved out of the
+        # collector's sight, a full collection (which a burst of large JSON bodies triggers)
+        # takes milliseconds instead of stopping every thread for a second or more.
+        gc.collect()
+        gc.freeze()
         self.state = "ready"
 
     def require_engine(self) -> AsyncEngine:
@@ -149,6 +156,8 @@ class Runtime:
             if ended:
                 log.warning("ended %d requests still in flight after the shutdown grace period", ended)
             await asyncio.to_thread(self.engine.close, 30.0)  # the engine flushes its KV tiers
+        if self.decoder is not None:
+            self.decoder.close()
 
 
 def get_runtime(request: Request) -> Runtime:

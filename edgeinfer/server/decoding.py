@@ -16,13 +16,20 @@ profile's memory) for the length of the decode:
 
 A request's images are decoded one after the other, so a request holds at most one
 reservation at a time.
+
+Decodes run on the stage's own threads at a lower CPU priority (nice +10) than the engine
+thread: on a board with two cores, a burst of large pictures in front of the queue must not
+slow the tokens of the requests already admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -38,6 +45,7 @@ from edgeinfer.profiles import DeviceProfile
 from edgeinfer.server.images import ImageRef, ImageSourcePolicy, read_ref
 
 T = TypeVar("T")
+log = logging.getLogger("edgeinfer.server")
 _MIB = 2**20
 # Bytes alive per decoded pixel at a decode's peak: the decoded source (up to 4 bytes a
 # pixel, RGBA), its RGB conversion (3) and the resize's reduced intermediate (up to 4), with
@@ -45,6 +53,22 @@ _MIB = 2**20
 DECODE_BYTES_PER_PIXEL = 12
 # The share of the memory left after the OS reserve and the KV budget that decodes may hold at once.
 DECODE_SHARE = 8
+# How much lower than the engine's the decode threads' CPU priority is (a nice increment).
+DECODE_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Thread initializer: this thread yields the CPU to the engine's (Linux nice values are per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + DECODE_NICE))
+    except (AttributeError, OSError) as error:  # not Linux, or not permitted: decodes run at the usual priority
+        log.debug("image decode threads keep the process priority: %s", error)
+
+
+def decode_executor(threads: int | None = None) -> ThreadPoolExecutor:
+    """The threads image decodes run on, at a lower CPU priority than the engine's."""
+    return ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="edgeinfer-decode",
+                              initializer=_lower_priority)
 
 
 def decode_peak_bytes(data: bytes, rules: ImageRules) -> int:
@@ -91,9 +115,11 @@ class DecodeBudget:
     the rest wait first come first served."""
 
     def __init__(self, capacity_bytes: int, floor_bytes: int, max_waiting: int,
-                 available: Callable[[], int] = lambda: psutil.virtual_memory().available) -> None:
+                 available: Callable[[], int] = lambda: psutil.virtual_memory().available,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         if capacity_bytes < 1 or max_waiting < 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 1 and max_waiting={max_waiting} >= 0")
+        self.executor = executor  # where decodes run (None: asyncio's default threads)
         self.capacity_bytes = capacity_bytes
         self.floor_bytes = floor_bytes
         self.max_waiting = max_waiting
@@ -103,6 +129,14 @@ class DecodeBudget:
         self._running = 0
         self._queue: list[object] = []  # tickets of waiting reservations, oldest first
         self._changed = asyncio.Condition()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the stage's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     def usage(self) -> DecodeUsage:
         return DecodeUsage(self.capacity_bytes, self._reserved, self._peak, self._running, len(self._queue))
@@ -181,9 +215,9 @@ def check_image_count(count: int, rules: ImageRules, source: str = "messages") -
 async def decode_one(data: bytes, rules: ImageRules, on_oversize: OnOversize | str, where: str,
                      budget: DecodeBudget) -> PreparedImage:
     """Preflight one image's bytes on a worker thread, holding its decode peak in ``budget``."""
-    peak = await asyncio.to_thread(decode_peak_bytes, data, rules)
+    peak = await budget.run(decode_peak_bytes, data, rules)
     async with budget.reserve(peak, where):
-        return await _even_if_cancelled(asyncio.to_thread(prepare_image, data, rules, on_oversize, where))
+        return await _even_if_cancelled(budget.run(prepare_image, data, rules, on_oversize, where))
 
 
 async def _even_if_cancelled(work: Awaitable[T]) -> T:

@@ -18,6 +18,10 @@ from pydantic_core import PydanticCustomError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4
+# The most requests one batch may name, counted before any of them is validated: validating
+# thousands of items would hold the event loop for seconds. (The server's capacity, usually
+# much lower, is checked after.)
+MAX_BATCH_ITEMS = 256
 
 
 INVALID_TEXT = "invalid_text"
@@ -115,7 +119,15 @@ class ChatCompletionRequest(_Wire):
 class BatchRequest(_Wire):
     """``POST /v1/chat/completions/batch``: several chats answered together (none may stream)."""
 
-    requests: list[ChatCompletionRequest] = Field(min_length=1)
+    requests: list[ChatCompletionRequest] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
+
+    @field_validator("requests", mode="before")
+    @classmethod
+    def _count_first(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_BATCH_ITEMS:
+            raise PydanticCustomError("too_long", "a batch holds at most {limit} requests, this one has {count}",
+                                      {"limit": MAX_BATCH_ITEMS, "count": len(value)})
+        return value
 
 
 # --------------------------------------------------------------------------- responses
