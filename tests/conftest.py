@@ -70,3 +70,18 @@ def exported_graphs(checkpoint, tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """hf_model(path) -> transformers' model of that checkpoint, loaded once per test module."""
+    from transformers import AutoModelForImageTextToText
+
+    loaded = {}
+
+    def get(path):
+        if path not in loaded:
+            loaded[path] = AutoModelForImageTextToText.from_pretrained(path).eval()
+        return loaded[path]
+
+    return get

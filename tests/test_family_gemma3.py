@@ -50,20 +50,6 @@ def pan_and_scan(gemma3, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForImageTextToText
-
-    loaded = {}
-
-    def get(path):
-        if path not in loaded:
-            loaded[path] = AutoModelForImageTextToText.from_pretrained(path).eval()
-        return loaded[path]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def reference(hf_model):
     """reference(path, case) -> transformers' greedy tokens on our prompt ids, computed once."""
     done = {}

@@ -29,20 +29,6 @@ def load_engine(path, prefill_chunk: int = 512, **kwargs) -> Engine:
                        **kwargs)
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForImageTextToText
-
-    loaded = {}
-
-    def get(path):
-        if path not in loaded:
-            loaded[path] = AutoModelForImageTextToText.from_pretrained(path).eval()
-        return loaded[path]
-
-    return get
-
-
 def hf_inputs(engine: Engine, prompt_ids: list[int], images) -> dict:
     ids = torch.tensor([prompt_ids])
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

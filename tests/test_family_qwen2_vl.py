@@ -29,21 +29,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    """hf_model(path) -> transformers' model of that checkpoint, loaded once per module."""
-    from transformers import AutoModelForImageTextToText
-
-    loaded = {}
-
-    def get(path):
-        if path not in loaded:
-            loaded[path] = AutoModelForImageTextToText.from_pretrained(path).eval()
-        return loaded[path]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def reference(checkpoint, hf_model):
     """reference(family, case) -> (our prompt ids, transformers' greedy tokens on them), computed once."""
     done = {}

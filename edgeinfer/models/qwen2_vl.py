@@ -121,6 +121,20 @@ def _segment_attention(self, hidden_states, cu_seqlens, position_embeddings=None
                             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling))
 
 
+@contextlib.contextmanager
+def segment_attention(blocks):
+    """While exporting: the tower's attention blocks attend within segments through a mask
+    (:func:`_segment_attention`) instead of transformers' per-segment loop."""
+    attentions = [block.attn for block in blocks]
+    for attn in attentions:
+        attn.forward = types.MethodType(_segment_attention, attn)
+    try:
+        yield
+    finally:
+        for attn in attentions:
+            del attn.forward
+
+
 class QwenTower(nn.Module):
     """The Qwen tower with its grid-derived index tensors as inputs instead of ``grid_thw``."""
 
@@ -176,16 +190,8 @@ class QwenVisionGraph(VisionGraph):
             feeds |= {"window_index": order, "cu_window_seqlens": windows.to(torch.int64)}
         return feeds
 
-    @contextlib.contextmanager
     def exporting(self):
-        attentions = [block.attn for block in self.vision.visual.blocks]
-        for attn in attentions:
-            attn.forward = types.MethodType(_segment_attention, attn)
-        try:
-            yield
-        finally:
-            for attn in attentions:
-                del attn.forward
+        return segment_attention(self.vision.visual.blocks)
 
 
 def mrope_positions(token_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],

@@ -21,9 +21,7 @@ and their positions too: for a single-frame image the text after it resumes at
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import types
 
 import torch
 from torch import nn
@@ -31,7 +29,7 @@ from torch import nn
 from edgeinfer.models.base import load_module_state
 from edgeinfer.models.decoder import DecoderConfig
 from edgeinfer.models.export import VISION_OUTPUT, VisionGraph
-from edgeinfer.models.qwen2_vl import Qwen2VLAdapter, _segment_attention
+from edgeinfer.models.qwen2_vl import Qwen2VLAdapter, segment_attention
 
 # What transformers' Qwen3-VL text rotary embedding falls back to when the config names no sections.
 DEFAULT_MROPE_SECTION = (24, 20, 20)
@@ -80,7 +78,7 @@ class Qwen3VisionGraph(VisionGraph):
     """Flattened patches + rotary position ids + segment boundaries + the bilinear taps of the
     learned position grid -> embeddings with their deepstack features, dynamic patch count.
     The host derives the grid's tensors with transformers' own functions; the graph attends
-    within segments through a block-diagonal mask (``qwen2_vl._segment_attention``)."""
+    within segments through a block-diagonal mask (``qwen2_vl.segment_attention``)."""
 
     independent_rows = False  # the patches of an image attend to each other
     NAMES = ("pixel_values", "position_ids", "cu_seqlens", "interp_indices", "interp_weights")
@@ -111,16 +109,8 @@ class Qwen3VisionGraph(VisionGraph):
                 "cu_seqlens": get_vision_cu_seqlens(grid).to(torch.int64),
                 "interp_indices": indices.to(torch.int64), "interp_weights": weights.float()}
 
-    @contextlib.contextmanager
     def exporting(self):
-        attentions = [block.attn for block in self.vision.visual.blocks]
-        for attn in attentions:
-            attn.forward = types.MethodType(_segment_attention, attn)
-        try:
-            yield
-        finally:
-            for attn in attentions:
-                del attn.forward
+        return segment_attention(self.vision.visual.blocks)
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
