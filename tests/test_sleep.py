@@ -137,7 +137,9 @@ def test_daemon_sleep_frees_at_least_half_of_what_loading_added():
         assert answer(ask(client)) == "red"
         loaded = rss()
         added = loaded - base
-        assert added > 2**30  # the pool is in memory (zeroed), not just reserved
+        # The pool is in memory (zeroed), not just reserved. (Memory the test process freed since
+        # `base` was taken can offset a little of it, hence 0.9.)
+        assert added > 0.9 * 2**30
 
         for level in (1, 2):
             slept = client.post(f"/sleep?level={level}")
