@@ -17,17 +17,13 @@ from edgeinfer.kv.disk import DiskStore
 from edgeinfer.kv.inventory import folder_layout, model_folders
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings
-
-try:
-    from tests.test_server import (
-        API_KEY,
-        data_uri,
-        image_message,
-        png_bytes,
-        running_server,
-    )
-except ImportError:
-    from test_server import API_KEY, data_uri, image_message, png_bytes, running_server
+from tests.test_server import (
+    API_KEY,
+    data_uri,
+    image_message,
+    png_bytes,
+    running_server,
+)
 
 runner = CliRunner()
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -103,6 +103,16 @@ def image_only_processor(image_processor, tokenizer):
     return ImageOnlyQwen2VLProcessor(image_processor, tokenizer)
 
 
+def processed_by_transformers(adapter, images, question=QUESTION):
+    """transformers' processor output for the chat template's prompt of ``question`` over ``images``."""
+    processor = image_only_processor(adapter.image_processor, adapter.tokenizer)
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+    text = adapter.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                 chat_template=adapter.checkpoint.chat_template,
+                                                 tokenize=False, add_generation_prompt=True)
+    return processor(text=[text], images=images, return_tensors="pt")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompt_layout_matches_transformers(checkpoint, hf_model, family):
     path = checkpoint(family)
@@ -111,12 +121,7 @@ def test_prompt_layout_matches_transformers(checkpoint, hf_model, family):
     images = CASES["two_images"]
     seq = engine.submit(QUESTION, images, SamplingParams(max_new_tokens=1))
 
-    processor = image_only_processor(adapter.image_processor, adapter.tokenizer)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                             {"type": "text", "text": QUESTION}]}]
-    text = adapter.tokenizer.apply_chat_template(messages, chat_template=adapter.checkpoint.chat_template,
-                                                 tokenize=False, add_generation_prompt=True)
-    expected = processor(text=[text], images=images, return_tensors="pt")
+    expected = processed_by_transformers(adapter, images, QUESTION)
     assert seq.prompt_ids == expected["input_ids"][0].tolist()
 
     positions, delta = hf_model(path).model.get_rope_index(

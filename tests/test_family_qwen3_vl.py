@@ -16,7 +16,7 @@ import torch
 
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import noise_image
-from tests.test_family_qwen2_vl import hf_generate, hf_inputs, image_only_processor
+from tests.test_family_qwen2_vl import hf_generate, hf_inputs, processed_by_transformers
 
 FAMILY = "qwen3_vl"
 QUESTION = "how many circle are there ?"
@@ -112,12 +112,7 @@ def test_prompt_ids_and_positions_match_transformers(checkpoint, hf_model):
     images = CASES["two_images"]
     seq = engine.submit(QUESTION, images, SamplingParams(max_new_tokens=1))
 
-    processor = image_only_processor(adapter.image_processor, adapter.tokenizer)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                             {"type": "text", "text": QUESTION}]}]
-    text = adapter.tokenizer.apply_chat_template(messages, chat_template=adapter.checkpoint.chat_template,
-                                                 tokenize=False, add_generation_prompt=True)
-    expected = processor(text=[text], images=images, return_tensors="pt")
+    expected = processed_by_transformers(adapter, images, QUESTION)
     assert seq.prompt_ids == expected["input_ids"][0].tolist()
     positions, delta = hf_model.model.get_rope_index(
         expected["input_ids"], expected["mm_token_type_ids"], image_grid_thw=expected["image_grid_thw"])

@@ -14,13 +14,8 @@ from edgeinfer.demo import DEMO_MODEL_DIR
 from edgeinfer.power import limits_reached, read_power_snapshot
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings
-
-try:
-    from tests.fake_sysfs import JETSON_BOARDS, Jetson, make_cpu, write
-    from tests.test_server import API_KEY, BASE_OVERRIDES, metric, running_server
-except ImportError:
-    from fake_sysfs import JETSON_BOARDS, Jetson, make_cpu, write
-    from test_server import API_KEY, BASE_OVERRIDES, metric, running_server
+from tests.fake_sysfs import JETSON_BOARDS, Jetson, make_cpu, write
+from tests.test_server import API_KEY, BASE_OVERRIDES, metric, running_server
 
 ORIN_NX = JETSON_BOARDS[3]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

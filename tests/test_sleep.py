@@ -20,27 +20,15 @@ from edgeinfer.engine.engine import SleepLevel
 from edgeinfer.errors import RequestError
 from edgeinfer.profiles import load_profile
 from edgeinfer.server import ServerSettings
-
-try:
-    from tests.test_server import (
-        API_KEY,
-        BASE_OVERRIDES,
-        data_uri,
-        image_message,
-        metric,
-        png_bytes,
-        running_server,
-    )
-except ImportError:
-    from test_server import (
-        API_KEY,
-        BASE_OVERRIDES,
-        data_uri,
-        image_message,
-        metric,
-        png_bytes,
-        running_server,
-    )
+from tests.test_server import (
+    API_KEY,
+    BASE_OVERRIDES,
+    data_uri,
+    image_message,
+    metric,
+    png_bytes,
+    running_server,
+)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 QUESTION = "What color is the circle?"
