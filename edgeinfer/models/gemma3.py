@@ -155,9 +155,7 @@ class Gemma3Adapter(FamilyAdapter):
         """Gemma3Processor's image settings: its defaults (pan-and-scan off), then the
         pan-and-scan keys of the checkpoint's processor_config.json. transformers takes those
         only as call arguments (``processor(..., do_pan_and_scan=True)``); here the folder says."""
-        from transformers import Gemma3Processor
-
-        defaults = {k: v for k, v in Gemma3Processor.images_kwargs.items() if k.startswith(("do_pan", "pan_and"))}
+        defaults = {k: v for k, v in processor_image_defaults().items() if k.startswith(("do_pan", "pan_and"))}
         return defaults | {k: v for k, v in self.checkpoint.processor_config.items() if k in defaults}
 
     def process_image(self, image) -> ImageInputs:
@@ -179,3 +177,16 @@ class Gemma3Adapter(FamilyAdapter):
     def image_limits(self):
         return {"max_side": None, "max_pixels": None, "min_side": None}
 
+
+
+def processor_image_defaults() -> dict:
+    """Gemma3Processor's default image settings: a class attribute in recent transformers 5
+    releases, the processor's kwargs class's ``_defaults`` in earlier ones (5.17)."""
+    from transformers import Gemma3Processor
+
+    defaults = getattr(Gemma3Processor, "images_kwargs", None)
+    if defaults is None:
+        from transformers.models.gemma3.processing_gemma3 import Gemma3ProcessorKwargs
+
+        defaults = Gemma3ProcessorKwargs._defaults["images_kwargs"]
+    return dict(defaults)
