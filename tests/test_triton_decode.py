@@ -64,13 +64,16 @@ def test_gemv_silu_mul_prologue(dtype):
     _close(triton_decode.gemv(gate_up, w, residual=residual, silu_mul=True), want, dtype)
 
 
-def _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_heads, hd):
-    """RoPE, the past gathered from the pool plus the new token, grouped attention: one row at a time."""
+def _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_heads, hd, norms=None):
+    """(Per-head q/k RMSNorm,) RoPE, the past gathered from the pool plus the new token, grouped
+    attention: one row at a time."""
     out, new_k, new_v = [], [], []
     bs = k_pool.shape[1]
     for row in range(qkv.shape[0]):
         q, k, v = qkv[row].split((heads * hd, kv_heads * hd, kv_heads * hd))
         q, k, v = q.view(heads, hd), k.view(kv_heads, hd), v.view(kv_heads, hd)
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         q = q * cos[row] + rotate_half(q) * sin[row]
         k = k * cos[row] + rotate_half(k) * sin[row]
         n = int(lens[row])
@@ -85,9 +88,10 @@ def _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_
     return torch.stack(out), torch.stack(new_k), torch.stack(new_v)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(12, 2, 128), (9, 3, 64), (4, 4, 32)])
-def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd):
+def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_norm):
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly; bf16 attention is checked on a GPU")
     torch.manual_seed(heads + hd)
@@ -100,12 +104,19 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd):
     qkv = torch.randn(m, (heads + 2 * kv_heads) * hd, device=DEVICE, dtype=dtype)
     angle = torch.rand(m, hd // 2, device=DEVICE) * 6
     cos, sin = torch.cat((angle.cos(), angle.cos()), -1).to(dtype), torch.cat((angle.sin(), angle.sin()), -1).to(dtype)
-    want, want_k, want_v = _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_heads, hd)
+    norms = None
+    if qk_norm:  # Qwen3: each head of q and k RMSNorm'd with its own weights before RoPE
+        norms = RMSNorm(hd, 1e-6).to(DEVICE, dtype), RMSNorm(hd, 1e-6).to(DEVICE, dtype)
+        for norm in norms:
+            norm.weight.data.uniform_(0.5, 1.5)
+    want, want_k, want_v = _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_heads, hd,
+                                                norms)
+    qk = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
 
     new_k = torch.empty(m, kv_heads, hd, device=DEVICE, dtype=dtype)
     new_v = torch.empty_like(new_k)
     got = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads, kv_heads=kv_heads,
-                                        head_dim=hd, new_kv=(new_k, new_v))
+                                        head_dim=hd, new_kv=(new_k, new_v), qk_norm=qk)
     _close(got, want, dtype)
     _close(new_k, want_k, dtype)
     assert torch.equal(new_v, want_v)
@@ -114,7 +125,7 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd):
     valid = torch.tensor([1, 1, 1, 1, 0, 1], device=DEVICE)
     before = k_pool.clone()
     got_pool = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads,
-                                             kv_heads=kv_heads, head_dim=hd, valid=valid)
+                                             kv_heads=kv_heads, head_dim=hd, valid=valid, qk_norm=qk)
     assert torch.equal(got_pool, got)
     changed = (k_pool != before).flatten(2).any(-1).nonzero().tolist()
     expected = sorted([int(tables[r, int(lens[r]) // bs]), int(lens[r]) % bs] for r in range(m) if valid[r])
@@ -126,7 +137,7 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd):
             assert torch.equal(v_pool[block, slot], new_v[r])
 
 
-@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "llava", "qwen3_vl"])
 def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family):
     """The whole fused step (products, attention, merge, the head) against ``Decoder.forward`` on a
     tiny checkpoint, one row, past scattered over the pool: returned K/V and K/V written in place."""

@@ -123,13 +123,24 @@ if triton is not None:
         return ((x * c).to(dt).to(tl.float32) + (sign * partner * s).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART,
-                          stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, scale,
+    def _head_norm(x, partner, r, w, wp, dt: tl.constexpr):
+        """A head's RMSNorm (``r`` = 1 / rms over the head) applied to ``x`` and to its RoPE
+        partner, rounded as the eager ``weight * (x * r).to(dtype)``."""
+        xn = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        pn = ((partner * r).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+        return xn, pn
+
+    @triton.jit
+    def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART, QW, KW,
+                          stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, scale, eps,
                           KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                           HDP: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                          SPLITS: tl.constexpr, WRITE_POOL: tl.constexpr, IEEE: tl.constexpr):
+                          SPLITS: tl.constexpr, WRITE_POOL: tl.constexpr, IEEE: tl.constexpr,
+                          QK_NORM: tl.constexpr):
         """One (row, KV head, split): the group's query heads against positions
-        [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls."""
+        [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls.
+        With ``QK_NORM`` each head of q and of the new k is RMSNorm'd (weights ``QW``/``KW``)
+        before RoPE, as Qwen3's attention does."""
         HALF: tl.constexpr = HD // 2
         dt = KP.dtype.element_ty
         m = tl.program_id(0)
@@ -148,6 +159,11 @@ if triton is not None:
         sn = tl.load(SIN + m * stride_cs + rd, mask=d_ok, other=0.0).to(tl.float32)
         q = tl.load(row + heads[:, None] * HD + rd[None, :], mask=q_ok, other=0.0).to(tl.float32)
         qp = tl.load(row + heads[:, None] * HD + partner[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        if QK_NORM:
+            rq = 1.0 / tl.sqrt(tl.sum(q * q, axis=1) / HD + eps)
+            wq = tl.load(QW + rd, mask=d_ok, other=0.0).to(tl.float32)
+            wqp = tl.load(QW + partner, mask=d_ok, other=0.0).to(tl.float32)
+            q, qp = _head_norm(q, qp, rq[:, None], wq[None, :], wqp[None, :], dt)
         q = _rope(q, qp, sign[None, :], c[None, :], sn[None, :], dt)
 
         m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -184,6 +200,11 @@ if triton is not None:
             vb = row + (G + 1) * KVH * HD + kvh * HD
             kn = tl.load(kb + rd, mask=d_ok, other=0.0).to(tl.float32)
             knp = tl.load(kb + partner, mask=d_ok, other=0.0).to(tl.float32)
+            if QK_NORM:
+                rk = 1.0 / tl.sqrt(tl.sum(kn * kn, axis=0) / HD + eps)
+                wk = tl.load(KW + rd, mask=d_ok, other=0.0).to(tl.float32)
+                wkp = tl.load(KW + partner, mask=d_ok, other=0.0).to(tl.float32)
+                kn, knp = _head_norm(kn, knp, rk, wk, wkp, dt)
             kn = _rope(kn, knp, sign, c, sn, dt)
             vn = tl.load(vb + rd, mask=d_ok, other=0.0)
             sc_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
@@ -287,7 +308,8 @@ ATTENTION_TILE = 32
 def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                     v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, *, heads: int,
                     kv_heads: int, head_dim: int, valid: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """Attention of one new token per row over its past in the pool and itself.
 
     ``qkv`` [M, (heads + 2 kv_heads) · head_dim] straight from the product (RoPE not yet
@@ -295,7 +317,8 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     [blocks, block_size, kv_heads, head_dim]; ``tables`` [M, width]; ``context_lens`` [M].
     With ``valid`` [M] the new K/V go into the pool at slot ``context_lens`` of each valid
     row; with ``new_kv`` (two [M, kv_heads, head_dim] tensors) they are returned there
-    instead. Returns [M, heads · head_dim].
+    instead. ``qk_norm`` (q weight [head_dim], k weight [head_dim], eps): each head of q and
+    of the new k is RMSNorm'd before RoPE (Qwen3). Returns [M, heads · head_dim].
     """
     if (valid is None) == (new_kv is None):
         raise ValueError("pass exactly one of valid (write the pool) and new_kv (return K/V)")
@@ -311,13 +334,14 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     parts_l = torch.empty_like(parts_m)
     k_out, v_out = new_kv if new_kv is not None else (k_pool, v_pool)
     ieee = qkv.dtype == torch.float32
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _attention_kernel[(m, kv_heads, splits)](
         qkv, cos, sin, k_pool, v_pool, tables, context_lens, valid if valid is not None else context_lens,
-        k_out, v_out, parts_o, parts_m, parts_l,
-        qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), head_dim ** -0.5,
+        k_out, v_out, parts_o, parts_m, parts_l, q_weight, k_weight,
+        qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), head_dim ** -0.5, eps,
         KVH=kv_heads, G=groups, GP=max(16, _pow2(groups)), HD=head_dim, HDP=max(16, _pow2(head_dim)), BS=block_size,
         CHUNK=ATTENTION_CHUNK, TILE=ATTENTION_TILE, SPLITS=splits, WRITE_POOL=valid is not None, IEEE=ieee,
-        num_warps=4, num_stages=2)
+        QK_NORM=qk_norm is not None, num_warps=4, num_stages=2)
     out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge_kernel[(m, heads)](parts_o, parts_m, parts_l, out, out.stride(0), H=heads, HD=head_dim,
                               HDP=max(16, _pow2(head_dim)), SPLITS=splits, SP=_pow2(splits), num_warps=4)
@@ -352,9 +376,9 @@ class FusedDecode:
         cfg = decoder.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 256:
             raise ValueError(f"head_dim={cfg.head_dim} is odd or over 256")
-        # The kernels are the Llama/Qwen2 layer (RoPE applied to q and k as the product left them);
-        # CUDA graphs of the compiled layers serve the rest.
-        missing = [*cfg.gemma_features(), *(["qk_norm (per-head q/k RMSNorm)"] if cfg.qk_norm else [])]
+        # The kernels are the Llama/Qwen2/Qwen3 layer (RoPE applied to q and k as the product left
+        # them, after Qwen3's per-head norms); CUDA graphs of the compiled layers serve the rest.
+        missing = cfg.gemma_features()
         if missing:
             raise ValueError(f"the fused step does not implement {', '.join(missing)}")
         self.decoder = decoder
@@ -439,7 +463,9 @@ class FusedDecode:
                              norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
             attn = paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, context_lens, heads=cfg.num_heads,
                                    kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, valid=valid,
-                                   new_kv=None if valid is not None else (new_k[i], new_v[i]))
+                                   new_kv=None if valid is not None else (new_k[i], new_v[i]),
+                                   qk_norm=None if layer.q_norm is None else
+                                   (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps))
             x = self._gemv("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
             gate_up = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
                                  norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps)
