@@ -216,3 +216,43 @@ def sleep(
         report = bench(spec)
         _done(raw.write(out, f"sleep-{spec.profile}-{Path(spec.model).name}", report, markdown(report)))
 
+
+
+@bench_app.command("serve")
+def serve(
+    *,
+    model: ModelOption = None,
+    shape: ShapeOption = "qwen2-vl-2b",
+    cache: CacheOption = DEFAULT_CACHE,
+    out: OutOption = Path("bench-results"),
+    profile: Annotated[str, typer.Option(help="Profile the engine and its limits come from (cuda on a GPU).")]
+    = "cuda",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override one profile field (repeatable).")]
+    = None,
+    image_size: Annotated[str, typer.Option(help="WIDTHxHEIGHT of the random pictures.")] = "1024x768",
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per request (EOS ignored).")] = 128,
+    burst: Annotated[int, typer.Option(min=0, help="Requests submitted at once in the burst part (0: skip).")] = 32,
+    first_seen: Annotated[int, typer.Option(
+        min=0, help="Requests at once, twice: the first time this batch size runs against the second (0: skip).")]
+    = 8,
+    rates: Annotated[str, typer.Option(help="Open-loop Poisson arrival rates, requests/s, comma-separated.")]
+    = "1,2,4,8,16,32",
+    requests: Annotated[int, typer.Option(min=1, help="Requests per open-loop rate.")] = 64,
+    sampled_share: Annotated[float, typer.Option(help="Share of requests sampled (temperature 0.7, top-p 0.9, "
+                                                      "seeded); the rest are greedy.")] = 0.5,
+    ttft_slo_s: Annotated[float, typer.Option(help="The open loop stops after the first rate whose first-token "
+                                                   "p99 passes this (or that refused a request).")] = 2.0,
+    seed: Annotated[int, typer.Option(help="Seed of the pictures, the arrivals and the sampled share.")] = 0,
+) -> None:
+    """Many requests through the daemon's engine: a burst, the first time a batch size is seen,
+    and open-loop arrivals until saturation (throughput, first token and streaming gaps)."""
+    from edgeinfer.bench import raw
+    from edgeinfer.bench.serve import ServeBenchSpec, bench, markdown
+    from edgeinfer.profiles import parse_size
+
+    with cli_errors():
+        spec = _spec(ServeBenchSpec, _model(model, shape, cache), profile, tuple(set_ or ()), parse_size(image_size),
+                     new_tokens, burst, first_seen, tuple(float(r) for r in _kinds(rates)), requests, sampled_share,
+                     ttft_slo_s, seed)
+        report = bench(spec, say=typer.echo)
+        _done(raw.write(out, f"serve-{spec.profile}-{Path(spec.model).name}", report, markdown(report)))

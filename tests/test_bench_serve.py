@@ -1,0 +1,50 @@
+"""The serving benchmark's arithmetic, and one tiny run of it through the real AsyncEngine on
+the demo model (structure and counts only: no figure is asserted)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from edgeinfer.bench.serve import ServeBenchSpec, arrivals, bench, markdown, percentile
+from edgeinfer.demo import DEMO_MODEL_DIR
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile(values, 50) == statistics.median(values)
+    assert percentile(values, 99) == pytest.approx(3.97)
+    assert percentile([], 50) is None
+
+
+def test_arrivals_are_poisson_at_the_rate_and_fixed_by_the_seed():
+    times = arrivals(4.0, 4000, seed=3)
+    assert times == arrivals(4.0, 4000, seed=3) and times != arrivals(4.0, 4000, seed=4)
+    assert all(b > a for a, b in zip(times, times[1:]))
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.05)  # mean gap 1/rate
+    assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.08)  # exponential: sd equals the mean
+
+
+def test_a_tiny_run_answers_every_request_and_records_refusals():
+    spec = ServeBenchSpec(DEMO_MODEL_DIR, profile="cpu",
+                          overrides=("server.max_concurrent=1", "server.max_queue=1"),  # room for 2 of 3
+                          image_size=(64, 64), new_tokens=3, burst=3, first_seen=2, rates=(50.0,), requests=2,
+                          sampled_share=0.5)
+    report = bench(spec, say=lambda _: None)
+    burst = report["burst"]["summary"]
+    assert burst["requests"] == 3 and burst["refused"] == 1 and burst["answered"] == 2 and burst["failed"] == 0
+    assert all(r["tokens"] == 3 for r in report["burst"]["records"] if "tokens" in r)
+    assert report["first_seen"]["first"]["answered"] == 2 and report["first_seen"]["ratio"] > 0
+    assert report["limits"] == {"max_concurrent": 1, "max_queue": 1}
+    assert report["open_loop"][0]["summary"]["requests"] == 2
+    assert "| 50 |" in markdown(report)
+
+
+def test_spec_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match="sampled_share"):
+        ServeBenchSpec(DEMO_MODEL_DIR, sampled_share=1.5)
+    with pytest.raises(ValueError, match="rates"):
+        ServeBenchSpec(DEMO_MODEL_DIR, rates=(0.0,))
