@@ -288,3 +288,46 @@ def test_a_truncated_packed_tensor_is_named_with_its_expected_shape(quantized, t
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.scales has shape \[1, 128\], "
                                              r"expected \[2, 128\]"):
         load_model(path)
+
+
+# --- doctor ------------------------------------------------------------------------------
+
+def test_doctor_prints_the_weight_format_and_bytes(quantized, tmp_path):
+    from typer.testing import CliRunner
+
+    from edgeinfer.cli.main import app
+    from tests.test_doctor import make_cpu
+
+    path = quantized("qwen2_vl", "gptq_asym")
+    result = CliRunner().invoke(app, ["doctor", "--root", str(make_cpu(tmp_path / "root")), "--json", "--model",
+                                      str(path), "--engines", str(tmp_path / "engines"), "--profile", "cpu"])
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    weights = checks["model weights"]
+    assert weights["status"] == "pass"
+    assert weights["detail"].startswith("gptq W4A16 g32 asym, ") and "(14 quantized layers: " in weights["detail"]
+
+
+def test_weight_footprint_counts_the_packed_bytes(quantized, checkpoint):
+    from edgeinfer.quant.footprint import weight_footprint
+
+    dense = weight_footprint(checkpoint("qwen2_vl"))
+    packed = weight_footprint(quantized("qwen2_vl", "w4a16_g32"))
+    assert (dense.format, dense.quantized_layers) == ("dense F32", 0)
+    assert packed.quantized_layers == 14
+    # 4-bit values with one fp32 scale per 32: about a seventh of the fp32 bytes of those layers
+    layer_bytes = sum(load_file(checkpoint("qwen2_vl") / "model.safetensors")[n].numel() * 4
+                      for n in load_file(checkpoint("qwen2_vl") / "model.safetensors")
+                      if ".layers." in n and n.endswith("proj.weight") and "visual" not in n)
+    assert layer_bytes / 8 < packed.quantized_bytes < layer_bytes / 4
+    assert dense.total_bytes - packed.total_bytes > layer_bytes / 2
+
+
+def test_doctor_fails_an_unsupported_format(quantized, tmp_path):
+    from edgeinfer.doctor import check_model_weights
+
+    path = shutil.copytree(quantized("qwen2_vl", "w4a16_g32"), tmp_path / "fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = UNSUPPORTED["fp8"]
+    (path / "config.json").write_text(json.dumps(config))
+    check = check_model_weights(path)
+    assert check.status == "fail" and "quant_method 'fp8'" in check.detail
