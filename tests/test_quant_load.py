@@ -331,3 +331,36 @@ def test_doctor_fails_an_unsupported_format(quantized, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     check = check_model_weights(path)
     assert check.status == "fail" and "quant_method 'fp8'" in check.detail
+
+
+def test_compressed_tensors_act_order_reads_each_column_s_group_from_g_idx():
+    """Older compressed-tensors act-order checkpoints map each input column to its group
+    through ``weight_g_idx``: the column's own scale and zero point, not those of i // 32."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from edgeinfer.quant import dequantize_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    out, cols, bits = 16, 64, 4
+    codes = torch.randint(-8, 8, (out, cols), generator=gen, dtype=torch.int8)
+    zeros = torch.randint(-3, 4, (out, 2), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out, 2, generator=gen) + 0.5
+    g_idx = torch.randperm(cols, generator=gen) % 2
+    tensors = {"layers.0.mlp.down_proj.weight_packed": pack_to_int32(codes, bits),
+               "layers.0.mlp.down_proj.weight_scale": scales,
+               "layers.0.mlp.down_proj.weight_zero_point": pack_to_int32(zeros, bits, packed_dim=0),
+               "layers.0.mlp.down_proj.weight_shape": torch.tensor([out, cols]),
+               "layers.0.mlp.down_proj.weight_g_idx": g_idx.to(torch.int32)}
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                           "symmetric": False, "actorder": "group"}}}}
+    dense, _ = dequantize_tensors(tensors, parse_quant_config(config), torch.float32)
+    expected = torch.empty(out, cols)
+    for o in range(out):
+        for i in range(cols):
+            g = int(g_idx[i])
+            expected[o, i] = (int(codes[o, i]) - int(zeros[o, g])) * scales[o, g]
+    assert torch.equal(dense["layers.0.mlp.down_proj.weight"], expected)
+    del tensors["layers.0.mlp.down_proj.weight_g_idx"]
+    with pytest.raises(ModelLoadError, match=r"lacks layers\.0\.mlp\.down_proj\.weight_g_idx \(expected shape \[64\]\)"):
+        dequantize_tensors(tensors, parse_quant_config(config), torch.float32)

@@ -92,7 +92,8 @@ def _compressed_tensors(layer: str, stored: dict[str, torch.Tensor], ws: WeightS
     zeros = None
     if not ws.symmetric:
         zeros = _expect(layer, "weight_zero_point", stored, (math.ceil(out * ws.bits / 32), groups), torch.int32)
-    g_idx = _expect(layer, "weight_g_idx", stored, (cols,)) if "weight_g_idx" in stored else None
+    # Older compressed-tensors wrote act-order ("actorder": "group") with a column -> group map.
+    g_idx = _expect(layer, "weight_g_idx", stored, (cols,)) if ws.desc_act or "weight_g_idx" in stored else None
     return QuantizedWeight(layer, PackedLayout.COMPRESSED_TENSORS, ws.bits, group_size, (out, cols), packed,
                            scales, zeros, g_idx)
 
