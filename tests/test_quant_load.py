@@ -362,5 +362,6 @@ def test_compressed_tensors_act_order_reads_each_column_s_group_from_g_idx():
             expected[o, i] = (int(codes[o, i]) - int(zeros[o, g])) * scales[o, g]
     assert torch.equal(dense["layers.0.mlp.down_proj.weight"], expected)
     del tensors["layers.0.mlp.down_proj.weight_g_idx"]
-    with pytest.raises(ModelLoadError, match=r"lacks layers\.0\.mlp\.down_proj\.weight_g_idx \(expected shape \[64\]\)"):
+    missing = r"lacks layers\.0\.mlp\.down_proj\.weight_g_idx \(expected shape \[64\]\)"
+    with pytest.raises(ModelLoadError, match=missing):
         dequantize_tensors(tensors, parse_quant_config(config), torch.float32)

@@ -1,6 +1,13 @@
 """Low-bit weight formats, read as transforms of a loaded checkpoint (see docs/quantization.md)."""
 
-from edgeinfer.quant.formats import SUPPORTED, QuantMethod, QuantScheme, WeightScheme, parse_quant_config, read_quant_scheme
+from edgeinfer.quant.formats import (
+    SUPPORTED,
+    QuantMethod,
+    QuantScheme,
+    WeightScheme,
+    parse_quant_config,
+    read_quant_scheme,
+)
 from edgeinfer.quant.load import QuantizedCheckpoint, dequantize_tensors
 from edgeinfer.quant.weights import PackedLayout, QuantizedWeight
 

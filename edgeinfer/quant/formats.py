@@ -24,8 +24,8 @@ class QuantMethod(str, Enum):
 
 
 SUPPORTED = [
-    "compressed-tensors pack-quantized (int 4 or 8 bit weights, group or channel strategy, "
-    "symmetric or asymmetric, no activation quantization)",
+    ("compressed-tensors pack-quantized (int 4 or 8 bit weights, group or channel strategy, "
+     "symmetric or asymmetric, no activation quantization)"),
     "gptq (4 or 8 bit, group_size or -1, desc_act with g_idx, sym or asym; checkpoint_format gptq or gptq_v2)",
     "awq (version gemm, 4 bit, zero_point true)",
 ]

@@ -23,7 +23,8 @@ from edgeinfer.quant.weights import PackedLayout, QuantizedWeight
 
 # The tensors one quantized layer stores, per method; the first names the layer.
 STORED = {
-    QuantMethod.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+    QuantMethod.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+                                     "weight_g_idx"),
     QuantMethod.GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
     QuantMethod.AWQ: ("qweight", "qzeros", "scales"),
 }
@@ -75,7 +76,7 @@ def _expect(layer: str, name: str, stored: dict[str, torch.Tensor], shape: tuple
     return tensor
 
 
-def _groups(layer: str, columns: int, group_size: int | None) -> tuple[int, int]:
+def _groups(columns: int, group_size: int | None) -> tuple[int, int]:
     """(group count, columns per group) of a layer with ``columns`` inputs."""
     if group_size is None:
         return 1, columns
@@ -87,7 +88,7 @@ def _compressed_tensors(layer: str, stored: dict[str, torch.Tensor], ws: WeightS
     shape_tensor = _expect(layer, "weight_shape", stored, (2,))
     out, cols = (int(v) for v in shape_tensor.tolist())
     packed = _expect(layer, "weight_packed", stored, (out, math.ceil(cols * ws.bits / 32)), torch.int32)
-    groups, group_size = _groups(layer, cols, ws.group_size)
+    groups, group_size = _groups(cols, ws.group_size)
     scales = _expect(layer, "weight_scale", stored, (out, groups))
     zeros = None
     if not ws.symmetric:
@@ -103,7 +104,7 @@ def _gptq(layer: str, stored: dict[str, torch.Tensor], ws: WeightScheme, scheme:
     if qweight.dim() != 2 or qweight.dtype != torch.int32:
         raise ModelLoadError(f"{layer}.qweight is {qweight.dtype} {list(qweight.shape)}, expected a 2-D int32 tensor")
     cols, out = qweight.shape[0] * 32 // ws.bits, qweight.shape[1]
-    groups, group_size = _groups(layer, cols, ws.group_size)
+    groups, group_size = _groups(cols, ws.group_size)
     scales = _expect(layer, "scales", stored, (groups, out))
     zeros = _expect(layer, "qzeros", stored, (groups, math.ceil(out * ws.bits / 32)), torch.int32)
     g_idx = stored.get("g_idx")
@@ -121,7 +122,7 @@ def _awq(layer: str, stored: dict[str, torch.Tensor], ws: WeightScheme, scheme: 
     if qweight.dim() != 2 or qweight.dtype != torch.int32:
         raise ModelLoadError(f"{layer}.qweight is {qweight.dtype} {list(qweight.shape)}, expected a 2-D int32 tensor")
     cols, out = qweight.shape[0], qweight.shape[1] * 32 // ws.bits
-    groups, group_size = _groups(layer, cols, ws.group_size)
+    groups, group_size = _groups(cols, ws.group_size)
     scales = _expect(layer, "scales", stored, (groups, out))
     zeros = _expect(layer, "qzeros", stored, (groups, qweight.shape[1]), torch.int32)
     return QuantizedWeight(layer, PackedLayout.AWQ, ws.bits, group_size, (out, cols), qweight, scales, zeros)
