@@ -157,37 +157,41 @@ def test_packed_weights_are_kept_and_only_the_language_model_is_quantized(quanti
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM pack order: nibble i holds column AWQ_ORDER[i] of 8
 
 
+def plain_weight(q: dict, qweight, qzeros, scales, g_idx) -> torch.Tensor:
+    """One GPTQ / AWQ layer's [out, in] weight by the formats' published formulas (``q`` the
+    ``quantization_config``), one bit field at a time, computed in the scales' dtype."""
+    bits, mask = q["bits"], (1 << q["bits"]) - 1
+    per = 32 // bits
+    if q["quant_method"] == "gptq":  # qweight [in/per, out]: input row r*per + j in bits j*b of word r
+        rows, out_features = qweight.shape[0] * per, qweight.shape[1]
+        w = torch.zeros(rows, out_features, dtype=torch.int64)
+        z = torch.zeros(qzeros.shape[0], qzeros.shape[1] * per, dtype=torch.int64)
+        for j in range(per):
+            w[j::per] = (qweight.long() >> (bits * j)) & mask
+            z[:, j::per] = (qzeros.long() >> (bits * j)) & mask
+        if q["checkpoint_format"] == "gptq":
+            z = z + 1  # the classic format stores each zero minus one
+        groups = g_idx.long()
+    else:  # AWQ GEMM: qweight [in, out/8], nibble i of word c is output column 8c + AWQ_ORDER[i]
+        rows, out_features = qweight.shape[0], qweight.shape[1] * 8
+        w = torch.zeros(rows, out_features, dtype=torch.int64)
+        z = torch.zeros(qzeros.shape[0], out_features, dtype=torch.int64)
+        for i in range(8):
+            w[:, AWQ_ORDER[i]::8] = (qweight.long() >> (4 * i)) & mask
+            z[:, AWQ_ORDER[i]::8] = (qzeros.long() >> (4 * i)) & mask
+        groups = torch.arange(rows) // q["group_size"]
+    dense = (w.to(scales.dtype) - z[groups].to(scales.dtype)) * scales[groups]  # [in, out]
+    return dense.t().float().contiguous()
+
+
 def plain_dense(path, out):
-    """A dense copy of the GPTQ / AWQ checkpoint at ``path``: each layer's weight rebuilt by
-    the formats' published formulas, one bit field at a time, computed in the scales' dtype."""
+    """A dense copy of the GPTQ / AWQ checkpoint at ``path``, each layer by :func:`plain_weight`."""
     config = json.loads((path / "config.json").read_text())
     q = config.pop("quantization_config")
-    bits, group_size, mask = q["bits"], q["group_size"], (1 << q["bits"]) - 1
-    per = 32 // bits
     tensors = load_file(path / "model.safetensors")
     for layer in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
-        qweight, qzeros, scales = (tensors.pop(f"{layer}.{n}") for n in ("qweight", "qzeros", "scales"))
-        g_idx = tensors.pop(f"{layer}.g_idx", None)
-        if q["quant_method"] == "gptq":  # qweight [in/per, out]: input row r*per + j in bits j*b of word r
-            rows, out_features = qweight.shape[0] * per, qweight.shape[1]
-            w = torch.zeros(rows, out_features, dtype=torch.int64)
-            z = torch.zeros(qzeros.shape[0], qzeros.shape[1] * per, dtype=torch.int64)
-            for j in range(per):
-                w[j::per] = (qweight.long() >> (bits * j)) & mask
-                z[:, j::per] = (qzeros.long() >> (bits * j)) & mask
-            if q["checkpoint_format"] == "gptq":
-                z = z + 1  # the classic format stores each zero minus one
-            groups = g_idx.long()
-        else:  # AWQ GEMM: qweight [in, out/8], nibble i of word c is output column 8c + AWQ_ORDER[i]
-            rows, out_features = qweight.shape[0], qweight.shape[1] * 8
-            w = torch.zeros(rows, out_features, dtype=torch.int64)
-            z = torch.zeros(qzeros.shape[0], out_features, dtype=torch.int64)
-            for i in range(8):
-                w[:, AWQ_ORDER[i]::8] = (qweight.long() >> (4 * i)) & mask
-                z[:, AWQ_ORDER[i]::8] = (qzeros.long() >> (4 * i)) & mask
-            groups = torch.arange(rows) // group_size
-        dense = (w.to(scales.dtype) - z[groups].to(scales.dtype)) * scales[groups]  # [in, out]
-        tensors[f"{layer}.weight"] = dense.t().float().contiguous()
+        stored = [tensors.pop(f"{layer}.{n}", None) for n in ("qweight", "qzeros", "scales", "g_idx")]
+        tensors[f"{layer}.weight"] = plain_weight(q, *stored)
     out.mkdir(parents=True, exist_ok=True)
     for f in path.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
@@ -195,6 +199,29 @@ def plain_dense(path, out):
     (out / "config.json").write_text(json.dumps(config))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+@pytest.mark.parametrize("bits, group_size, symmetric", [(8, 32, True), (8, -1, False), (4, -1, True)])
+def test_gptq_8bit_and_channel_layers_dequantize_by_the_published_formula(bits, group_size, symmetric):
+    """8-bit and one-group-per-row GPTQ on one layer (act-order where grouped), against the plain formula."""
+    from edgeinfer.quant import dequantize_tensors
+    from edgeinfer.testing.quantized import pack_columns, pack_rows, round_to_nearest
+
+    gen = torch.Generator().manual_seed(bits + group_size)
+    weight = torch.randn(48, 64, generator=gen)
+    g_idx = torch.randperm(64, generator=gen) // group_size if group_size > 0 else torch.zeros(64, dtype=torch.long)
+    codes, zeros, scales = round_to_nearest(weight, bits, g_idx, symmetric)
+    fmt = "gptq" if symmetric else "gptq_v2"
+    stored = [pack_rows(codes.t(), bits), pack_columns(((zeros - 1) if symmetric else zeros).t() & ((1 << bits) - 1),
+                                                       bits), scales.t().contiguous(), g_idx.to(torch.int32)]
+    q = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": group_size > 0,
+         "sym": symmetric, "checkpoint_format": fmt}
+    names = ("qweight", "qzeros", "scales", "g_idx")
+    dense, packed = dequantize_tensors({f"proj.{n}": t for n, t in zip(names, stored)}, parse_quant_config(q),
+                                       torch.float32)
+    assert torch.equal(dense["proj.weight"], plain_weight(q, *stored))
+    assert (dense["proj.weight"] - weight).abs().max() <= scales.float().max() * 0.51
+    assert packed.weights["proj"].bits == bits
 
 
 CASES = {"text": [], "one_image": IMAGE}
@@ -365,3 +392,14 @@ def test_compressed_tensors_act_order_reads_each_column_s_group_from_g_idx():
     missing = r"lacks layers\.0\.mlp\.down_proj\.weight_g_idx \(expected shape \[64\]\)"
     with pytest.raises(ModelLoadError, match=missing):
         dequantize_tensors(tensors, parse_quant_config(config), torch.float32)
+
+
+def test_a_packed_layer_that_the_config_ignores_is_refused(quantized):
+    from edgeinfer.quant import dequantize_tensors
+
+    path = quantized("qwen2_vl", "w4a16_g32")
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    config["ignore"] = [*config["ignore"], "model.layers.0.mlp.up_proj"]
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_packed is packed, but the "
+                                             r"quantization config leaves model\.layers\.0\.mlp\.up_proj unquantized"):
+        dequantize_tensors(load_file(path / "model.safetensors"), parse_quant_config(config), torch.float32)
