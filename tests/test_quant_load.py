@@ -27,6 +27,8 @@ from edgeinfer.testing.quantized import quantize_awq, quantize_compressed_tensor
 from tests.conftest import noise_image
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install 'edgeinfer[quant]')")
+# transformers warns that the checkpoint's own quantization_config is kept when dequantize=True is passed.
+pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 
 QUESTION = "how many circle are there ?"
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
