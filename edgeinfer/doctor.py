@@ -33,7 +33,7 @@ from edgeinfer.artifacts import (
     stale_reasons,
 )
 from edgeinfer.device import DeviceInfo, detect_device, jetpack_for_l4t, read_swaps, tensorrt_matches_jetpack
-from edgeinfer.errors import ProfileError
+from edgeinfer.errors import EdgeInferError, ProfileError
 from edgeinfer.power import read_clocks, read_power_mode
 from edgeinfer.profiles import DeviceProfile, choose_profile, load_profile, profile_fingerprint
 
@@ -347,6 +347,18 @@ def check_model_files(model_dir: Path) -> list[Check]:
     return checks
 
 
+def check_model_weights(model_dir: Path) -> Check:
+    """The checkpoint's weight format and bytes; an unsupported quantization format fails."""
+    try:
+        from edgeinfer.quant.footprint import weight_footprint
+    except ImportError as exc:
+        return _warn("model weights", f"weight format not read: {exc}")
+    try:
+        return _pass("model weights", weight_footprint(model_dir).describe())
+    except EdgeInferError as exc:
+        return _fail("model weights", str(exc), "use a dense checkpoint or one in a supported format")
+
+
 # --------------------------------------------------------------------------- engines
 
 
@@ -423,7 +435,7 @@ def run_checks(*, root: str | Path = "/", model_dir: Path | None = None, engines
     gpu = check_gpu_memory(device, chosen) if chosen else None
     checks += [gpu] if gpu else []
     if model_dir is not None:
-        checks += [check_model_architecture(model_dir), *check_model_files(model_dir)]
+        checks += [check_model_architecture(model_dir), *check_model_files(model_dir), check_model_weights(model_dir)]
     return checks + check_engines(engines_dir, env, device)
 
 

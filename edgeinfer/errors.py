@@ -128,6 +128,15 @@ class UnsupportedArchitectureError(ModelLoadError):
         self.supported = supported
 
 
+class UnsupportedQuantizationError(ModelLoadError):
+    """A checkpoint's ``quantization_config`` names a weight format edgeinfer does not load."""
+
+    def __init__(self, found: str, supported: list[str]) -> None:
+        super().__init__(f"unsupported quantization format {found}; supported: {'; '.join(supported)}")
+        self.found = found
+        self.supported = supported
+
+
 class BackendUnavailableError(EdgeInferError):
     """The requested backend (or execution provider) is not installed or not usable here."""
 

@@ -12,6 +12,7 @@ from edgeinfer.errors import ModelLoadError, UnsupportedArchitectureError
 from edgeinfer.models.base import Checkpoint, FamilyAdapter, rename_weights
 from edgeinfer.models.decoder import Decoder
 from edgeinfer.models.registry import adapter_for, not_yet_supported, supported_architectures
+from edgeinfer.quant import QuantizedCheckpoint, dequantize_tensors, read_quant_scheme
 
 
 @dataclass(slots=True)
@@ -21,6 +22,8 @@ class LoadedModel:
     vision: torch.nn.Module
     dtype: torch.dtype
     name: str
+    # A quantized checkpoint's packed weights, kept beside the dense ones the decoder runs.
+    quantized: QuantizedCheckpoint | None = None
 
 
 def _require(path: Path, name: str, hint: str = "") -> Path:
@@ -110,7 +113,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
                trust_remote_code: bool = False) -> LoadedModel:
     ckpt, adapter_cls = read_checkpoint(path, trust_remote_code)
     adapter = adapter_cls(ckpt)
+    scheme = read_quant_scheme(ckpt.path)
     tensors = read_tensors(safetensors_files(ckpt.path))
+    quantized = None
+    if scheme is not None:
+        tensors, quantized = dequantize_tensors(tensors, scheme, dtype)
     try:
         mapping = rename_weights(tensors, adapter.weight_renames)
         parts = {"vision": {}, "text": {}}
@@ -121,4 +128,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         vision = adapter.build_vision(parts["vision"], dtype)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{ckpt.path}: weights do not match {adapter_cls.__name__}: {exc}") from exc
-    return LoadedModel(adapter, decoder.to(device), vision.to(device), dtype, ckpt.path.name)
+    return LoadedModel(adapter, decoder.to(device), vision.to(device), dtype, ckpt.path.name, quantized)
