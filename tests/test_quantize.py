@@ -146,6 +146,16 @@ def outlier_activations(rows: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("spec", [QuantSpec(4, 16), QuantSpec(4, 32, False), QuantSpec(8, None), QuantSpec(8, None, False)],
+                         ids=["w4-g16", "w4-g32-asym", "w8-channel", "w8-channel-asym"])
+def test_the_search_rounds_as_compressed_tensors_does(spec):
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(4)) / 8
+    weight[0, :16] = 0.0  # a group of zeros: its scale must not be 0
+    weight[1, 16:32] = weight[1, 16:32].abs()  # a group with no negative value
+    fast, exact = awq.rounded(weight, spec.weight_args()), fake_quantized(weight, spec.weight_args())
+    assert torch.allclose(fast, exact, rtol=0, atol=1e-6), (fast - exact).abs().max()
+
+
 def test_awq_scales_beat_round_to_nearest_on_outlier_channels():
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(48, 64, generator=gen) / 8
@@ -225,6 +235,7 @@ def test_cli_writes_the_report_naming_every_quantized_layer(checkpoint, tmp_path
     (["--bits", "3"], 2, "--bits is 3; allowed: 4 or 8"),
     (["--group-size", "48"], 2, "takes 64"),
     (["--samples", "0", "--method", "awq"], 2, "--samples"),
+    (["--calibration", "."], 2, "awq (rtn needs no calibration data)"),
 ])
 def test_cli_refuses_settings_it_cannot_honour(checkpoint, tmp_path, args, code, needle):
     got, answer = quantize_cli(str(checkpoint("llava")), str(tmp_path / "q"), *args)

@@ -159,12 +159,33 @@ def normalized_scales(act_mean: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 @torch.no_grad()
+def rounded(weight: torch.Tensor, args) -> torch.Tensor:
+    """Min-max fake quantization in a few plain tensor ops: the same numbers as
+    :func:`~edgeinfer.quant.compress.fake_quantized` (compressed-tensors' own), at a fraction of
+    its cost, for the search's inner loop."""
+    rows, columns = weight.shape
+    grouped = weight.reshape(rows, -1, args.group_size or columns)
+    low = grouped.amin(-1, keepdim=True).clamp(max=0)
+    high = grouped.amax(-1, keepdim=True).clamp(min=0)
+    q_min, q_max = -(2 ** (args.num_bits - 1)), 2 ** (args.num_bits - 1) - 1
+    if args.symmetric:
+        scale = torch.maximum(-low, high) / ((q_max - q_min) / 2)
+        zero = torch.zeros_like(scale)
+    else:
+        scale = (high - low) / (q_max - q_min)
+        zero = (q_min - low / scale).clamp(q_min, q_max).round()
+    scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+    q = (grouped / scale + zero).round().clamp(q_min, q_max)
+    return ((q - zero) * scale).reshape(rows, columns)
+
+
+@torch.no_grad()
 def group_output_error(x: torch.Tensor, weights: list[torch.Tensor], exact: list[torch.Tensor],
                        scales: torch.Tensor, args) -> float:
     """Mean squared error against ``exact`` of the group's outputs on rows ``x`` when each weight is
     scaled by ``scales`` column-wise, quantized, and fed ``x / scales``."""
     xs = x / scales
-    error = sum(float((xs @ fake_quantized(w * scales, args).T - y).pow(2).sum()) for w, y in zip(weights, exact))
+    error = sum(float((xs @ rounded(w * scales, args).T - y).pow(2).sum()) for w, y in zip(weights, exact))
     return error / (x.shape[0] * sum(w.shape[0] for w in weights))
 
 

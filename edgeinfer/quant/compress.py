@@ -98,6 +98,9 @@ class QuantizeOptions:
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise QuantizeSettingsError("--samples", self.samples, "1 or more")
+        if self.calibration is not None and self.method is not Method.awq:
+            raise QuantizeSettingsError("--calibration with --method", self.method.value,
+                                        "awq (rtn needs no calibration data)")
 
 
 @dataclass(frozen=True, slots=True)
