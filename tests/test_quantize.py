@@ -98,7 +98,9 @@ def test_output_loads_in_transformers_and_equals_our_fake_quantization(checkpoin
 @pytest.mark.parametrize("spec", [QuantSpec(4, 32, False), QuantSpec(8, None, False)], ids=["w4-g32", "w8-channel"])
 def test_asymmetric_files_hold_packed_zero_points_that_decompress_to_our_fake_quantization(checkpoint, tmp_path,
                                                                                            spec):
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import (
+        PackedQuantizationCompressor,
+    )
     from compressed_tensors.quantization import QuantizationScheme
     from safetensors.torch import load_file
 

@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 
 from edgeinfer.errors import QuantizeSettingsError
-from edgeinfer.quant.compress import QuantizeOptions, Steps, decoder_layers, fake_quantized, relative_error
+from edgeinfer.quant.compress import (
+    QuantizeOptions,
+    Steps,
+    decoder_layers,
+    fake_quantized,
+    relative_error,
+)
 
 GRID = 20
 DEFAULT_PROMPT = "Describe the image."
@@ -103,7 +109,7 @@ def layer_groups(layer: torch.nn.Module, names: dict[int, str]) -> list[SmoothGr
 # --------------------------------------------------------------------------- calibration
 
 
-def calibration_samples(folder: Path | None, n: int) -> list[tuple["Image.Image", str]]:  # noqa: F821
+def calibration_samples(folder: Path | None, n: int) -> list[tuple[Image.Image, str]]:  # noqa: F821
     """(picture, prompt) pairs: a folder's pictures with the prompts of its prompts.txt taken in
     turn (or one default question), else the demo generator's pictures and questions."""
     if folder is None:

@@ -26,7 +26,11 @@ from typing import Protocol
 
 import torch
 
-from edgeinfer.errors import ModelLoadError, QuantizeSettingsError, UnsupportedArchitectureError
+from edgeinfer.errors import (
+    ModelLoadError,
+    QuantizeSettingsError,
+    UnsupportedArchitectureError,
+)
 
 SUPPORTED_BITS = (4, 8)
 REPORT_NAME = "quantize-report.json"
@@ -60,14 +64,18 @@ class QuantSpec:
 
     @classmethod
     def from_options(cls, bits: int, group_size: int, symmetric: bool = True,
-                     lm_head_int8: bool = False) -> "QuantSpec":
+                     lm_head_int8: bool = False) -> QuantSpec:
         """The CLI's spelling: a group size of 0 or -1 means per output channel."""
         return cls(bits, None if group_size in (0, -1) else group_size, symmetric, lm_head_int8)
 
     def weight_args(self):
         """The compressed-tensors ``QuantizationArgs`` of the language model's linear layers:
         llm-compressor's W4A16 / W8A16 preset with this spec's group size and symmetry."""
-        from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationStrategy,
+            QuantizationType,
+        )
 
         strategy = QuantizationStrategy.CHANNEL if self.group_size is None else QuantizationStrategy.GROUP
         return QuantizationArgs(num_bits=self.bits, type=QuantizationType.INT, strategy=strategy,
@@ -76,7 +84,11 @@ class QuantSpec:
     @staticmethod
     def lm_head_args():
         """int8, one symmetric scale per vocabulary row (W8A16's channel scheme)."""
-        from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationStrategy,
+            QuantizationType,
+        )
 
         return QuantizationArgs(num_bits=8, type=QuantizationType.INT, strategy=QuantizationStrategy.CHANNEL,
                                 symmetric=True, dynamic=False)
@@ -243,7 +255,11 @@ def load_model(folder: Path) -> torch.nn.Module:
     """The checkpoint in transformers, in its own dtype, after checking edgeinfer knows its family."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from edgeinfer.models.registry import adapter_for, not_yet_supported, supported_architectures
+    from edgeinfer.models.registry import (
+        adapter_for,
+        not_yet_supported,
+        supported_architectures,
+    )
 
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder}: no config.json; MODEL must be a Hugging Face checkpoint folder")
@@ -269,7 +285,11 @@ def untie_lm_head(model: torch.nn.Module) -> None:
 def quantization_config(model: torch.nn.Module, linears: dict[str, torch.nn.Linear], spec: QuantSpec):
     """llm-compressor's recipe shape: one scheme targeting ``Linear`` (and ``lm_head`` first when
     asked), every other Linear ignored by name."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, QuantizationStatus
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+    )
 
     groups = {}
     if spec.lm_head_int8:
