@@ -95,6 +95,19 @@ def test_output_loads_in_transformers_and_equals_our_fake_quantization(checkpoin
     assert any("vision" in name or "visual" in name for name in config["ignore"])
 
 
+def test_an_int8_lm_head_is_untied_from_the_embeddings_it_shared(tmp_path):
+    from edgeinfer.demo import DEMO_MODEL_DIR
+
+    source = load(DEMO_MODEL_DIR, decompress=False)
+    assert source.get_output_embeddings().weight is source.get_input_embeddings().weight
+    spec = QuantSpec(4, 128, lm_head_int8=True)
+    quantize_checkpoint(QuantizeOptions(Path(DEMO_MODEL_DIR), tmp_path / "q", spec))
+    loaded = load(tmp_path / "q")
+    assert torch.equal(loaded.get_input_embeddings().weight, source.get_input_embeddings().weight)
+    assert torch.equal(loaded.get_output_embeddings().weight,
+                       fake_quantized(source.get_output_embeddings().weight.detach(), spec.lm_head_args()))
+
+
 @pytest.mark.parametrize("spec", [QuantSpec(4, 32, False), QuantSpec(8, None, False)], ids=["w4-g32", "w8-channel"])
 def test_asymmetric_files_hold_packed_zero_points_that_decompress_to_our_fake_quantization(checkpoint, tmp_path,
                                                                                            spec):
