@@ -111,6 +111,17 @@ class InvalidParam(RequestError):
         self.param = param
 
 
+class QuantizeSettingsError(RequestError):
+    """``edgeinfer quantize`` was asked for something it cannot do: ``what`` names the setting,
+    ``value`` what was given and ``allowed`` what would work."""
+
+    def __init__(self, what: str, value: object, allowed: str) -> None:
+        super().__init__(f"{what} is {value}; allowed: {allowed}")
+        self.what = what
+        self.value = value
+        self.allowed = allowed
+
+
 # --------------------------------------------------------------------------- models, backends, engines
 
 

@@ -48,6 +48,9 @@ app.add_typer(bench_app, name="bench")
 from edgeinfer.cli.cache import cache_app  # noqa: E402
 
 app.add_typer(cache_app, name="cache")
+from edgeinfer.cli.quantize import quantize  # noqa: E402
+
+app.command("quantize")(quantize)
 
 
 if __name__ == "__main__":
