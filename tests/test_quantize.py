@@ -150,6 +150,39 @@ def test_compressed_load_generates_the_tokens_of_the_dequantized_load(checkpoint
     assert torch.equal(tokens[0], tokens[1])
 
 
+@pytest.mark.parametrize("family,method,with_image", [("qwen2_vl", Method.rtn, True), ("llava", Method.awq, False)])
+def test_edgeinfer_loads_its_own_output_with_transformers_tokens(checkpoint, tmp_path, family, method, with_image):
+    """The round trip a user makes: ``edgeinfer quantize``, then serve the folder with edgeinfer;
+    32 greedy tokens equal transformers' on the same folder (text, and one image where the
+    test can build transformers' image inputs)."""
+    from tests.conftest import noise_image
+    from tests.test_quant_load import ours, transformers_tokens
+
+    out = tmp_path / "q"
+    quantize_checkpoint(QuantizeOptions(checkpoint(family), out, QuantSpec(4, 32), method=method, samples=2))
+    model = load(out)
+    for images in ([], [noise_image(64, 48, seed=3)])[:1 + with_image]:
+        engine, prompt_ids, tokens = ours(out, images)
+        assert engine.model.quantized is not None and engine.model.quantized.weights
+        assert len(set(tokens)) >= 8
+        assert tokens == transformers_tokens(model, family, engine, prompt_ids, images)
+
+
+def test_awq_without_the_processor_packages_is_a_typed_refusal(checkpoint, tmp_path):
+    """Qwen2-VL's processor has a video part that needs torchvision; where it is missing, awq
+    (which runs that processor) is refused naming rtn, and nothing is written."""
+    import importlib.util
+
+    from edgeinfer.errors import QuantizeSettingsError
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: Qwen2-VL's processor loads, nothing to refuse")
+    out = tmp_path / "q"
+    with pytest.raises(QuantizeSettingsError, match="rtn here"):
+        quantize_checkpoint(QuantizeOptions(checkpoint("qwen2_vl"), out, QuantSpec(4, 32), method=Method.awq, samples=1))
+    assert not (out / "config.json").exists()
+
+
 # --------------------------------------------------------------------------- AWQ
 
 

@@ -252,7 +252,13 @@ def smooth_model(model: torch.nn.Module, options: QuantizeOptions, steps: Steps)
     layer, the alpha chosen and its quantized output's relative error on the calibration rows."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(options.model)
+    try:
+        processor = AutoProcessor.from_pretrained(options.model)
+    except ImportError as error:  # e.g. Qwen2-VL's video processor, which needs torchvision
+        raise QuantizeSettingsError(
+            "--method", "awq", f"rtn here: the calibration pass runs the model through transformers' processor, "
+            f"which for this checkpoint needs a package that is not installed ({str(error).strip().splitlines()[0]})"
+        ) from error
     groups = smooth_groups(model)
     samples = calibration_samples(options.calibration, options.samples)
     stats = collect_inputs(model, processor, samples, groups, options.max_tokens, options.seed,
