@@ -272,3 +272,17 @@ def test_sampled_rows_burst_inside_cuda_graphs_with_the_step_by_step_tokens(chec
     stepped, _ = run(decode_burst=1)
     assert engine.counters["decode_bursts"] > 0 and engine.decoder_engine.captures > 0
     assert burst == stepped
+
+
+def test_the_chat_api_passes_the_penalties_and_min_p_to_the_sampler():
+    from edgeinfer.errors import RequestError
+    from edgeinfer.server.chat import parse_chat
+    from edgeinfer.server.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.7, min_p=0.1,
+                                 frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.1)
+    params = parse_chat(body, 16).sampling
+    assert (params.min_p, params.frequency_penalty, params.presence_penalty, params.repetition_penalty) == \
+        (0.1, 0.5, -0.25, 1.1)
+    with pytest.raises(RequestError, match="frequency_penalty must be in"):
+        SamplingParams(frequency_penalty=2.5)
