@@ -134,15 +134,15 @@ def test_filtered_probs_match_the_reference():
 
 def test_greedy_rows_take_the_argmax_of_the_penalized_logits_beside_sampled_rows():
     greedy, penalized_greedy = SamplingParams(), SamplingParams(frequency_penalty=2.0)
-    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=1)
-    rows = SamplingRows((greedy, sampled, penalized_greedy, sampled), (0, 1, 2, 3), ((),) * 4,
-                        ((), (), GENERATED, ()))
-    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    sampled, top_1 = SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=5.0, top_k=1)
+    rows = SamplingRows((greedy, sampled, penalized_greedy, sampled, top_1), (0, 1, 2, 3, 4), ((),) * 5,
+                        ((), (), GENERATED, (), ()))
+    logits = torch.randn(5, 10, generator=torch.Generator().manual_seed(0))
     ids = rows.state(10, "cpu").choose(logits.clone())
     penalized = logits[2].clone()
     penalized[0] -= 2.0 * 3
     penalized[3] -= 2.0
-    assert ids[0] == logits[0].argmax() and ids[2] == penalized.argmax()
+    assert ids[0] == logits[0].argmax() and ids[2] == penalized.argmax() and ids[4] == logits[4].argmax()
 
 
 # --------------------------------------------------------------------------- the random numbers

@@ -32,7 +32,7 @@ in which some row has a penalty.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -216,10 +216,12 @@ class SamplingState:
         """``rows`` into the first rows of these buffers, the rest neutral; the counts rebuilt
         from the rows' token lists. Copies only: no wait for the device."""
         b, batch = len(rows.params), self.knobs.shape[1]
-        pad = [_NEUTRAL] * (batch - b)
-        params = list(rows.params) + pad
+        needs = rows.kind
+        if b > batch or (needs.draws and not self.kind.draws) or (needs.penalizes and not self.kind.penalizes):
+            raise ValueError(f"{b} rows of {needs} do not fit buffers of {batch} rows of {self.kind}")
+        params = [replace(p, temperature=0.0) if p.greedy else p for p in rows.params] + [_NEUTRAL] * (batch - b)
         knobs = torch.tensor([[float(getattr(p, k)) for p in params] for k in _KNOBS], dtype=torch.float32)
-        top_k = [0 if p.greedy else p.top_k for p in params]
+        top_k = [p.top_k for p in params]
         seeds = [as_int64(s) for s in rows.seeds] + [0] * (batch - b)
         counters = [len(g) for g in rows.generated] + [0] * (batch - b)
         device = self.knobs.device

@@ -482,8 +482,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                                              valid if write else torch.zeros_like(valid))
         else:
             logits, new_k, new_v = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens)
-            if write:
-                self._write_new_kv(k_pool, v_pool, tables, context_lens, valid, new_k, new_v)
+            self._write_new_kv(k_pool, v_pool, tables, context_lens, valid, new_k, new_v, write)
         if not write:
             _choose(logits, sampling, advance=False, valid=valid)  # warms the sampler's kernels too
             return
@@ -492,7 +491,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         context_lens.add_(valid)
 
     @staticmethod
-    def _write_new_kv(k_pool, v_pool, tables, context_lens, valid, new_k, new_v) -> None:
+    def _write_new_kv(k_pool, v_pool, tables, context_lens, valid, new_k, new_v, write: bool) -> None:
+        """Each valid row's new K/V at its slot ``context_lens``; with ``write=False`` only the slots are found."""
         block_size = k_pool.shape[2]
         # Padding rows write row 0's values at row 0's slot: duplicates of one write, never a
         # stray write into a block someone owns.
@@ -500,6 +500,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         column = (context_lens // block_size).clamp(max=tables.shape[1] - 1)
         slots = (tables.gather(1, column[:, None])[:, 0] * block_size + context_lens % block_size)[rows]
         layers = k_pool.shape[0]
+        if not write:
+            return
         k_pool.view(layers, -1, *k_pool.shape[3:]).index_copy_(1, slots, new_k[:, rows, 0].to(k_pool.dtype))
         v_pool.view(layers, -1, *v_pool.shape[3:]).index_copy_(1, slots, new_v[:, rows, 0].to(v_pool.dtype))
 
