@@ -278,10 +278,3 @@ def test_a_request_cancelled_with_a_burst_in_flight_leaves_no_trace(checkpoint):
     assert engine.step() == [] and not engine.has_work()
     assert len(seq.generated) == 17 and engine.pool.num_free == engine.pool.num_blocks
     assert engine.generate(question, images, params).token_ids == expected
-
-
-def test_sampled_rows_never_burst(checkpoint):
-    engine = bursting_engine(checkpoint("smolvlm"))
-    question, images = QUESTIONS[1]
-    engine.generate(question, images, SamplingParams(max_new_tokens=12, temperature=0.8, seed=3))
-    assert engine.counters["decode_bursts"] == 0

@@ -42,7 +42,8 @@ def test_cuda_fp32_with_graphs_matches_cpu(checkpoint, family):
 
 
 def test_seeded_sampling_on_cuda_gives_the_cpu_tokens(checkpoint):
-    """The distribution is computed on the device, the draw made on the CPU with the seed's generator."""
+    """The sampler runs on the device, in the bursts; its random numbers, keyed by seed and step, have
+    the same bits on every device."""
     path = checkpoint("qwen2_vl")
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7)
 

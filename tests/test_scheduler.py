@@ -167,12 +167,13 @@ def test_no_burst_reservation_while_a_request_waits(kv):
     assert waiting.status is Status.WAITING and len(seq.block_table.blocks) == 1 and kv.pool.num_blank == 3
 
 
-def test_a_sampled_row_is_given_no_burst_room(kv):
+def test_a_sampled_row_is_given_burst_room_as_a_greedy_one(kv):
+    """Sampled rows burst too (the sampler runs on the device)."""
     scheduler = scheduler_for(kv, lookahead=8)
     seq = sequence(3, temperature=1.0)
     started(scheduler, seq)
     assert scheduler.schedule() == DecodeWork((seq,))
-    assert len(seq.block_table.blocks) == 1 and kv.pool.num_blank == 3
+    assert len(seq.block_table.blocks) == 3 and kv.pool.num_blank == 1
 
 
 # --------------------------------------------------------------------------- finishing

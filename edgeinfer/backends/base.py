@@ -3,6 +3,7 @@ backend opens (:class:`Engines`). Which backend runs is chosen in :mod:`edgeinfe
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,13 +34,39 @@ class BurstIds(Protocol):
         """[B][steps] chosen ids, waiting for the device where they are not read yet."""
 
 
+class SamplingStep(Protocol):
+    """A batch's sampler inputs held on the device (static buffers a captured step reads)."""
+
+    def load(self, rows: BurstSampling) -> None:
+        """Copy ``rows`` into the first rows of these buffers, the rest neutral (greedy)."""
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B] next ids for ``logits`` [B, vocab], changing nothing."""
+
+    def next_ids(self, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """:meth:`choose`, then the valid rows' (``valid`` [B] 0/1) counters move on. Tensor ops
+        only: no host sync, no data-dependent shape."""
+
+
+class BurstSampling(Protocol):
+    """The rows' sampling, passed down by the engine (a backend never imports the engine)."""
+
+    @property
+    def kind(self) -> Hashable:
+        """Which parts of the sampler these rows need: steps of different kinds are captured apart."""
+
+    def static(self, batch: int, vocab: int, device: torch.device) -> SamplingStep:
+        """Neutral buffers of this kind for a bucket of ``batch`` rows."""
+
+
 class BurstDecoder(Protocol):
-    """A decoder engine that replays greedy steps on the device between trips to the host."""
+    """A decoder engine that replays decode steps on the device between trips to the host."""
 
     def decode_burst(self, tokens: torch.Tensor, position_ids: torch.Tensor, k_pool: torch.Tensor,
                      v_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     steps: int) -> BurstIds | None:
-        """``steps`` greedy steps from the last token of each row; None where it cannot run them."""
+                     steps: int, sampling: BurstSampling | None = None) -> BurstIds | None:
+        """``steps`` steps from the last token of each row, each choosing its ids with
+        ``sampling`` on the device (None: every row greedy, the argmax); None where it cannot run them."""
 
     def continue_burst(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                        steps: int) -> BurstIds | None:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from edgeinfer.engine.config import EngineConfig
-from edgeinfer.engine.sampling import SamplingParams, Thinking, make_generator, open_at_end
+from edgeinfer.engine.sampling import SamplingParams, Thinking, open_at_end
+from edgeinfer.engine.sampling_rng import fresh_seed
 from edgeinfer.engine.sequence import Sequence
 from edgeinfer.errors import LimitExceeded, RequestError
 from edgeinfer.kv.hashing import ImageSpan, image_spans
@@ -197,7 +198,8 @@ class Inputs:
             prompt_ids=layout.token_ids, prompt_embeds=embeds, prompt_positions=layout.position_ids,
             next_position=layout.next_position, sampling=sampling,
             stop_token_ids=frozenset() if sampling.ignore_eos else stop,
-            block_table=BlockTable(self.config.block_size), generator=make_generator(sampling),
+            block_table=BlockTable(self.config.block_size),
+            seed=fresh_seed() if sampling.seed is None else sampling.seed,
             image_tokens=prompt.image_tokens, vision_reused=vision_reused, image_spans=prompt.spans(),
             thinking=self.thinking(layout.token_ids, sampling),
             image_groups=layout.attend_groups,

@@ -5,11 +5,13 @@ new K/V are written into the pool at each token's slot (the block tables say whe
 next token of each row is chosen and handed to :class:`Output`, and a row that ends is
 finished in the scheduler.
 
-Where the backend declares bursts (``Engines.bursts``), greedy rows decode several steps on
-the device between trips to the host, and the next burst of the same rows is queued before
-the host reads the last one, so the device is not idle meanwhile. Tokens of a burst are
-accepted one by one as steps would, so the scheduler's and the KV manager's view never
-differs from step-by-step decoding.
+Where the backend declares bursts (``Engines.bursts``), rows decode several steps on the
+device between trips to the host, greedy and sampled alike (the sampler runs on the device,
+its random numbers keyed by each request's seed and step), and the next burst of the same
+rows is queued before the host reads the last one, so the device is not idle meanwhile.
+Tokens of a burst are accepted one by one as steps would, so the scheduler's and the KV
+manager's view never differs from step-by-step decoding, and a stop string is found on the
+host as it would be step by step: the burst's tokens after it are dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from edgeinfer.backends.base import BurstIds, Engines
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.output import Output
-from edgeinfer.engine.sampling import draw, filtered_probs
+from edgeinfer.engine.sampling import GREEDY, SamplingRows
 from edgeinfer.engine.scheduler import DecodeWork, PrefillWork, Scheduler
 from edgeinfer.engine.sequence import Sequence, Status
 from edgeinfer.kv.pool import KVCache
@@ -32,7 +34,7 @@ from edgeinfer.models.decoder import widen_embeds
 
 @dataclass
 class _Burst:
-    """Greedy steps queued on the device whose tokens the host has not read yet."""
+    """Decode steps queued on the device whose tokens the host has not read yet."""
 
     seqs: tuple[Sequence, ...]
     ids: BurstIds
@@ -49,6 +51,12 @@ def decode_inputs(seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's last token id and its position, the input of the next decode step."""
     last = torch.tensor([s.generated[-1] for s in seqs])
     return last, torch.cat([s.position(s.num_tokens - 1) for s in seqs], dim=-1)[..., None]
+
+
+def sampling_rows(seqs: Seq[Sequence]) -> SamplingRows:
+    """The sampler's view of ``seqs``: parameters, seeds, and the tokens each one saw."""
+    return SamplingRows(tuple(s.sampling for s in seqs), tuple(s.seed for s in seqs),
+                        tuple(s.prompt_ids for s in seqs), tuple(s.generated for s in seqs))
 
 
 def thinking_forced(seq: Sequence, token: int) -> int:
@@ -68,7 +76,7 @@ class Runner:
         self.burst = config.decode_burst
         self.block_size = config.block_size
         self.counters = {"prefill_tokens": 0, "decode_steps": 0, "decode_bursts": 0, "decode_bursts_ahead": 0}
-        self._in_flight: _Burst | None = None  # a greedy burst whose tokens are not read yet
+        self._in_flight: _Burst | None = None  # a burst whose tokens are not read yet
 
     @property
     def burst_in_flight(self) -> bool:
@@ -136,19 +144,19 @@ class Runner:
         return logits.float()
 
     def choose_tokens(self, seqs: Seq[Sequence], logits: torch.Tensor) -> list[int]:
-        """Next token of each row; greedy rows in one argmax (one device sync for the batch).
-
-        A row whose thinking cap is spent gets the end of its thinking span instead.
-        Sampled rows have their distribution (temperature, top-k, top-p) computed where the
-        logits are, and draw from it on the CPU with the request's seeded generator, so a seed
-        gives the same random numbers on every device.
+        """Next token of each row, chosen where the logits are in one call for the batch (one
+        device sync): the argmax for greedy rows, a draw for sampled ones (the sampler a burst
+        runs; see :mod:`edgeinfer.engine.sampling`). A row under its ``min_new_tokens`` cannot
+        choose a stop token; a row whose thinking cap is spent gets the end of its thinking span.
         """
         for i, seq in enumerate(seqs):
             if len(seq.generated) < seq.sampling.min_new_tokens and seq.stop_token_ids:
                 logits[i, list(seq.stop_token_ids)] = float("-inf")
-        greedy = logits.argmax(-1).tolist()
-        chosen = [g if s.sampling.greedy else draw(filtered_probs(logits[i], s.sampling), s.generator)
-                  for i, (s, g) in enumerate(zip(seqs, greedy))]
+        rows = sampling_rows(seqs)
+        if rows.kind == GREEDY:
+            chosen = logits.argmax(-1).tolist()
+        else:
+            chosen = rows.state(logits.shape[-1], logits.device).choose(logits).tolist()
         return [thinking_forced(s, token) for s, token in zip(seqs, chosen)]
 
     def _accept(self, seq: Sequence, token: int) -> None:
@@ -157,14 +165,14 @@ class Runner:
             self.scheduler.finish(seq, reason)
             seq.timings.finished = time.perf_counter()
 
-    # --- greedy bursts ---------------------------------------------------------------------
+    # --- bursts ----------------------------------------------------------------------------
     def _burst_length(self, seqs: Seq[Sequence], ahead: int = 0) -> int:
-        """How many greedy steps may run before the host looks again (1: step by step), after
+        """How many steps may run before the host looks again (1: step by step), after
         ``ahead`` steps already queued on the device whose tokens the host has not read.
 
-        Only where the decoder engine can burst, no row's thinking is capped, every row is greedy and past its
+        Only where the decoder engine can burst, no row's thinking is capped, every row is past its
         ``min_new_tokens``, no request waits to join, and within the blocks each sequence
-        holds (the scheduler gives greedy rows room for a whole burst where it can), so the
+        holds (the scheduler gives rows room for a whole burst where it can), so the
         scheduler's accounting never runs behind.
         """
         if self.burst <= 1 or self.bursts is None or self.scheduler.waiting:
@@ -172,8 +180,7 @@ class Runner:
         if any(s.thinking is not None and s.thinking.limit is not None for s in seqs):
             return 1  # a capped thinking span may need its end token forced at any step
         made = [len(s.generated) + ahead for s in seqs]
-        if any(not s.sampling.greedy or (n < s.sampling.min_new_tokens and s.stop_token_ids)
-               for s, n in zip(seqs, made)):
+        if any(n < s.sampling.min_new_tokens and s.stop_token_ids for s, n in zip(seqs, made)):
             return 1
         room = min(len(s.block_table.blocks) * self.block_size - s.num_cached - ahead for s in seqs)
         left = max(s.sampling.max_new_tokens - n for s, n in zip(seqs, made))
@@ -182,8 +189,10 @@ class Runner:
     def _start_burst(self, seqs: Seq[Sequence], steps: int) -> BurstIds | None:
         assert self.bursts is not None  # _burst_length is 1 without them
         last, positions = decode_inputs(seqs)
+        rows = sampling_rows(seqs)
         ids = self.bursts.decode_burst(last, positions, self.kv.k, self.kv.v, block_tables(seqs),
-                                       torch.tensor([s.num_cached for s in seqs]), steps)
+                                       torch.tensor([s.num_cached for s in seqs]), steps,
+                                       None if rows.kind == GREEDY else rows)
         if ids is not None:
             self._count_burst(steps)
         return ids

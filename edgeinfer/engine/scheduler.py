@@ -8,9 +8,9 @@ is the newest): the KV manager spills it whole and restores it when it is admitt
 The oldest sequence is never preempted, so it always finishes.
 The sequence at the head of the queue is placed as soon as there is room, even while
 the batch is full, so the blocks it had spilled come back while others decode.
-With ``lookahead`` > 1 (an engine that decodes greedy rows in bursts), a greedy sequence
-is given room for that many tokens where blank blocks are spare and nobody waits; never
-by spilling or preempting anyone.
+With ``lookahead`` > 1 (an engine that decodes in bursts), a running sequence is given
+room for that many tokens where blank blocks are spare and nobody waits; never by
+spilling or preempting anyone.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class Scheduler:
             need = seq.block_table.blocks_needed(1)
             if need:
                 self._make_room(seq, need)
-            if self.lookahead > 1 and seq.sampling.greedy and seq in self.running:
+            if self.lookahead > 1 and seq in self.running:
                 self.reserve(seq, min(self.lookahead, seq.sampling.max_new_tokens - len(seq.generated)))
         return DecodeWork(tuple(self.running))
 

@@ -62,7 +62,7 @@ class Sequence:
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
     block_table: BlockTable
-    generator: torch.Generator | None = None
+    seed: int = 0  # the request's, or one drawn at admission: keys its random numbers
     seq_id: int = field(default_factory=lambda: next(_ids))
     generated: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -39,10 +39,6 @@ def check_unsupported(body: ChatCompletionRequest, served_model: str) -> None:
     if body.n not in (None, 1):
         raise InvalidParam(f"n={body.n} is not supported: edgeinfer answers with one choice; "
                            f"send n=1 (or leave it out) and repeat the request with a seed for more", "n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0, 0.0):
-            raise InvalidParam(f"{name}={value} is not supported; leave it out or send 0", name)
     if body.logprobs:
         raise InvalidParam("logprobs are not supported; leave it out or send false", "logprobs")
 
@@ -58,7 +54,9 @@ def parse_chat(body: ChatCompletionRequest, default_max_tokens: int) -> ParsedCh
     sampling = SamplingParams(
         max_new_tokens=max_tokens, min_new_tokens=body.min_tokens or 0,
         temperature=0.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
         seed=None if body.seed is None else body.seed % _UINT64, stop=stop, ignore_eos=body.ignore_eos,
         max_thinking_tokens=body.max_thinking_tokens,
     )

@@ -85,6 +85,8 @@ class ChatCompletionRequest(_Wire):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} stop strings.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -94,14 +96,14 @@ class ChatCompletionRequest(_Wire):
                               "(downscaled; the response's edgeinfer.images says from what to what).")
     # Extensions vLLM also accepts:
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     max_thinking_tokens: int | None = Field(
         None, ge=0, le=INT64_MAX, description="Models that think: the span closes after this many thinking "
                                               "tokens and the answer follows (reasoning_content holds them).")
     # OpenAI fields accepted only at their neutral value:
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
-    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
     logprobs: bool | None = Field(None, description="Only false is supported.")
     user: Text | None = Field(None, description="Accepted for compatibility; not used.")
 

@@ -22,14 +22,18 @@ Where Triton is installed, a batch-1 step's layers are the fused kernels of
 larger batches, and machines without Triton, run layers compiled by ``torch.compile`` over
 the past gathered into whole blocks.
 
-Greedy decoding can go further (``decode_burst``): a second graph takes token ids rather
-than embeddings, writes its K/V into the pool itself and feeds its argmax back as the next
-input, so several steps replay back to back with one copy to the host at the end. The
-host's share of a step (scheduling, index tensors, the token's round trip) is then paid
-once per burst, not once per token. That copy does not block: ``continue_burst`` queues
-the next burst of the same rows from where the last one stopped (its ids, positions and
-context lengths are still in the graph's buffers) before the host reads the last one's
-ids, so the device runs on while the host takes its turn.
+Decoding can go further (``decode_burst``): a second graph takes token ids rather than
+embeddings, writes its K/V into the pool itself and chooses the next ids on the device (the
+argmax where every row is greedy; otherwise the engine's sampler, passed down as
+``sampling``, whose random numbers are keyed by each request's seed and step, with its
+buffers captured as well), feeding them back as the next input, so several steps replay
+back to back with one copy to the host at the end. The host's share of a step
+(scheduling, index tensors, the token's round trip) is then paid once per burst, not once
+per token. That copy does not block: ``continue_burst`` queues the next burst of the same
+rows from where the last one stopped (its ids, positions, context lengths and sampler
+counters are still in the graph's buffers) before the host reads the last one's ids, so the
+device runs on while the host takes its turn. Burst graphs are keyed by the sampler's kind
+too (greedy only, drawing, penalizing), so an all-greedy batch runs the argmax alone.
 
 The engine changes nothing outside itself unless told to: torch's compiler settings are
 raised only around its own compiled calls, and the decoder's matrices are re-laid out (in
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.backends.base import BurstSampling, SamplingStep
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
 from edgeinfer.models.decoder import Decoder, DecoderLayer, layer_masks, past_reader, whole_block_slots_and_mask
@@ -145,6 +150,7 @@ class _BurstGraph:
     tables: torch.Tensor
     context_lens: torch.Tensor
     valid: torch.Tensor  # [batch] 1 for real rows, 0 for padding
+    sampling: SamplingStep | None = None  # None: every row takes the argmax
 
 
 class BurstTokens:
@@ -208,8 +214,9 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._prefills: OrderedDict[tuple[int, int, int], _PrefillGraph] = OrderedDict()
         self.prefill_error: str | None = None  # why prompt chunks run eagerly, after a failed capture
         self.prefill_replays = 0
-        self._bursts: dict[tuple[int, int, int], _BurstGraph] = {}
-        self._last_burst: tuple[tuple[int, int, int], int] | None = None  # its graph's key and rows
+        self._bursts: dict[tuple, _BurstGraph] = {}
+        self._last_burst: tuple[tuple, int] | None = None  # its graph's key and rows
+        self._sampling: dict[tuple, SamplingStep] = {}  # per (batch bucket, sampler kind): shared by every width
         self._pool = None  # graphs share one memory pool
         self.captures = 0
         self.compile_error: str | None = None
@@ -401,11 +408,12 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self.captures += 1
         return _PrefillGraph(lambda: (graph.replay(), outputs)[1], **buffers)
 
-    # --- greedy bursts ------------------------------------------------------------------------
+    # --- bursts ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_burst(self, tokens, position_ids, k_pool, v_pool, block_tables, context_lens,
-                     steps: int) -> BurstTokens | None:
-        """``steps`` greedy decode steps from input ids ``tokens`` [B], K/V written into the pools.
+                     steps: int, sampling: BurstSampling | None = None) -> BurstTokens | None:
+        """``steps`` decode steps from input ids ``tokens`` [B], K/V written into the pools, each
+        step's ids chosen on the device by ``sampling`` (None: the argmax of every row).
 
         The block tables must already hold a slot for every step's token. Returns the chosen
         ids [B, steps] on their way to the host, or None when no graph covers this batch (the
@@ -416,8 +424,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         width = bucket_for(block_tables.shape[1], self.width_buckets)
         if batch is None or width is None:
             return None
-        key = (batch, width, position_ids.dim())
-        g = self._bursts.get(key) or self._capture_burst(key, k_pool, v_pool)
+        key = (batch, width, position_ids.dim(), None if sampling is None else sampling.kind)
+        g = self._bursts.get(key) or self._capture_burst(key, k_pool, v_pool, sampling)
         device = g.tokens.device
         g.tokens.zero_()
         g.tokens[:b].copy_(tokens.to(device, non_blocking=True))
@@ -425,13 +433,16 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._load(g, position_ids, block_tables, context_lens)
         g.valid.zero_()
         g.valid[:b] = 1
+        if g.sampling is not None:
+            g.sampling.load(sampling)
         return self._replay_burst(key, b, steps)
 
     @torch.inference_mode()
     def continue_burst(self, k_pool, v_pool, block_tables, steps: int) -> BurstTokens | None:
-        """``steps`` more greedy steps for the rows of the last burst, from where it stopped: its
-        last ids, positions and context lengths are still in the graph's buffers, so this may be
-        launched before that burst's ids are read. ``block_tables`` (the same rows) must hold a
+        """``steps`` more steps for the rows of the last burst, from where it stopped: its last
+        ids, positions, context lengths and sampler counters are still in the graph's buffers
+        (the sampler's are shared by every width of a batch bucket), so this may be launched
+        before that burst's ids are read. ``block_tables`` (the same rows) must hold a
         slot for every token of both. None when there is no burst to continue."""
         if self._last_burst is None:
             return None
@@ -439,9 +450,9 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         width = bucket_for(block_tables.shape[1], self.width_buckets)
         if width is None or block_tables.shape[0] != b:
             return None
-        key = (last_key[0], width, last_key[2])
+        key = (last_key[0], width, *last_key[2:])
         prev = self._bursts[last_key]
-        g = self._bursts.get(key) or self._capture_burst(key, k_pool, v_pool)
+        g = self._bursts.get(key) or self._capture_burst(key, k_pool, v_pool, None, prev.sampling)
         if g is not prev:  # a wider table: the state moves to that width's graph
             for name in ("tokens", "positions", "context_lens", "valid"):
                 getattr(g, name).copy_(getattr(prev, name))
@@ -459,23 +470,33 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._last_burst = (key, b)
         return BurstTokens(out)
 
-    def _burst_step(self, tokens, positions, k_pool, v_pool, tables, context_lens, valid, write: bool = True) -> None:
-        """One greedy step on static buffers: embed, layers, K/V into the pool, argmax back into ``tokens``.
+    def _burst_step(self, tokens, positions, k_pool, v_pool, tables, context_lens, valid,
+                    sampling: SamplingStep | None = None, write: bool = True) -> None:
+        """One step on static buffers: embed, layers, K/V into the pool, the chosen ids back into ``tokens``.
 
-        ``write=False`` (the warm-up before capture) leaves the pools alone.
+        ``write=False`` (the warm-up before capture) leaves the pools and every buffer alone.
         """
         embeds = self.decoder.embed_tokens(tokens)[:, None]
         if self._uses_fused(tokens.shape[0]):  # the attention kernel writes the new K/V itself
             logits, _, _ = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens,
                                              valid if write else torch.zeros_like(valid))
-            if write:
-                self._advance(logits, tokens, positions, context_lens, valid)
+        else:
+            logits, new_k, new_v = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens)
+            self._write_new_kv(k_pool, v_pool, tables, context_lens, valid, new_k, new_v, write)
+        if not write:
+            _choose(logits, sampling, advance=False, valid=valid)  # warms the sampler's kernels too
             return
-        logits, new_k, new_v = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens)
+        tokens.copy_(_choose(logits, sampling, advance=True, valid=valid))
+        positions.add_(valid.view(tokens.shape[0], 1))  # valid rows move one position on
+        context_lens.add_(valid)
+
+    @staticmethod
+    def _write_new_kv(k_pool, v_pool, tables, context_lens, valid, new_k, new_v, write: bool) -> None:
+        """Each valid row's new K/V at its slot ``context_lens``; with ``write=False`` only the slots are found."""
         block_size = k_pool.shape[2]
         # Padding rows write row 0's values at row 0's slot: duplicates of one write, never a
         # stray write into a block someone owns.
-        rows = torch.arange(tokens.shape[0], device=tokens.device) * valid
+        rows = torch.arange(valid.shape[0], device=valid.device) * valid
         column = (context_lens // block_size).clamp(max=tables.shape[1] - 1)
         slots = (tables.gather(1, column[:, None])[:, 0] * block_size + context_lens % block_size)[rows]
         layers = k_pool.shape[0]
@@ -483,18 +504,23 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return
         k_pool.view(layers, -1, *k_pool.shape[3:]).index_copy_(1, slots, new_k[:, rows, 0].to(k_pool.dtype))
         v_pool.view(layers, -1, *v_pool.shape[3:]).index_copy_(1, slots, new_v[:, rows, 0].to(v_pool.dtype))
-        self._advance(logits, tokens, positions, context_lens, valid)
 
-    @staticmethod
-    def _advance(logits, tokens, positions, context_lens, valid) -> None:
-        """The argmax becomes the next input; valid rows move one position on."""
-        tokens.copy_(logits.float().argmax(-1))
-        positions.add_(valid.view(tokens.shape[0], 1))
-        context_lens.add_(valid)
+    def _sampling_step(self, batch: int, sampling: BurstSampling | None) -> SamplingStep | None:
+        """The sampler buffers of a batch bucket and kind, made once: every width's graph reads the same."""
+        if sampling is None:
+            return None
+        key = (batch, sampling.kind)
+        if key not in self._sampling:
+            vocab = self.decoder.lm_head_t.shape[1]
+            self._sampling[key] = sampling.static(batch, vocab, self.decoder.lm_head_t.device)
+        return self._sampling[key]
 
-    def _capture_burst(self, key, k_pool, v_pool) -> _BurstGraph:
-        batch, width, rank = key
+    def _capture_burst(self, key, k_pool, v_pool, sampling: BurstSampling | None,
+                       step: SamplingStep | None = None) -> _BurstGraph:
+        """The burst graph of ``key``, its sampler buffers ``step`` (or those of ``sampling``'s kind)."""
+        batch, width, rank, _ = key
         device = k_pool.device
+        step = step or self._sampling_step(batch, sampling)
         buffers = (torch.zeros(batch, dtype=torch.long, device=device),
                    torch.zeros((3, batch, 1) if rank == 3 else (batch, 1), dtype=torch.long, device=device),
                    torch.zeros(batch, width, dtype=torch.long, device=device),
@@ -502,16 +528,25 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                    torch.zeros(batch, dtype=torch.long, device=device))
         tokens, positions, tables, context_lens, valid = buffers
         if not k_pool.is_cuda:  # no graphs off the GPU: the same step, run eagerly
-            g = _BurstGraph(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:]), *buffers)
+            g = _BurstGraph(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:], step), *buffers, step)
             self._bursts[key] = g
             return g
         # Warm-up without writing: the pools hold other sequences' K/V. (The capture itself
         # only records; nothing runs until a replay.)
-        self._warm_up(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:], write=False), device)
+        self._warm_up(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:], step, write=False), device)
         graph, _ = capture_graph(lambda: self._burst_step(tokens, positions, k_pool, v_pool, tables, context_lens,
-                                                          valid), self._pool)
+                                                          valid, step), self._pool)
         self._pool = graph.pool()
         self.captures += 1
-        g = _BurstGraph(graph.replay, tokens, positions, tables, context_lens, valid)
+        g = _BurstGraph(graph.replay, tokens, positions, tables, context_lens, valid, step)
         self._bursts[key] = g
         return g
+
+
+def _choose(logits: torch.Tensor, sampling: SamplingStep | None, advance: bool, valid: torch.Tensor) -> torch.Tensor:
+    """[B] next ids: the argmax, or ``sampling``'s choice (its counters moved on only with ``advance``)."""
+    if sampling is None:
+        return logits.float().argmax(-1)
+    if advance:
+        return sampling.next_ids(logits.float(), valid)
+    return sampling.choose(logits.float())
