@@ -144,9 +144,15 @@ def test_asymmetric_and_8bit_channel_match_transformers(quantized, kind):
     assert_same_tokens(path, transformers_compressed(path), "qwen2_vl", [])
 
 
-def test_packed_weights_are_kept_and_only_the_language_model_is_quantized(quantized):
+def test_packed_weights_are_kept_only_when_asked(quantized):
     model = load_model(quantized("qwen2_vl", "w4a16_g32"))
+    assert model.quantized.weights == {} and len(model.quantized.layers) == 2 * 7 and model.quantized.nbytes > 0
+
+
+def test_packed_weights_are_kept_and_only_the_language_model_is_quantized(quantized):
+    model = load_model(quantized("qwen2_vl", "w4a16_g32"), keep_packed=True)
     packed = model.quantized.weights
+    assert set(packed) == set(model.quantized.layers)
     assert len(packed) == 2 * 7  # two layers of q, k, v, o, gate, up, down
     assert all(".layers." in name and "visual" not in name for name in packed)
     weight = packed["model.layers.0.mlp.down_proj"]

@@ -163,7 +163,7 @@ def test_edgeinfer_loads_its_own_output_with_transformers_tokens(checkpoint, tmp
     model = load(out)
     for images in ([], [noise_image(64, 48, seed=3)])[:1 + with_image]:
         engine, prompt_ids, tokens = ours(out, images)
-        assert engine.model.quantized is not None and engine.model.quantized.weights
+        assert engine.model.quantized is not None and engine.model.quantized.layers
         assert len(set(tokens)) >= 8
         assert tokens == transformers_tokens(model, family, engine, prompt_ids, images)
 

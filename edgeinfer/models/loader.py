@@ -22,7 +22,7 @@ class LoadedModel:
     vision: torch.nn.Module
     dtype: torch.dtype
     name: str
-    # A quantized checkpoint's packed weights, kept beside the dense ones the decoder runs.
+    # A quantized checkpoint's scheme and layers (its packed weights too, where the load kept them).
     quantized: QuantizedCheckpoint | None = None
 
 
@@ -110,14 +110,16 @@ def read_checkpoint(path: str | Path, trust_remote_code: bool = False) -> tuple[
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, keep_packed: bool = False) -> LoadedModel:
+    """``keep_packed``: keep a quantized checkpoint's packed weights beside the dense ones
+    (in ``LoadedModel.quantized.weights``); by default only its scheme and layer names stay."""
     ckpt, adapter_cls = read_checkpoint(path, trust_remote_code)
     adapter = adapter_cls(ckpt)
     scheme = read_quant_scheme(ckpt.path)
     tensors = read_tensors(safetensors_files(ckpt.path))
     quantized = None
     if scheme is not None:
-        tensors, quantized = dequantize_tensors(tensors, scheme, dtype)
+        tensors, quantized = dequantize_tensors(tensors, scheme, dtype, keep_packed)
     try:
         mapping = rename_weights(tensors, adapter.weight_renames)
         parts = {"vision": {}, "text": {}}

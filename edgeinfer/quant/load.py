@@ -32,21 +32,22 @@ STORED = {
 
 @dataclass(frozen=True, slots=True)
 class QuantizedCheckpoint:
-    """What a quantized checkpoint held: its scheme and each layer's packed weight, by layer name."""
+    """What a quantized checkpoint held: its scheme, the quantized layers' names, the bytes their
+    packed form takes, and (when asked to keep them) each layer's packed weight by name."""
 
     scheme: QuantScheme
+    layers: tuple[str, ...] = ()
+    nbytes: int = 0  # the packed layers' bytes as stored (values, scales, zero points, g_idx)
     weights: dict[str, QuantizedWeight] = field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.weights.values())
 
-
-def dequantize_tensors(tensors: dict[str, torch.Tensor], scheme: QuantScheme,
-                       dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], QuantizedCheckpoint]:
+def dequantize_tensors(tensors: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype,
+                       keep_packed: bool = False) -> tuple[dict[str, torch.Tensor], QuantizedCheckpoint]:
     """``tensors`` with each quantized layer's stored tensors replaced by a dense ``*.weight``
-    in ``dtype``, and the packed weights kept. Stored tensors that do not fit each other or
-    the scheme are a :class:`ModelLoadError` naming the tensor and the shape expected."""
+    in ``dtype``; the packed weights are kept only with ``keep_packed`` (nothing runs them yet,
+    and on a board every byte kept beside the dense weights is memory the KV pool loses).
+    Stored tensors that do not fit each other or the scheme are a :class:`ModelLoadError`
+    naming the tensor and the shape expected."""
     names = STORED[scheme.method]
     layers = sorted(n[: -len(names[0]) - 1] for n in tensors if n.endswith("." + names[0]))
     dense = dict(tensors)
@@ -60,7 +61,8 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], scheme: QuantScheme,
         weight = READERS[scheme.method](layer, stored, weight_scheme, scheme)
         dense[f"{layer}.weight"] = weight.dequantize(dtype)
         packed[layer] = weight
-    return dense, QuantizedCheckpoint(scheme, packed)
+    nbytes = sum(w.nbytes for w in packed.values())
+    return dense, QuantizedCheckpoint(scheme, tuple(layers), nbytes, packed if keep_packed else {})
 
 
 def _expect(layer: str, name: str, stored: dict[str, torch.Tensor], shape: tuple[int, ...],
