@@ -99,6 +99,13 @@ class Int4Options:
         _require_choice("int4 head precision", self.head, HEAD_PRECISIONS)
         if not isinstance(self.symmetric, bool):
             raise EngineBuildError(f"int4 symmetric must be true or false, got {self.symmetric!r}")
+        if self.format == "qdq" and self.accuracy_level != 4:
+            raise EngineBuildError(f"a qdq int4 graph carries no accuracy level (ONNX Runtime fuses it into MatMulNBits "
+                                   f"at its session default, 4); got {self.accuracy_level}",
+                                   fix="--int4-accuracy-level 4 (or --int4-format matmulnbits)")
+        if self.format == "qdq" and not self.symmetric:
+            raise EngineBuildError("the qdq int4 format is symmetric: TensorRT's DequantizeLinear takes zero points "
+                                   "that are all zero", fix="--int4-symmetric")
         if self.format == "qdq" and self.head == "int8":
             raise EngineBuildError("the qdq int4 format writes 4-bit DequantizeLinear weights only; its head can be "
                                    "int4 or fp32, not int8", fix="--int4-head int4 (or --int4-format matmulnbits)")
@@ -130,10 +137,13 @@ def quantize_decoder_int4(source: Path, target: Path, options: Int4Options) -> d
     common = {"block_size": options.block_size, "is_symmetric": options.symmetric,
               "accuracy_level": options.accuracy_level or None, "quant_format": quant_format,
               "op_types_to_quantize": ("MatMul",)}
+    originals = _matmul_weights(model) if options.format == "qdq" else {}
     with _quiet_quantizer():
         model = _matmul_nbits(model, bits=4, nodes_to_exclude=head if options.head != "int4" else [], **common)
         if options.head == "int8":
             model = _matmul_nbits(model, bits=8, nodes_to_exclude=[], **common)
+    if options.format == "qdq":
+        _requantize_positive(model, originals, options.block_size)
     from edgeinfer.backends.onnx.export import save_graph
 
     save_graph(model, target)
@@ -141,12 +151,57 @@ def quantize_decoder_int4(source: Path, target: Path, options: Int4Options) -> d
     return {"method": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
             "weights": f"int4 blocks of {options.block_size} along the input dimension, "
                        f"{'symmetric' if options.symmetric else 'asymmetric (4-bit zero points)'}",
-            "scales": "float32, one per block and output column",
-            "activations": "int8 per block (accuracy_level 4)" if options.accuracy_level == 4 else
-                           f"float32 (accuracy_level {options.accuracy_level})",
+            "scales": "float32, one per block and output column" + (", positive (absmax / 7)" if options.format == "qdq"
+                                                                      else ""),
+            "activations": _activations(options),
             "options": options.to_json(), "ops": counts,
             "opset": max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
             "vocab_projection": options.head, "embedding": "not in the graph (host lookup, checkpoint dtype)"}
+
+
+def _matmul_weights(model) -> dict[str, np.ndarray]:
+    """The float weights [K, N] of the graph's MatMuls, by initializer name."""
+    from onnx import numpy_helper
+
+    weights = {t.name: t for t in model.graph.initializer}
+    return {n.input[1]: numpy_helper.to_array(weights[n.input[1]]) for n in model.graph.node
+            if n.op_type == "MatMul" and n.input[1] in weights}
+
+
+def _requantize_positive(model, originals: dict[str, np.ndarray], block_size: int) -> None:
+    """Give every int4 DequantizeLinear positive scales, re-quantizing its block from the float
+    weights: ``scale = absmax / 7``, ``q = clamp(round(w / scale), -8, 7)``.
+
+    onnxruntime's symmetric quantizer takes ``scale = m / -8`` where ``m`` is the block's weight
+    of largest magnitude, so about half its scales are negative; TensorRT's DequantizeLayer
+    takes strictly positive scales only (and zero points that are all zero, hence no zero
+    points here). Where a block is all zeros its scale is 1 (every q is 0).
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or weights[node.input[0]].data_type != TensorProto.INT4:
+            continue
+        w = originals[_PACKED_SUFFIX.sub("", node.input[0])].astype(np.float32)
+        rows, cols = w.shape
+        blocks = -(-rows // block_size)
+        padded = np.zeros((blocks * block_size, cols), np.float32)
+        padded[:rows] = w
+        amax = np.abs(padded.reshape(blocks, block_size, cols)).max(axis=1)
+        scale = np.where(amax > 0, amax / 7, 1.0).astype(np.float32)
+        q = np.clip(np.rint(w / np.repeat(scale, block_size, axis=0)[:rows]), -8, 7).astype(np.int8).ravel()
+        q = np.append(q, np.int8(0)) if q.size % 2 else q
+        packed = ((q[1::2].astype(np.uint8) & 0xF) << 4) | (q[0::2].astype(np.uint8) & 0xF)
+        weights[node.input[0]].CopyFrom(helper.make_tensor(node.input[0], TensorProto.INT4, [rows, cols],
+                                                           packed.tobytes(), raw=True))
+        weights[node.input[1]].CopyFrom(numpy_helper.from_array(scale, node.input[1]))
+
+
+def _activations(options: Int4Options) -> str:
+    if options.format == "qdq":
+        return "as the runtime computes DequantizeLinear + MatMul (ONNX Runtime on a CPU: fused MatMulNBits, level 4)"
+    return f"{'int8 per block' if options.accuracy_level == 4 else 'float32'} (accuracy_level {options.accuracy_level})"
 
 
 def _matmul_nbits(model, *, bits: int, **kwargs):
