@@ -53,7 +53,7 @@ Int4SymmetricOption = Annotated[Optional[bool], typer.Option(
                                                "Default asymmetric.")]
 Int4AccuracyOption = Annotated[Optional[int], typer.Option(
     "--int4-accuracy-level", help="int4: MatMulNBits accuracy_level, 0 (float32 activations) to 4 (int8 "
-                                  "activations). Default 4, the faster on the CPUs measured.")]
+                                  "activations). Default 4, measured faster than 0 on a 2-core CPU (docs/onnxruntime.md).")]
 Int4FormatOption = Annotated[Optional[Int4Format], typer.Option(
     "--int4-format", help="int4: matmulnbits (ONNX Runtime's operator) or qdq (block-quantized DequantizeLinear "
                           "before MatMul, opset 21, the form TensorRT 10 reads). Default matmulnbits.")]
