@@ -181,7 +181,8 @@ def _requantize_positive(model, originals: dict[str, np.ndarray], block_size: in
 
     weights = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
-        if node.op_type != "DequantizeLinear" or weights[node.input[0]].data_type != TensorProto.INT4:
+        if node.op_type != "DequantizeLinear" or node.input[0] not in weights \
+                or weights[node.input[0]].data_type != TensorProto.INT4:
             continue
         w = originals[_PACKED_SUFFIX.sub("", node.input[0])].astype(np.float32)
         rows, cols = w.shape
