@@ -39,7 +39,7 @@ DeviceKind = Literal["jetson", "cuda", "cpu"]
 HostPrecision = Literal["full", "int8", "fp8"]
 RuntimeDevice = Literal["cpu", "cuda"]
 RuntimeDtype = Literal["float32", "float16", "bfloat16"]
-BuildPrecision = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
+BuildPrecision = Literal["fp32", "fp16", "bf16", "int8", "int4", "fp8"]  # int4: onnxruntime only
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _POLICY = re.compile(r"^[a-z][a-z0-9-]*$")

@@ -3,8 +3,8 @@
 ``auto`` (the default of ``edgeinfer run``, ``edgeinfer serve`` and ``Engine.load``) runs the
 fastest engines that are built and fresh for this model and profile, and builds nothing:
 
-- on a CPU, the profile's ONNX Runtime build at the precision it was built with (int8 or
-  fp32; one folder holds one build), else torch;
+- on a CPU, the profile's ONNX Runtime build at the precision it was built with (int4, int8
+  or fp32; one folder holds one build), else torch;
 - on CUDA, the profile's TensorRT build, else torch (with CUDA graphs where the profile
   turns them on).
 
@@ -14,7 +14,7 @@ stderr and in ``Engines.passed_over``.
 
 A named backend must be installed: there is no silent fallback. ``onnxruntime`` runs the
 profile's build at whichever precision it was built, and builds only when no usable build
-exists (missing or stale; a stale int8 build is rebuilt as int8, never as fp32).
+exists (missing or stale; a stale int8 or int4 build is rebuilt as it was quantized, never as fp32).
 ``tensorrt`` never builds: missing or stale plans are an error naming the build command.
 
 The model handed to :func:`open_engines` becomes the engines': ``Engine.load`` loads it for
@@ -160,9 +160,8 @@ def onnxruntime_build(model, profile, config: RunSettings, root: str | Path | No
     if isinstance(manifest, Built):
         return manifest
     expected = spec.expected(checkpoint_fingerprint(_model_dir(model)), any_precision=True)
-    # An int8 build is rebuilt as int8 (see onnxruntime_engines).
-    rebuild = rebuild_for(Backend.ONNXRUNTIME, model, profile, config,
-                          "int8" if manifest.precision == "int8" else None)
+    # A quantized build is rebuilt at its precision (see onnxruntime_engines).
+    rebuild = rebuild_for(Backend.ONNXRUNTIME, model, profile, config, manifest.precision)
     return Built(Backend.ONNXRUNTIME, folder, manifest, tuple(stale_reasons(manifest, expected)), rebuild)
 
 
@@ -281,9 +280,8 @@ def onnxruntime_engines(model, profile, config: RunSettings, root: str | Path | 
     built = built or onnxruntime_build(model, profile, config, root)
     if not built.fresh:
         spec = _onnx_spec(profile, config)
-        # A quantized build stays quantized: int8 was asked for once, by the profile or a flag.
-        was_int8 = built.manifest is not None and built.manifest.precision == "int8"
-        spec = dataclasses.replace(spec, precision="int8") if was_int8 else spec
+        # A quantized build stays quantized as it was asked for once, by the profile or a flag.
+        spec = spec.like_build(built.manifest)
         result = build_engines(model, spec, root)  # with a progress bar
         if not result.skipped and result.reasons:
             print(f"built {result.folder}, because " + "; ".join(result.reasons), file=sys.stderr)

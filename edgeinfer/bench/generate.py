@@ -31,8 +31,11 @@ from edgeinfer.bench.stats import Spread, ratio, spread
 
 QUESTION = "Can you describe this image?"
 PEER = "transformers"
-# Our ONNX Runtime kinds -> the decoder precision each builds (on the cpu profile).
-ONNX_KINDS = {"onnxruntime": "fp32", "onnxruntime-int8": "int8"}
+# Our ONNX Runtime kinds -> the decoder precision each builds (on the cpu profile) and further
+# `edgeinfer build` flags.
+ONNX_KINDS = {"onnxruntime": "fp32", "onnxruntime-int8": "int8", "onnxruntime-int4": "int4",
+              "onnxruntime-int4-vision-int8": "int4"}
+ONNX_BUILD_FLAGS = {"onnxruntime-int4-vision-int8": ("--vision-precision", "int8")}
 KINDS = (PEER, "ours", *ONNX_KINDS)
 FIGURES = ("ttft_s", "decode_tok_s", "request_tok_s")
 
@@ -136,7 +139,8 @@ def build_onnx(spec: GenerateSpec, kind: str) -> None:
     import sys
 
     cmd = [sys.executable, "-m", "edgeinfer.cli.main", "build", "--backend", "onnxruntime", "--model", str(spec.model),
-           "--profile", "cpu", "--out", str(spec.onnx_engines(kind)), "--set", f"build.precision={ONNX_KINDS[kind]}"]
+           "--profile", "cpu", "--out", str(spec.onnx_engines(kind)), "--set", f"build.precision={ONNX_KINDS[kind]}",
+           *ONNX_BUILD_FLAGS.get(kind, ())]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{kind} build failed:\n{done.stderr[-4000:]}{done.stdout[-2000:]}")

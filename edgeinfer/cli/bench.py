@@ -72,7 +72,8 @@ def generate(
     warmup: WarmupOption = 1,
     threads: ThreadsOption = 2,
     kinds: Annotated[str, typer.Option(
-        help="Engines, comma-separated: transformers (always), ours, onnxruntime, onnxruntime-int8.")]
+        help="Engines, comma-separated: transformers (always), ours, onnxruntime, onnxruntime-int8, "
+             "onnxruntime-int4, onnxruntime-int4-vision-int8.")]
     = "transformers,ours",
     max_load: MaxLoadOption = QUIET_LOAD,
     allow_noisy: AllowNoisyOption = False,
@@ -100,12 +101,15 @@ def onnxruntime(
     threads: ThreadsOption = 2,
     max_load: MaxLoadOption = QUIET_LOAD,
     allow_noisy: AllowNoisyOption = False,
+    kinds: Annotated[Optional[str], typer.Option(
+        help="Engines, comma-separated (transformers always). Default: transformers, ours, onnxruntime, "
+             "onnxruntime-int8, onnxruntime-int4, onnxruntime-int4-vision-int8.")] = None,
     demo_accuracy: Annotated[int, typer.Option(
-        metavar="N", help="Instead of the speed run: answer N held-out demo questions with torch, ORT fp32 "
-                          "and ORT int8 and report their accuracy.")] = 0,
+        metavar="N", help="Instead of the speed run: answer N held-out demo questions with torch and ORT fp32, "
+                          "int8, int4 and int4 with the int8 vision graph, and report their accuracy.")] = 0,
     seed: Annotated[int, typer.Option(help="Held-out seed of --demo-accuracy.")] = 1234,
 ) -> None:
-    """ONNX Runtime fp32 and int8 against transformers and our torch backend on a CPU (or demo accuracy)."""
+    """ONNX Runtime fp32, int8 and int4 against transformers and our torch backend on a CPU (or demo accuracy)."""
     from edgeinfer.bench import onnxruntime as ort
     from edgeinfer.bench.generate import KINDS, GenerateSpec
 
@@ -114,7 +118,8 @@ def onnxruntime(
             _done(ort.accuracy(demo_accuracy, seed, cache / "demo-engines", out))
             return
         spec = _spec(GenerateSpec, _model(model, shape, cache), image_size=image_size, new_tokens=new_tokens,
-                            repeats=repeats, warmup=warmup, threads=threads, kinds=KINDS)
+                            repeats=repeats, warmup=warmup, threads=threads,
+                            kinds=_kinds(kinds) if kinds else KINDS)
         _done(ort.speed(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo))
 
 

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -45,7 +45,7 @@ from edgeinfer.backends.onnx.export import (
     sample_images,
 )
 from edgeinfer.backends.onnx.graphs import VisionGraph, vision_graph_for
-from edgeinfer.backends.onnx.quantize import quantize_decoder
+from edgeinfer.backends.onnx.quantize import Int4Options, quantize_decoder, quantize_decoder_int4, quantize_vision
 from edgeinfer.errors import EngineBuildError
 
 # Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
@@ -54,8 +54,14 @@ GRAPH_FORMAT = GraphFormat(EXPORT_REVISION, OPSET)
 # fp32 graph vs torch: largest absolute logit difference allowed, relative to the logits' scale.
 FP32_TOLERANCE = 1e-3
 
-Precision = Literal["fp32", "int8"]
-PRECISIONS: tuple[Precision, ...] = ("fp32", "int8")
+# The decoder's weights; the vision graph's are chosen apart (VisionPrecision).
+Precision = Literal["fp32", "int8", "int4"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+VisionPrecision = Literal["fp32", "int8"]
+VISION_PRECISIONS: tuple[VisionPrecision, ...] = get_args(VisionPrecision)
+# int8 vision graph vs torch: the lowest mean cosine similarity of its embeddings allowed. The
+# demo model's are 0.9997; a tiny random tower's about 0.92; a broken graph's near 0.
+VISION_INT8_MIN_COSINE = 0.8
 
 
 # --------------------------------------------------------------------------- what a build depends on
@@ -67,7 +73,8 @@ class BuildSpec:
 
     ``profile`` names the profile (``custom`` for an engine configured without one) and
     ``profile_fingerprint`` is :func:`edgeinfer.profiles.profile_fingerprint` of it, None
-    for ``custom``. ``precision`` ``int8`` quantizes the decoder's weights.
+    for ``custom``. ``precision`` ``int8`` / ``int4`` quantizes the decoder's weights (int4 as
+    ``int4`` says); ``vision_precision`` ``int8`` the vision graph's.
     """
 
     profile: str
@@ -76,14 +83,23 @@ class BuildSpec:
     block_size: int = 16
     shapes: dict[str, Any] = field(default_factory=dict)
     opset: int = OPSET
+    int4: Int4Options = Int4Options()
+    vision_precision: VisionPrecision = "fp32"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise EngineBuildError(f"precision {self.precision!r} is not supported by the onnxruntime backend; "
                                    f"choose one of: {', '.join(PRECISIONS)}")
+        if self.vision_precision not in VISION_PRECISIONS:
+            raise EngineBuildError(f"vision precision {self.vision_precision!r} is not supported by the onnxruntime "
+                                   f"backend; choose one of: {', '.join(VISION_PRECISIONS)}")
+        if self.precision != "int4" and self.int4 != Int4Options():
+            raise EngineBuildError(f"int4 options were given for a {self.precision} build",
+                                   fix="--precision int4, or drop the --int4-* options")
 
     @classmethod
-    def from_profile(cls, profile, precision: str | None = None) -> "BuildSpec":
+    def from_profile(cls, profile, precision: str | None = None, *, int4: Int4Options | None = None,
+                     vision_precision: str = "fp32") -> "BuildSpec":
         """The spec of a DeviceProfile; ``precision`` (a flag) wins over ``build.precision``."""
         from edgeinfer.profiles import profile_fingerprint
 
@@ -99,11 +115,31 @@ class BuildSpec:
                 f"(int8 quantizes weights only)", fix="--set runtime.dtype=float32")
         shapes = {name: dataclasses.asdict(getattr(profile.build, name)) for name in
                   ("vision_side", "vision_batch", "decoder_batch", "decoder_tokens", "decoder_block_table")}
-        return cls(profile.name, profile_fingerprint(profile), chosen, profile.kv.block_size, shapes)
+        return cls(profile.name, profile_fingerprint(profile), chosen, profile.kv.block_size, shapes,
+                   int4=int4 or Int4Options(), vision_precision=vision_precision)  # type: ignore[arg-type]
 
     @classmethod
-    def custom(cls, name: str = "custom", block_size: int = 16, precision: str = "fp32") -> "BuildSpec":
-        return cls(name, None, precision, block_size)  # type: ignore[arg-type]
+    def custom(cls, name: str = "custom", block_size: int = 16, precision: str = "fp32", *,
+               int4: Int4Options | None = None, vision_precision: str = "fp32") -> "BuildSpec":
+        return cls(name, None, precision, block_size, int4=int4 or Int4Options(),  # type: ignore[arg-type]
+                   vision_precision=vision_precision)  # type: ignore[arg-type]
+
+    def like_build(self, manifest: Manifest | None) -> "BuildSpec":
+        """This spec with the quantization of ``manifest``'s build where that build was quantized
+        (its decoder's precision and int4 options, its vision precision): a quantized build that
+        has to be rebuilt stays quantized as it was asked for once. An fp32 part keeps this spec's."""
+        if manifest is None:
+            return self
+        spec = self
+        decoder = manifest.engines.get("decoder")
+        if manifest.precision in PRECISIONS and manifest.precision != "fp32":
+            options = ((decoder.document.get("quantization") or {}).get("options") or {}) if decoder else {}
+            int4 = Int4Options.from_json(options) if manifest.precision == "int4" else Int4Options()
+            spec = dataclasses.replace(spec, precision=manifest.precision, int4=int4)
+        vision = manifest.engines.get("vision")
+        if vision is not None and vision.precision == "int8":
+            spec = dataclasses.replace(spec, vision_precision="int8")
+        return spec
 
     def expected(self, checkpoint: str, *, any_precision: bool = False) -> Expected:
         """What a folder built from this spec and ``checkpoint`` holds; ``any_precision``: a build
@@ -113,7 +149,16 @@ class BuildSpec:
 
 
 def build_command(model_dir: str | Path, spec: BuildSpec) -> str:
-    return artifact_build_command("onnxruntime", model_dir, spec.profile, spec.precision)
+    return artifact_build_command("onnxruntime", model_dir, spec.profile, spec.precision) + _option_flags(spec)
+
+
+def _option_flags(spec: BuildSpec) -> str:
+    """The ``edgeinfer build`` flags of the spec's non-default int4 options and vision precision."""
+    flags = [f" --int4-{name.replace('_', '-')} {value}" for name, value in spec.int4.to_json().items()
+             if value != getattr(Int4Options(), name) and not isinstance(value, bool)]
+    flags += [" --int4-symmetric"] if spec.int4.symmetric else []
+    flags += [f" --vision-precision {spec.vision_precision}"] if spec.vision_precision != "fp32" else []
+    return "".join(flags)
 
 
 def library_versions() -> dict[str, str]:
@@ -130,8 +175,17 @@ def library_versions() -> dict[str, str]:
 
 def engine_problems(folder: Path, spec: BuildSpec, checkpoint: str) -> list[str]:
     """[] when ``folder`` holds engines that fit this checkpoint and ``spec``; otherwise what is
-    missing, stale or corrupt (the one check of :mod:`edgeinfer.artifacts`)."""
-    return folder_problems(folder, spec.expected(checkpoint))
+    missing, stale or corrupt (the one check of :mod:`edgeinfer.artifacts`), or built with other
+    int4 options or another vision precision."""
+    problems = folder_problems(folder, spec.expected(checkpoint))
+    if problems:
+        return problems
+    built = BuildSpec.custom().like_build(read_manifest(folder))  # as built: fp32 where not quantized
+    changed = [f"int4 {name} {getattr(built.int4, name)} -> {value}" for name, value in spec.int4.to_json().items()
+               if getattr(built.int4, name) != value]
+    if built.vision_precision != spec.vision_precision:
+        changed.append(f"vision precision {built.vision_precision} -> {spec.vision_precision}")
+    return changed
 
 
 # --------------------------------------------------------------------------- the build
@@ -196,7 +250,7 @@ def build_engines(model, spec: BuildSpec, root: str | Path | None = None, *, for
                                f"{model.dtype} on {model.decoder.lm_head_t.device}", artifact=str(folder),
                                fix=build_command(model_dir, spec))
     graph = vision_graph_for(model)
-    steps = 3 + (graph is not None) * 2 + (spec.precision == "int8")
+    steps = 3 + (graph is not None) * (2 + (spec.vision_precision == "int8")) + (spec.precision != "fp32")
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{spec.profile}-", dir=folder.parent))
     try:
@@ -216,17 +270,7 @@ def _build_into(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSp
     engines: dict[str, Any] = {}
     checks: dict[str, Any] = {}
     if graph is not None:
-        bar.step("exporting the vision engine")
-        example = model.adapter.process_image(sample_images()[0]).tensors
-        _run_export(lambda: export_vision(graph, example, work / VISION_FILE, spec.opset), work / VISION_FILE)
-        bar.done()
-        bar.step("checking the vision engine")
-        check_graph(work / VISION_FILE)
-        checks["vision"] = check_vision(graph, model.adapter, work / VISION_FILE)
-        _require_close("vision", checks["vision"]["max_abs_diff"], 1.0, work / VISION_FILE)
-        engines["vision"] = {"file": VISION_FILE, "runtime": "onnxruntime", "family_graph": type(graph).__name__,
-                             **graph_io(work / VISION_FILE)}
-        bar.done()
+        checks["vision"], engines["vision"] = _build_vision(work, model, spec, graph, bar)
     else:
         engines["vision"] = {"file": None, "runtime": "torch",
                              "reason": f"{type(model.vision).__name__} has no ONNX graph in edgeinfer yet; "
@@ -242,9 +286,10 @@ def _build_into(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSp
     _require_close("decoder", worst, checks["decoder"]["logit_scale"], fp32)
     bar.done()
     quantization = None
-    if spec.precision == "int8":
-        bar.step("quantizing the decoder to int8")
-        quantization = quantize_decoder(fp32, work / DECODER_FILE)
+    if spec.precision != "fp32":
+        bar.step(f"quantizing the decoder to {spec.precision}")
+        quantization = quantize_decoder(fp32, work / DECODER_FILE) if spec.precision == "int8" else \
+            quantize_decoder_int4(fp32, work / DECODER_FILE, spec.int4)
         for name in graph_files(work, fp32.name):
             (work / name).unlink()
         check_graph(work / DECODER_FILE)
@@ -256,6 +301,37 @@ def _build_into(work: Path, model, model_dir: Path, model_fp: str, spec: BuildSp
     bar.step("writing the manifest")
     write_manifest(work, _manifest(work, model, model_dir, model_fp, spec, engines, checks))
     bar.done()
+
+
+def _build_vision(work: Path, model, spec: BuildSpec, graph: VisionGraph, bar: Steps) -> tuple[dict, dict]:
+    """Export and check the vision graph, and quantize it to int8 when the spec asks; returns its
+    check and its manifest entry."""
+    fp32 = work / (VISION_FILE if spec.vision_precision == "fp32" else "vision.fp32.onnx")
+    bar.step("exporting the vision engine")
+    example = model.adapter.process_image(sample_images()[0]).tensors
+    _run_export(lambda: export_vision(graph, example, fp32, spec.opset), fp32)
+    bar.done()
+    bar.step("checking the vision engine")
+    check_graph(fp32)
+    check = check_vision(graph, model.adapter, fp32)
+    _require_close("vision", check["max_abs_diff"], 1.0, fp32)
+    bar.done()
+    quantization = None
+    if spec.vision_precision == "int8":
+        bar.step("quantizing the vision engine to int8")
+        quantization = quantize_vision(fp32, work / VISION_FILE)
+        for name in graph_files(work, fp32.name):
+            (work / name).unlink()
+        check_graph(work / VISION_FILE)
+        quantization["check"] = check_vision(graph, model.adapter, work / VISION_FILE)
+        cosine = quantization["check"]["cosine"]
+        if not cosine >= VISION_INT8_MIN_COSINE:
+            raise EngineBuildError(f"the int8 vision graph's embeddings have a mean cosine similarity of {cosine:.3g} "
+                                   f"to torch's (limit {VISION_INT8_MIN_COSINE})", artifact=str(work / VISION_FILE))
+        bar.done()
+    entry = {"file": VISION_FILE, "runtime": "onnxruntime", "family_graph": type(graph).__name__,
+             "precision": spec.vision_precision, "quantization": quantization, **graph_io(work / VISION_FILE)}
+    return check, entry
 
 
 def _run_export(export: Callable[[], None], path: Path) -> None:

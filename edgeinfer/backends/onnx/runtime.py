@@ -195,9 +195,13 @@ class OrtEngines:
 
     @property
     def build_identity(self) -> str:
-        """What the K/V depends on beyond the checkpoint: an int8 build's K/V is not an fp32 build's."""
-        return json.dumps({"precision": self.manifest.precision, "decoder": dict(self.manifest.engine("decoder")
-                                                                                  .document)}, sort_keys=True)
+        """What the K/V depends on beyond the checkpoint: an int8 build's K/V is not an fp32 build's,
+        nor are the image embeddings (and so the K/V) of an int8 vision graph an fp32 one's."""
+        identity = {"precision": self.manifest.precision, "decoder": dict(self.manifest.engine("decoder").document)}
+        vision = self.manifest.engines.get("vision")
+        if vision is not None and vision.precision not in (None, "fp32"):
+            identity["vision"] = dict(vision.document)
+        return json.dumps(identity, sort_keys=True)
 
     @property
     def vision_on_ort(self) -> bool:

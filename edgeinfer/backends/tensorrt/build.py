@@ -224,6 +224,9 @@ def precision_flags(profile, target: BuildTarget, graph: GraphInfo, *, float_io:
     what this graph or GPU cannot build."""
     precision = profile.build.precision
     fix = "--set build.precision=fp16 (or build a Q/DQ graph)"
+    if precision not in _PRECISION_FLAGS:
+        raise EngineBuildError(f"build.precision {precision} is built by the onnxruntime backend only; TensorRT "
+                               f"builds {', '.join(_PRECISION_FLAGS)}", fix="--set build.precision=fp16")
     if precision in ("int8", "fp8") and not graph.has_qdq:
         raise EngineBuildError(
             f"build.precision {precision} needs quantization scales: a calibrated build or a graph with "
