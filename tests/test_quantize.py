@@ -23,8 +23,8 @@ from edgeinfer.quant.compress import (
     QuantSpec,
     fake_quantized,
     language_linears,
-    quantize_checkpoint,
 )
+from edgeinfer.quant.quantize import quantize_checkpoint
 
 runner = CliRunner()
 

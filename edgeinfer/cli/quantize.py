@@ -70,7 +70,8 @@ def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint
 
 def _quantize(model: Path, out: Path, bits: int, group_size: int, method: QuantMethod, calibration: Path | None,
               samples: int, lm_head: LmHead | None, symmetric: bool, force: bool, quiet: bool):
-    from edgeinfer.quant.compress import Method, QuantizeOptions, QuantSpec, quantize_checkpoint
+    from edgeinfer.quant.compress import Method, QuantizeOptions, QuantSpec
+    from edgeinfer.quant.quantize import quantize_checkpoint
 
     spec = QuantSpec.from_options(bits, group_size, symmetric, lm_head is LmHead.int8)
     options = QuantizeOptions(model, out, spec, Method(method.value), calibration, samples, force)

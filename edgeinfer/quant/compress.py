@@ -1,6 +1,6 @@
 """Weight-only quantization of a checkpoint's language model, written as compressed-tensors.
 
-``quantize_checkpoint`` reads a Hugging Face folder, quantizes the linear layers of the
+``quantize_checkpoint`` (in :mod:`.quantize`) reads a Hugging Face folder, quantizes the linear layers of the
 language model's decoder layers (never the embeddings, the vision tower or the projector;
 the ``lm_head`` only when asked, to int8 per channel), and writes the folder the way
 llm-compressor writes a W4A16 / W8A16 checkpoint: the schemes attached to the modules,
@@ -16,7 +16,6 @@ computes them; ``awq`` first moves activation outliers into the weights (:mod:`.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -217,30 +216,6 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- the whole checkpoint
-
-
-def quantize_checkpoint(options: QuantizeOptions, steps: Steps | None = None) -> QuantizeReport:
-    """Quantize ``options.model`` into ``options.out``; returns (and writes beside it) the report."""
-    steps = steps or NoSteps()
-    check_out(options.out, options.force)
-    model = load_model(options.model)
-    linears = language_linears(model)
-    check_group_size(linears, options.spec)
-    smoothing: dict[str, tuple[float, float]] = {}
-    if options.method is Method.awq:
-        from edgeinfer.quant.awq import smooth_model
-
-        smoothing = smooth_model(model, options, steps)
-    if options.spec.lm_head_int8:
-        untie_lm_head(model)
-    layers = attach_quantization(model, linears, options.spec, smoothing, steps)
-    write_checkpoint(model, options)
-    report = QuantizeReport(str(options.model), str(options.out), options.method.value, options.spec.bits,
-                            options.spec.group_size, options.spec.symmetric,
-                            str(options.calibration) if options.calibration else None,
-                            options.samples if options.method is Method.awq else 0, layers)
-    (options.out / REPORT_NAME).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    return report
 
 
 def check_out(out: Path, force: bool) -> None:
