@@ -8,13 +8,21 @@
 #                           decode only and whole request, first token, peak memory, bandwidth best of three
 #   gpu-smolvlm-256m.json   the same on a SmolVLM-256M-shaped checkpoint
 #   kv-cuda.json            KV spill manager: resume, spill overhead end to end, round robin, offloading peer, drift
+#   gpu-qwen3-vl-2b.json, gpu-gemma-3-4b.json
+#                           the newer families at batch 1, ours vs transformers static cache + compile
+#   sleep-cuda-qwen2-vl-2b.json
+#                           memory a level-1 / level-2 sleep frees, wake to the next first token
+#   serve-cuda-qwen2-vl-2b.json
+#                           a burst of 32 requests, first-seen batch sizes, open-loop arrivals to saturation
 #   decode-vs-batch.png     the plot of both gpu files (only where matplotlib is installed: pip install -e '.[plot]')
 #   round.log               everything the commands printed
 # Checkpoints (random weights, published shapes) are built under $EDGEINFER_BENCH_CACHE (default
 # OUT/checkpoints), about 9 GB for Qwen2-VL-2B. No network is used.
 #
-# Budget: about 8 minutes of GPU time on an H200 (most of it transformers' compilation, once per
-# batch size). Every step goes on when an earlier one failed; the script exits non-zero if any did.
+# Budget: the first three steps took about 12 minutes of GPU time on an H200 (most of it
+# transformers' compilation, once per batch size); the newer-family, sleep and serve steps add
+# more (Gemma-3-4B's transformers compile alone passed 4.5 minutes). Every step goes on when
+# an earlier one failed; the script exits non-zero if any did.
 set -euo pipefail
 
 OUT=${1:?usage: scripts/gpu_round.sh OUT_DIR}
@@ -60,6 +68,13 @@ step gpu-smolvlm-256m bench gpu --shape smolvlm-256m --cache "$CACHE" --out "$OU
     --kinds ours,transformers-static,transformers-dynamic
 step kv-cuda bench kv --device cuda --dtype bfloat16 --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
     --parts resume,overhead,round_robin,peer,drift --repeats 3 --sessions 8 --rounds 3 --new-tokens 16
+for shape in qwen3-vl-2b gemma-3-4b; do
+    step "gpu-$shape" bench gpu --shape "$shape" --cache "$CACHE" --out "$OUT" \
+        --image-size 1024x768 --batch-sizes 1 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
+        --kinds ours,transformers-static
+done
+step sleep-cuda-qwen2-vl-2b bench sleep --shape qwen2-vl-2b --profile cuda --cache "$CACHE" --out "$OUT" --repeats 3
+step serve-cuda-qwen2-vl-2b bench serve --shape qwen2-vl-2b --profile cuda --cache "$CACHE" --out "$OUT"
 
 if python -c "import matplotlib" 2>/dev/null; then
     python scripts/plot_bench.py "$OUT"/gpu-qwen2-vl-2b.json "$OUT"/gpu-smolvlm-256m.json \
