@@ -226,7 +226,7 @@ def test_gptq_8bit_and_channel_layers_dequantize_by_the_published_formula(bits, 
          "sym": symmetric, "checkpoint_format": fmt}
     names = ("qweight", "qzeros", "scales", "g_idx")
     dense, packed = dequantize_tensors({f"proj.{n}": t for n, t in zip(names, stored)}, parse_quant_config(q),
-                                       torch.float32)
+                                       torch.float32, keep_packed=True)
     assert torch.equal(dense["proj.weight"], plain_weight(q, *stored))
     assert (dense["proj.weight"] - weight).abs().max() <= scales.float().max() * 0.51
     assert packed.weights["proj"].bits == bits
