@@ -9,19 +9,18 @@ import torch
 
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.models import internvl
-from tests.conftest import noise_image
-from tests.test_family_qwen2_vl import hf_generate
+from tests.test_family_qwen2_vl import (
+    CASES,
+    CHUNKED,
+    FORCED,
+    MIN_DISTINCT,
+    QUESTION,
+    hf_generate,
+)
 
 FAMILIES = ["internvl", "internvl_qwen3"]
-QUESTION = "how many circle are there ?"
-FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
-MIN_DISTINCT = 16
-CHUNKED = {"two_images": 16}
-CASES = {
-    "text": [],
-    "one_image": [noise_image(120, 80, seed=1)],  # 3 x 2 tiles + the thumbnail
-    "two_images": [noise_image(120, 80, seed=1), noise_image(60, 100, seed=2)],
-}
+# QUESTION, FORCED, CASES, CHUNKED, MIN_DISTINCT: Qwen2-VL's parity settings (its one picture is
+# 3 x 2 tiles + the thumbnail here).
 
 
 def load_engine(path, prefill_chunk: int = 512, **kwargs) -> Engine:
