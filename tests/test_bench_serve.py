@@ -39,6 +39,8 @@ def test_a_tiny_run_answers_every_request_and_records_refusals():
     assert all(r["tokens"] == 3 for r in report["burst"]["records"] if "tokens" in r)
     assert report["first_seen"]["first"]["answered"] == 2 and report["first_seen"]["ratio"] > 0
     assert report["limits"] == {"max_concurrent": 1, "max_queue": 1}
+    assert [run["label"] for run in report["runs"]] == ["first seen", "burst", "open loop 50/s"]
+    assert all(len(run["load"]["before"]) == 3 for run in report["runs"])  # the load average beside each part
     assert report["open_loop"][0]["summary"]["requests"] == 2
     assert "| 50 |" in markdown(report)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from edgeinfer.bench import raw
 from edgeinfer.bench.common import bench_image, environment
+from edgeinfer.bench.quiet import RunLog
 from edgeinfer.errors import CapacityError, EdgeInferError
 
 QUESTION = "Describe this image."
@@ -163,25 +164,29 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             "sampled": sum(r["sampled"] for r in records)}
 
 
-async def _bench(aengine, spec: ServeBenchSpec, say) -> dict[str, Any]:
+async def _bench(aengine, spec: ServeBenchSpec, say, log: RunLog) -> dict[str, Any]:
+    """The three parts; each is one run of ``log`` (its load average before and after)."""
     make = _Requests(spec).next
     parts: dict[str, Any] = {}
     # Warm-up: one request, so loading-time work (first compile of the batch-1 step) is not in any part.
     await _run_part(aengine, make, [0.0])
     if spec.first_seen:
         say(f"[bench serve] first seen: {spec.first_seen} at once, twice")
-        first = summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True))
-        second = summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True))
+        with log.run("first seen"):
+            first = summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True))
+            second = summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True))
         parts["first_seen"] = {"first": first, "second": second,
                                "ratio": first["wall_s"] / second["wall_s"] if second["wall_s"] else None}
     if spec.burst:
         say(f"[bench serve] burst: {spec.burst} at once")
-        records, wall = await _run_part(aengine, make, [0.0] * spec.burst, prepared=True)
+        with log.run("burst"):
+            records, wall = await _run_part(aengine, make, [0.0] * spec.burst, prepared=True)
         parts["burst"] = {"summary": summarize(records, wall), "records": records}
     open_loop = []
     for i, rate in enumerate(spec.rates):
         say(f"[bench serve] open loop: {rate:g} requests/s, {spec.requests} requests")
-        records, wall = await _run_part(aengine, make, arrivals(rate, spec.requests, spec.seed + i))
+        with log.run(f"open loop {rate:g}/s"):
+            records, wall = await _run_part(aengine, make, arrivals(rate, spec.requests, spec.seed + i))
         summary = summarize(records, wall)
         open_loop.append({"rate": rate, "summary": summary, "records": records})
         p99 = summary["ttft_p99_s"]
@@ -201,23 +206,15 @@ def bench(spec: ServeBenchSpec, say=print) -> dict[str, Any]:
     engine = Engine.load(spec.model, profile=profile)
     server = profile.server
     aengine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue).start()
+    log = RunLog()
     try:
-        parts = asyncio.run(_bench(aengine, spec, say))
+        parts = asyncio.run(_bench(aengine, spec, say, log))
     finally:
         aengine.close()
     device = profile.runtime.device
     limits = {"max_concurrent": server.max_concurrent, "max_queue": server.max_queue}
-    return {**raw.header("serve", spec.to_json(), environment(device)), "limits": limits,
-            "load_average": _load_average(), **parts}
-
-
-def _load_average() -> list[float] | None:
-    import os
-
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
+    return {**raw.header("serve", spec.to_json(), environment(device)), "limits": limits, "runs": log.records,
+            **parts}
 
 
 def _ms(seconds: float | None) -> str:
@@ -247,7 +244,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {step['rate']:g} | {s['answered']}/{s['requests']} | {s['refused']} | "
                      f"{_rate(s['tokens_per_s'])} | {_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])} | "
                      f"{_ms(s['gap_p50_s'])} / {_ms(s['gap_p99_s'])} |")
-    load = report.get("load_average")
-    if load:
-        lines += ["", f"Load average at the end: {', '.join(f'{x:.2f}' for x in load)}."]
+    loads = [run["load"]["after"][0] for run in report.get("runs", [])]
+    if loads:
+        lines += ["", f"1-minute load average after each part: {', '.join(f'{x:.2f}' for x in loads)}."]
     return "\n".join(lines) + "\n"

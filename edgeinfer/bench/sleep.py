@@ -18,6 +18,7 @@ from typing import Any
 
 from edgeinfer.bench import raw
 from edgeinfer.bench.common import bench_image, environment
+from edgeinfer.bench.quiet import RunLog
 
 QUESTION = "Describe this image."
 
@@ -80,18 +81,20 @@ def bench(spec: SleepBenchSpec) -> dict[str, Any]:
     engine = Engine.load(spec.model, profile=profile, backend="torch")
     picture = bench_image(spec.image_size)
     awake_first_token_s, _ = _timed_question(engine, picture)  # warm-up: compilation, graphs, caches
-    runs = []
+    log = RunLog()  # each run with the load average before and after it
     for repeat in range(spec.repeats):
         for level in spec.levels:
-            awake = memory_held(device)
-            report = engine.sleep(level)
-            asleep = memory_held(device)
-            to_first_token_s, wake_s = _timed_question(engine, picture)
-            runs.append({"repeat": repeat, "level": level, "awake": awake, "asleep": asleep,
-                         "freed_fraction": _freed(awake, asleep, before_load), "sleep_s": report.seconds,
-                         "weights": report.weights, "freed_kv_bytes": report.freed_kv_bytes,
-                         "wake_s": wake_s, "wake_to_first_token_s": to_first_token_s})
+            with log.run(f"level {level} #{repeat}") as record:
+                awake = memory_held(device)
+                report = engine.sleep(level)
+                asleep = memory_held(device)
+                to_first_token_s, wake_s = _timed_question(engine, picture)
+                record.update({"repeat": repeat, "level": level, "awake": awake, "asleep": asleep,
+                               "freed_fraction": _freed(awake, asleep, before_load), "sleep_s": report.seconds,
+                               "weights": report.weights, "freed_kv_bytes": report.freed_kv_bytes,
+                               "wake_s": wake_s, "wake_to_first_token_s": to_first_token_s})
     engine.close()
+    runs = log.records
     summary = {str(level): _summary([r for r in runs if r["level"] == level]) for level in spec.levels}
     return {**raw.header("sleep", spec.to_json(), environment(device)), "before_load": before_load,
             "awake_first_token_s": awake_first_token_s, "runs": runs, "summary": summary}
