@@ -145,8 +145,9 @@ def test_asymmetric_and_8bit_channel_match_transformers(quantized, kind):
 
 
 def test_packed_weights_are_kept_only_when_asked(quantized):
-    model = load_model(quantized("qwen2_vl", "w4a16_g32"))
+    model = load_model(quantized("qwen2_vl", "w4a16_g32"))  # on a CPU: dense, dequantized at load
     assert model.quantized.weights == {} and len(model.quantized.layers) == 2 * 7 and model.quantized.nbytes > 0
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.decoder.layers[0].parameters())
 
 
 def test_packed_weights_are_kept_and_only_the_language_model_is_quantized(quantized):
@@ -225,11 +226,13 @@ def test_gptq_8bit_and_channel_layers_dequantize_by_the_published_formula(bits, 
     q = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": group_size > 0,
          "sym": symmetric, "checkpoint_format": fmt}
     names = ("qweight", "qzeros", "scales", "g_idx")
-    dense, packed = dequantize_tensors({f"proj.{n}": t for n, t in zip(names, stored)}, parse_quant_config(q),
-                                       torch.float32, keep_packed=True)
+    tensors = {f"proj.{n}": t for n, t in zip(names, stored)}
+    dense, _ = dequantize_tensors(tensors, parse_quant_config(q), torch.float32)
     assert torch.equal(dense["proj.weight"], plain_weight(q, *stored))
     assert (dense["proj.weight"] - weight).abs().max() <= scales.float().max() * 0.51
-    assert packed.weights["proj"].bits == bits
+    kept, packed = dequantize_tensors(tensors, parse_quant_config(q), torch.float32, keep_packed=True)
+    assert kept["proj.weight"] is packed.weights["proj"] and packed.weights["proj"].bits == bits
+    assert torch.equal(kept["proj.weight"].dequantize(torch.float32), dense["proj.weight"])
 
 
 CASES = {"text": [], "one_image": IMAGE}

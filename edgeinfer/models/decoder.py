@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.quant.packed import PackedMatrix, pack_product, why_not_packable
+from edgeinfer.quant.weights import QuantizedWeight
+
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
@@ -248,8 +251,8 @@ def reshape_tail(x: torch.Tensor, keep: int, *tail: int) -> torch.Tensor:
     return x.reshape(*x.shape[:keep], *tail)
 
 
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = x @ weight_t
+def _linear(x: torch.Tensor, weight_t: torch.Tensor | PackedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+    y = weight_t.matmul(x) if isinstance(weight_t, PackedMatrix) else x @ weight_t
     return y if bias is None else y + bias
 
 
@@ -405,7 +408,7 @@ class Decoder(nn.Module):
             new_k.append(k)
             new_v.append(v)
         x = x[:, -1] if last is None else x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
-        logits = self.norm(x) @ self.lm_head_t
+        logits = _linear(self.norm(x), self.lm_head_t, None)
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 
@@ -501,19 +504,31 @@ def load_decoder_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> 
             raise ValueError(f"shape {tuple(value.shape)} does not fit {tuple(param.shape)}")
         param.data = value.to(param.dtype).contiguous()
 
+    def product(owner: nn.Module, name: str, parts: list) -> None:
+        """Fill the ``[in, out]`` matrix ``owner.name`` from its parts' ``[out, in]`` weights, stacked
+        along the output; low-bit parts stay packed where the kernels can read them."""
+        param = getattr(owner, name)
+        if all(isinstance(p, QuantizedWeight) for p in parts) and why_not_packable(parts) is None:
+            packed = pack_product(parts)
+            if packed.shape != (param.shape[1], param.shape[0]):
+                raise ValueError(f"{parts[0].name}: shape {list(packed.shape)} does not fit {list(param.shape[::-1])}")
+            delattr(owner, name)
+            setattr(owner, name, packed)
+            return
+        dense = [p.dequantize(param.dtype) if isinstance(p, QuantizedWeight) else p for p in parts]
+        assign(param, torch.cat(dense).t())
+
     with torch.no_grad():
         for i, layer in enumerate(decoder.layers):
             p = f"layers.{i}."
-            attn = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            assign(layer.qkv_t, torch.cat(attn).t())
+            product(layer, "qkv_t", [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             if cfg.qkv_bias:
                 assign(layer.qkv_bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            assign(layer.o_t, take(p + "self_attn.o_proj.weight").t())
+            product(layer, "o_t", [take(p + "self_attn.o_proj.weight")])
             if cfg.o_bias:
                 assign(layer.o_bias, take(p + "self_attn.o_proj.bias"))
-            gate_up = torch.cat((take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")))
-            assign(layer.gate_up_t, gate_up.t())
-            assign(layer.down_t, take(p + "mlp.down_proj.weight").t())
+            product(layer, "gate_up_t", [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            product(layer, "down_t", [take(p + "mlp.down_proj.weight")])
             if cfg.mlp_bias:
                 assign(layer.gate_up_bias, torch.cat((take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias"))))
                 assign(layer.down_bias, take(p + "mlp.down_proj.bias"))
@@ -536,7 +551,7 @@ def load_decoder_weights(decoder: Decoder, tensors: dict[str, torch.Tensor]) -> 
             if head is None:
                 raise KeyError("checkpoint lacks 'lm_head.weight' and does not tie embeddings")
             assign(decoder.embed, embed)
-            assign(decoder.lm_head_t, head.t())
+            product(decoder, "lm_head_t", [head])
     remaining.pop("rotary_emb.inv_freq", None)
     if remaining:
         raise KeyError(f"unexpected decoder weights: {sorted(remaining)[:8]}")

@@ -12,7 +12,7 @@ from edgeinfer.errors import ModelLoadError, UnsupportedArchitectureError
 from edgeinfer.models.base import Checkpoint, FamilyAdapter, rename_weights
 from edgeinfer.models.decoder import Decoder
 from edgeinfer.models.registry import adapter_for, not_yet_supported, supported_architectures
-from edgeinfer.quant import QuantizedCheckpoint, dequantize_tensors, read_quant_scheme
+from edgeinfer.quant import QuantizedCheckpoint, QuantizedWeight, dequantize_tensors, read_quant_scheme
 
 
 @dataclass(slots=True)
@@ -109,17 +109,29 @@ def read_checkpoint(path: str | Path, trust_remote_code: bool = False) -> tuple[
     return ckpt, adapter_cls
 
 
+def _dense(tensors: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {n: t.dequantize(dtype) if isinstance(t, QuantizedWeight) else t for n, t in tensors.items()}
+
+
+def keeps_packed(device: str) -> bool:
+    """Whether a quantized checkpoint's decoder products stay low-bit on ``device``: on a GPU they do
+    (they are read by the kernels of :mod:`edgeinfer.quant.kernels`, or dequantized per product
+    where Triton is missing); on a CPU the torch backend runs dense weights, dequantized at load."""
+    return torch.device(device).type == "cuda"
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False, keep_packed: bool = False) -> LoadedModel:
-    """``keep_packed``: keep a quantized checkpoint's packed weights beside the dense ones
-    (in ``LoadedModel.quantized.weights``); by default only its scheme and layer names stay."""
+               trust_remote_code: bool = False, keep_packed: bool | None = None) -> LoadedModel:
+    """``keep_packed`` (None: :func:`keeps_packed` of ``device``): a quantized checkpoint's decoder
+    products keep their low-bit form; the other quantized layers (a vision tower's) are dequantized."""
     ckpt, adapter_cls = read_checkpoint(path, trust_remote_code)
     adapter = adapter_cls(ckpt)
     scheme = read_quant_scheme(ckpt.path)
     tensors = read_tensors(safetensors_files(ckpt.path))
     quantized = None
     if scheme is not None:
-        tensors, quantized = dequantize_tensors(tensors, scheme, dtype, keep_packed)
+        keep = keeps_packed(device) if keep_packed is None else keep_packed
+        tensors, quantized = dequantize_tensors(tensors, scheme, dtype, keep)
     try:
         mapping = rename_weights(tensors, adapter.weight_renames)
         parts = {"vision": {}, "text": {}}
@@ -127,7 +139,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             head, rest = new.split(".", 1)
             parts[head][rest] = tensors[name]
         decoder = adapter.build_decoder(parts["text"], dtype)
-        vision = adapter.build_vision(parts["vision"], dtype)
+        vision = adapter.build_vision(_dense(parts["vision"], dtype), dtype)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{ckpt.path}: weights do not match {adapter_cls.__name__}: {exc}") from exc
     return LoadedModel(adapter, decoder.to(device), vision.to(device), dtype, ckpt.path.name, quantized)

@@ -5,8 +5,8 @@ before it maps names to a family: each quantized layer's stored tensors
 (``*.weight_packed / weight_scale / weight_zero_point / weight_shape`` for compressed-tensors,
 ``*.qweight / qzeros / scales / g_idx`` for GPTQ and AWQ) are replaced by ``*.weight``, so every
 family loads without knowing about quantization. Layers the config leaves out keep their
-dense ``*.weight``. The packed form is returned beside the dense tensors in a
-:class:`QuantizedCheckpoint`.
+dense ``*.weight``. Where the weights run on a GPU the loader asks to keep the packed form:
+each layer's ``*.weight`` is then its :class:`QuantizedWeight`, which the decoder keeps packed.
 """
 
 from __future__ import annotations
@@ -42,27 +42,28 @@ class QuantizedCheckpoint:
 
 
 def dequantize_tensors(tensors: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype,
-                       keep_packed: bool = False) -> tuple[dict[str, torch.Tensor], QuantizedCheckpoint]:
-    """``tensors`` with each quantized layer's stored tensors replaced by a dense ``*.weight``
-    in ``dtype``; the packed weights are kept only with ``keep_packed`` (nothing runs them yet,
-    and on a board every byte kept beside the dense weights is memory the KV pool loses).
+                       keep_packed: bool = False) -> tuple[dict[str, torch.Tensor | QuantizedWeight],
+                                                           QuantizedCheckpoint]:
+    """``tensors`` with each quantized layer's stored tensors replaced by its ``*.weight``: dense in
+    ``dtype``, or with ``keep_packed`` the layer's :class:`QuantizedWeight` itself (the decoder then
+    keeps the products its kernels read packed, and dequantizes the rest as it loads them).
     Stored tensors that do not fit each other or the scheme are a :class:`ModelLoadError`
     naming the tensor and the shape expected."""
     names = STORED[scheme.method]
     layers = sorted(n[: -len(names[0]) - 1] for n in tensors if n.endswith("." + names[0]))
-    dense = dict(tensors)
+    out: dict[str, torch.Tensor | QuantizedWeight] = dict(tensors)
     packed: dict[str, QuantizedWeight] = {}
     for layer in layers:
         weight_scheme = scheme.scheme_for(layer)
         if weight_scheme is None:
             raise ModelLoadError(f"{layer}.{names[0]} is packed, but the quantization config leaves {layer} "
                                  "unquantized (ignore / modules_to_not_convert)")
-        stored = {n: dense.pop(f"{layer}.{n}") for n in names if f"{layer}.{n}" in dense}
+        stored = {n: out.pop(f"{layer}.{n}") for n in names if f"{layer}.{n}" in out}
         weight = READERS[scheme.method](layer, stored, weight_scheme, scheme)
-        dense[f"{layer}.weight"] = weight.dequantize(dtype)
+        out[f"{layer}.weight"] = weight if keep_packed else weight.dequantize(dtype)
         packed[layer] = weight
     nbytes = sum(w.nbytes for w in packed.values())
-    return dense, QuantizedCheckpoint(scheme, tuple(layers), nbytes, packed if keep_packed else {})
+    return out, QuantizedCheckpoint(scheme, tuple(layers), nbytes, packed if keep_packed else {})
 
 
 def _expect(layer: str, name: str, stored: dict[str, torch.Tensor], shape: tuple[int, ...],

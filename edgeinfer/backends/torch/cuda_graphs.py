@@ -100,8 +100,10 @@ def prefill_bucket(tokens: int) -> int:
 
 
 def _matrices(decoder: Decoder) -> list[torch.nn.Parameter]:
+    """The decoder's dense product matrices (packed low-bit ones have one layout only)."""
     names = ("qkv_t", "o_t", "gate_up_t", "down_t")
-    return [getattr(layer, n) for layer in decoder.layers for n in names] + [decoder.lm_head_t]
+    every = [getattr(layer, n) for layer in decoder.layers for n in names] + [decoder.lm_head_t]
+    return [p for p in every if isinstance(p, torch.nn.Parameter)]
 
 
 def _relayout(decoder: Decoder, out_major: bool) -> None:
@@ -122,7 +124,11 @@ def choose_weight_layout(decoder: Decoder, repeats: int = 50, apply: bool = True
     cuBLAS picks different kernels for ``x @ W`` by layout, and which one streams memory
     faster depends on the GPU and the shape, so the device decides, once, at load.
     """
-    probe = decoder.layers[0].gate_up_t
+    dense = _matrices(decoder)
+    if not dense:
+        return {"chosen": "packed", "applied": False}
+    gate_up = decoder.layers[0].gate_up_t
+    probe = gate_up if isinstance(gate_up, torch.nn.Parameter) else max(dense, key=torch.Tensor.numel)
     x = torch.randn(1, probe.shape[0], dtype=probe.dtype, device=probe.device)
     times = {}
     for name, weight in (("in_out", probe.data.contiguous()), ("out_in", probe.data.t().contiguous().t())):
@@ -511,8 +517,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return None
         key = (batch, sampling.kind)
         if key not in self._sampling:
-            vocab = self.decoder.lm_head_t.shape[1]
-            self._sampling[key] = sampling.static(batch, vocab, self.decoder.lm_head_t.device)
+            self._sampling[key] = sampling.static(batch, self.decoder.cfg.vocab_size, self.device)
         return self._sampling[key]
 
     def _capture_burst(self, key, k_pool, v_pool, sampling: BurstSampling | None,

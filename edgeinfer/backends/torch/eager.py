@@ -14,7 +14,7 @@ class TorchDecoderEngine:
 
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
-        self.device = decoder.lm_head_t.device
+        self.device = decoder.norm.weight.device
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

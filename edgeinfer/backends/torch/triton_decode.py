@@ -32,9 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.quant.packed import PackedMatrix
+
 try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
+
+    from edgeinfer.quant.kernels import dequant_tile
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -62,10 +66,14 @@ NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(X, W, BIAS, RES, NORM_W, Y, N, K, stride_x, stride_r, stride_y, eps,
+    def _gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, N, K, G, stride_x, stride_r, stride_y, eps,
                      MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
-        """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs."""
+                     BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+                     BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr):
+        """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs.
+
+        ``BITS`` 16: W is the dense matrix; 4 or 8: W holds packed codes, S/Z their scales and
+        zero points (:func:`edgeinfer.quant.kernels.dequant_tile` rebuilds each tile)."""
         dt = Y.dtype.element_ty
         pid = tl.program_id(0)
         rn = pid * BN + tl.arange(0, BN)
@@ -96,7 +104,10 @@ if triton is not None:
                     nw = tl.load(NORM_W + rk, mask=rk < K, other=0.0).to(tl.float32)
                     xn = (xv.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
                     xv = (xn * nw[None, :]).to(dt)
-            w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+            if BITS == 16:
+                w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+            else:
+                w = dequant_tile(W, S, Z, rn, k0, N, K, G, BN, BK, BITS, GS, HAS_Z, dt)
             if USE_DOT:
                 if IEEE:
                     acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
@@ -271,16 +282,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
-         config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] (or [M, 2K] with ``silu_mul``), ``w`` [N, K].
+def gemv(x: torch.Tensor, w: torch.Tensor | PackedMatrix, *, bias: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         silu_mul: bool = False, config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] (or [M, 2K] with ``silu_mul``), ``w`` [N, K]
+    dense or packed low-bit.
 
     ``f`` is RMSNorm with ``norm_weight`` or SiLU(gate)·up with ``silu_mul``; M is padded to a
     power of two inside the kernel's tile (rows past M compute nothing anyone reads).
     """
     m = x.shape[0]
     n, k = w.shape
+    if isinstance(w, PackedMatrix):
+        layout = w.layout
+        weights = (w.codes, w.scales, w.zeros if w.zeros is not None else w.scales)
+        quant = {"BITS": layout.bits, "GS": layout.group_constexpr, "HAS_Z": w.zeros is not None}
+        groups = layout.groups
+    else:
+        weights, quant, groups = (w, w, w), {"BITS": 16, "GS": 1, "HAS_Z": False}, 1
     mp = _pow2(m)
     cfg = config or GEMV_CANDIDATES[0]
     use_dot = mp >= 16 and cfg.bn >= 16
@@ -290,14 +309,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None, 
         residual = None if residual is None else torch.nn.functional.pad(residual, (0, 0, 0, mp - m))
     y = out if out is not None else torch.empty(mp, n, dtype=x.dtype, device=x.device)
     prologue = SILU_MUL if silu_mul else RMSNORM if norm_weight is not None else NONE
-    dummy = w
+    dummy = weights[0]
     _gemv_kernel[(triton.cdiv(n, cfg.bn),)](
-        x, w, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        norm_weight if norm_weight is not None else dummy, y, n, k, x.stride(0),
+        x, *weights, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        norm_weight if norm_weight is not None else dummy, y, n, k, groups, x.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        num_warps=cfg.warps, num_stages=cfg.stages, **quant)
     return y[:m]
 
 
@@ -348,6 +367,11 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     return out
 
 
+def _nbytes(w: torch.Tensor | PackedMatrix) -> int:
+    """Bytes a product reads of its weight."""
+    return w.nbytes if isinstance(w, PackedMatrix) else w.numel() * w.element_size()
+
+
 def graph_time_us(calls: list, repeats: int = 5) -> float:
     """Device microseconds per call of ``calls`` (functions), replayed from one CUDA graph so that
     launches cost what they cost in the decode step's graph."""
@@ -387,8 +411,10 @@ class FusedDecode:
         self.report: dict[str, dict] = {}
 
     @staticmethod
-    def weight(p: torch.Tensor) -> torch.Tensor:
-        """The ``[out, in]`` row-major matrix behind an ``[in, out]`` parameter."""
+    def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
+        """The ``[out, in]`` row-major matrix behind an ``[in, out]`` parameter (a packed one as it is)."""
+        if isinstance(p, PackedMatrix):
+            return p
         w = p.t()
         if not w.is_contiguous():
             raise ValueError("the fused decode step needs weights stored [out, in] row-major")
@@ -413,29 +439,32 @@ class FusedDecode:
     def tune(self) -> None:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
         (as a step does: from memory, not from the L2 cache), and keep the fastest; cuBLAS is timed
-        beside it for the report."""
+        beside it for the report (on the dense weights; a packed product has no cuBLAS twin)."""
+        dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         for name, (weights, kw) in self._products().items():
             n, k = weights[0].shape
-            ref = weights[0]
-            x = torch.randn(1, 2 * k if kw.get("silu_mul") else k, dtype=ref.dtype, device=ref.device)
+            x = torch.randn(1, 2 * k if kw.get("silu_mul") else k, dtype=dtype, device=device)
             kw = dict(kw)
             if kw.pop("residual", False):
-                kw["residual"] = torch.randn(1, n, dtype=ref.dtype, device=ref.device)
-            outs = [torch.empty(1, n, dtype=ref.dtype, device=ref.device) for _ in weights]
+                kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
+            outs = [torch.empty(1, n, dtype=dtype, device=device) for _ in weights]
             times = {}
             for c in GEMV_CANDIDATES:
                 calls = [lambda w=w, o=o, c=c: gemv(x, w, config=c, out=o, **kw) for w, o in zip(weights, outs)]
                 times[c] = graph_time_us(calls)
             best = min(times, key=times.get)
             self.configs[name] = best
-            xk = x[:, :k]
-            cublas = graph_time_us([lambda w=w: torch.mm(xk, w.t()) for w in weights])
-            mb = ref.numel() * ref.element_size() / 1e6
-            self.report[name] = {"shape": [n, k], "config": [best.bn, best.bk, best.warps, best.stages],
-                                 "us": round(times[best], 2), "gb_s": round(mb / times[best] * 1e3, 1),
-                                 "cublas_us": round(cublas, 2), "cublas_gb_s": round(mb / cublas * 1e3, 1),
-                                 "candidates_us": {f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s": round(t, 2)
-                                                   for c, t in times.items()}}
+            packed = isinstance(weights[0], PackedMatrix)
+            mb = _nbytes(weights[0]) / 1e6
+            report = {"shape": [n, k], "weight": f"{weights[0].bits}-bit packed" if packed else str(dtype),
+                      "config": [best.bn, best.bk, best.warps, best.stages],
+                      "us": round(times[best], 2), "gb_s": round(mb / times[best] * 1e3, 1)}
+            if not packed:
+                xk = x[:, :k]
+                cublas = graph_time_us([lambda w=w: torch.mm(xk, w.t()) for w in weights])
+                report.update(cublas_us=round(cublas, 2), cublas_gb_s=round(mb / cublas * 1e3, 1))
+            report["candidates_us"] = {f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s": round(t, 2) for c, t in times.items()}
+            self.report[name] = report
 
     def _gemv(self, name, x, w, **kw):
         if not self.configs:

@@ -1,0 +1,196 @@
+"""Low-bit products kept packed: the one form every checkpoint layout is brought to, the kernels
+that read it, and a decoder built on it.
+
+The kernels run on a GPU, or in Triton's CPU interpreter (``TRITON_INTERPRET=1``), which is how
+their indexing is checked here; the interpreter rounds to bfloat16 by truncation, so in bfloat16
+they are compared with what the same kernels dequantize, and with torch only in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from edgeinfer.backends.registry import torch_engines
+from edgeinfer.engine import Engine, EngineConfig, SamplingParams
+from edgeinfer.models.loader import load_model
+from edgeinfer.quant import kernels
+from edgeinfer.quant.packed import PackedMatrix, dequantize_with_torch, pack_product, why_not_packable
+from edgeinfer.testing.quantized import quantize_awq, quantize_compressed_tensors, quantize_gptq
+from tests.conftest import noise_image
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install 'edgeinfer[quant]')")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(
+    not (kernels.triton is not None and (torch.cuda.is_available() or INTERPRET)),
+    reason="the kernels need Triton and a CUDA device, or TRITON_INTERPRET=1 for Triton's CPU interpreter")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+
+KINDS = {
+    "w4_g32": lambda src, out: quantize_compressed_tensors(src, out, bits=4, group_size=32),
+    "w4_g32_asym": lambda src, out: quantize_compressed_tensors(src, out, bits=4, group_size=32, symmetric=False),
+    "w8_channel": lambda src, out: quantize_compressed_tensors(src, out, bits=8, group_size=None),
+    "gptq_asym": lambda src, out: quantize_gptq(src, out, bits=4, group_size=32, symmetric=False),
+    "gptq_act_order": lambda src, out: quantize_gptq(src, out, bits=4, group_size=32, desc_act=True),
+    "awq": lambda src, out: quantize_awq(src, out, group_size=32),
+}
+PACKABLE = [k for k in KINDS if k != "gptq_act_order"]
+
+
+@pytest.fixture(scope="module")
+def quantized(checkpoint, tmp_path_factory):
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = KINDS[kind](checkpoint("qwen2_vl"), tmp_path_factory.mktemp(kind))
+        return built[kind]
+
+    return get
+
+
+def qkv_parts(path) -> list:
+    weights = load_model(path, keep_packed=True).quantized.weights
+    return [weights[f"model.layers.0.self_attn.{n}_proj"] for n in "qkv"]
+
+
+def torch_dense(packed: PackedMatrix, dtype) -> torch.Tensor:
+    return dequantize_with_torch(packed.codes, packed.scales, packed.zeros, packed.layout, dtype)
+
+
+@pytest.mark.parametrize("kind", PACKABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_packed_form_holds_every_layout_s_weights(quantized, kind, dtype):
+    parts = qkv_parts(quantized(kind))
+    packed = pack_product(parts)
+    want = torch.cat([w.dequantize(dtype) for w in parts])
+    assert packed.shape == tuple(want.shape) and packed.codes.dtype == torch.int32
+    assert torch.equal(torch_dense(packed, dtype), want)
+    assert packed.nbytes == sum(t.numel() * t.element_size() for t in (packed.codes, packed.scales, packed.zeros)
+                                if t is not None)
+    assert packed.codes.numel() * 32 == want.numel() * packed.bits  # nothing but the values in the codes
+
+
+def test_act_order_is_named_as_what_keeps_a_product_dense(quantized):
+    reason = why_not_packable(qkv_parts(quantized("gptq_act_order")))
+    assert reason is not None and "act-order" in reason
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["w4_g32", "w4_g32_asym", "w8_channel", "awq"])
+def test_kernels_read_the_packed_form_as_torch_does(quantized, kind):
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(0)
+    packed = pack_product(qkv_parts(quantized(kind))).to(DEVICE)
+    dense = torch_dense(packed, torch.float32)
+    layout = packed.layout
+    assert torch.equal(kernels.dequantize(packed.codes, packed.scales, packed.zeros, layout, torch.float32), dense)
+    x = torch.randn(5, layout.k, device=DEVICE)
+    for config in (kernels.MmConfig(16, 32, 1), kernels.MmConfig(32, 64, 2)):
+        got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, layout, config)
+        torch.testing.assert_close(got, x @ dense.t(), rtol=1e-4, atol=1e-4)
+    # The fused step's product with a packed weight equals it with the dense one, prologues included.
+    norm, residual = torch.rand(layout.k, device=DEVICE) + 0.5, torch.randn(1, layout.n, device=DEVICE)
+    for config in triton_decode.GEMV_CANDIDATES[:2]:
+        got = triton_decode.gemv(x[:1], packed, norm_weight=norm, eps=1e-6, residual=residual, config=config)
+        want = triton_decode.gemv(x[:1], dense, norm_weight=norm, eps=1e-6, residual=residual, config=config)
+        assert torch.equal(got, want)
+
+
+@needs_kernels
+def test_kernels_in_bfloat16_read_what_they_dequantize(quantized):
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(1)
+    packed = pack_product(qkv_parts(quantized("w4_g32_asym"))).to(DEVICE)
+    packed.scales = packed.scales.bfloat16()
+    packed.zeros = packed.zeros.bfloat16()
+    layout = packed.layout
+    dense = kernels.dequantize(packed.codes, packed.scales, packed.zeros, layout, torch.bfloat16)
+    x = torch.randn(1, layout.k, device=DEVICE, dtype=torch.bfloat16)
+    config = triton_decode.GEMV_CANDIDATES[0]
+    assert torch.equal(triton_decode.gemv(x, packed, config=config), triton_decode.gemv(x, dense, config=config))
+
+
+def engine_over(model) -> Engine:
+    config = EngineConfig(block_size=16, num_blocks=256)
+    return Engine(model, config, torch_engines(model, config))
+
+
+FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
+
+
+@pytest.mark.parametrize("kind", ["w4_g32", "gptq_asym", "gptq_act_order"])
+def test_a_decoder_on_packed_products_generates_the_dense_decoder_s_tokens(quantized, kind):
+    """Packed products (dequantized per product by torch on this CPU) in place of dense ones: the
+    same tokens, text and image; act-order products stay dense and say why."""
+    path = quantized(kind)
+    packed_model, dense_model = load_model(path, keep_packed=True), load_model(path, keep_packed=False)
+    products = [getattr(layer, n) for layer in packed_model.decoder.layers for n in ("qkv_t", "o_t", "gate_up_t",
+                                                                                      "down_t")]
+    kept = sum(isinstance(p, PackedMatrix) for p in products)
+    assert kept == (0 if kind == "gptq_act_order" else len(products))
+    packed_engine, dense_engine = engine_over(packed_model), engine_over(dense_model)
+    for images in ([], [noise_image(120, 80, seed=3)]):
+        got = packed_engine.run_until_done([packed_engine.submit("how many circle are there ?", images, FORCED)])
+        want = dense_engine.run_until_done([dense_engine.submit("how many circle are there ?", images, FORCED)])
+        assert len(set(want[0].token_ids)) >= 8, "a near-constant sequence would make this comparison meaningless"
+        assert got[0].token_ids == want[0].token_ids
+
+
+# --- on a GPU: the fused batch-1 step and the batched products read the packed weights --------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                                reason="needs a CUDA device (torch.cuda.is_available() is false)")
+REQUESTS = [("what is in the image ?", [noise_image(128, 96, seed=1)]), ("describe this picture", []),
+            ("color", [noise_image(80, 128, seed=7)])]
+STEPS = SamplingParams(max_new_tokens=32, ignore_eos=True)
+
+
+def cuda_tokens(path, *, together: bool, keep_packed: bool | None = None, **config) -> tuple[list[list[int]], Engine]:
+    """Tokens of REQUESTS one at a time (batch 1: the fused step) or all at once (the batched products)."""
+    settings = EngineConfig(num_blocks=512, max_batch_size=4, device="cuda", cuda_graphs=True, **config)
+    model = load_model(path, settings.torch_dtype, "cuda", keep_packed=keep_packed)
+    engine = Engine(model, settings, torch_engines(model, settings))
+    if together:
+        seqs = [engine.submit(q, images, STEPS) for q, images in REQUESTS]
+        return [r.token_ids for r in engine.run_until_done(seqs)], engine
+    return [engine.generate(q, images, STEPS).token_ids for q, images in REQUESTS], engine
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["w4_g32_asym", "w8_channel"])
+@pytest.mark.parametrize("together", [False, True], ids=["batch1_fused", "batched"])
+def test_packed_products_on_cuda_in_fp32_give_the_dense_tokens(quantized, kind, together):
+    path = quantized(kind)
+    dense, _ = cuda_tokens(path, together=together, keep_packed=False)
+    packed, engine = cuda_tokens(path, together=together)
+    assert isinstance(engine.model.decoder.layers[0].gate_up_t, PackedMatrix)
+    if not together and kernels.triton is not None:
+        report = engine.decoder_engine.kernel_report
+        assert report["fused"] and report["fused_replays"] > 0, report
+    assert packed == dense
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("together", [False, True], ids=["batch1_fused", "batched"])
+def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, together):
+    """In bfloat16 the packed and dense products sum in other orders: tokens of a random checkpoint
+    may part late. The first divergence is printed; the first token must agree."""
+    path = quantized("w4_g32")
+    dense, _ = cuda_tokens(path, together=together, keep_packed=False, dtype="bfloat16")
+    packed, _ = cuda_tokens(path, together=together, dtype="bfloat16")
+    positions = [first_divergence(a, b) for a, b in zip(dense, packed)]
+    print(f"w4_g32 {'batched' if together else 'batch 1'}: first divergence packed vs dense (None = identical): "
+          f"{positions}")
+    assert all(p is None or p > 0 for p in positions)
