@@ -3,11 +3,14 @@
 The weight is a :class:`~edgeinfer.quant.packed.PackedMatrix`: ``codes`` int32 ``[N, K·b/32]``
 (the 32/b unsigned b-bit values of each word are consecutive input columns, lowest bits
 first), ``scales`` ``[N, groups]``, and ``zeros`` ``[N, groups]`` in the scales' dtype (absent:
-the symmetric centre ``2^(b-1)``). Every kernel rebuilds a tile of the weight in registers by
-the dequantization rule of :meth:`QuantizedWeight.dequantize`, rounded as it rounds, so a
-product equals the product with the dequantized dense weight up to summation order.
+the symmetric centre ``2^(b-1)``). Every kernel rebuilds the weight by the dequantization rule of
+:meth:`QuantizedWeight.dequantize`, ``(q - z) · s``, so a product equals the product with the
+dequantized dense weight up to summation order and rounding.
 
-* :func:`dequant_tile` — the tile rebuild, shared with the fused batch-1 decode step;
+* :func:`load_words`, :func:`codes_at`, :func:`group_params` — a tile's codes, scales and zero
+  points, shared with the fused batch-1 decode step. A K tile is read as 32/b interleaved column
+  classes (value ``i`` of every word): a shift and a mask give a class's codes in place, with no
+  reshuffling of registers;
 * :func:`packed_mm` — ``x @ W.T`` for up to :data:`MAX_DOT_ROWS` rows: tensor-core tiles of
   dequantized weight, split along K when N alone gives too few programs to fill the GPU;
 * :func:`dequantize` — the whole dense weight, for prompts (a GEMM then does the rest).
@@ -40,52 +43,47 @@ def usable(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def dequant_tile(Q, S, Z, rn, k0, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
-                     GS: tl.constexpr, HAS_Z: tl.constexpr, dt: tl.constexpr):
-        """Columns ``k0 .. k0+BK`` of rows ``rn`` [BN] of the weight, as ``dt`` [BN, BK]; zero where
-        a row or column is out of range. ``GS`` is the group size, a power of two, or any power of
-        two ≥ K for one group per row; BK and GS divide one another. ``u - z`` is exact in float32
-        (and in the scales' dtype, as the reference computes it); the product is rounded to the
-        scales' dtype as the reference rounds it."""
+    def load_words(Q, rn, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):
+        """The packed words of rows ``rn`` [BN] holding columns ``k0 .. k0+BK``: [BN, BK·b/32] int32
+        (zero past the last row or column)."""
         PER: tl.constexpr = 32 // BITS
-        words_per_row = (K * BITS) // 32
+        words_per_row = K // PER
         rw = k0 // PER + tl.arange(0, BK // PER)
-        n_ok = rn < N
-        ok = n_ok[:, None] & (rw[None, :] < words_per_row)
-        words = tl.load(Q + rn[:, None].to(tl.int64) * words_per_row + rw[None, :], mask=ok, other=0)
-        shifts = tl.arange(0, PER) * BITS
-        u = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        sdt = S.dtype.element_ty
-        if BK <= GS:  # the tile lies in one group
-            at = rn * G + k0 // GS
-            s = tl.load(S + at, mask=n_ok, other=0.0).to(tl.float32)
-            if HAS_Z:
-                z = tl.load(Z + at, mask=n_ok, other=0.0).to(tl.float32)
-            else:
-                z = tl.full([BN], 1 << (BITS - 1), tl.float32)
-            u = tl.reshape(u, [BN, BK]).to(tl.float32)
-            w = ((u - z[:, None]) * s[:, None]).to(sdt)
+        ok = (rn[:, None] < N) & (rw[None, :] < words_per_row)
+        return tl.load(Q + rn[:, None].to(tl.int64) * words_per_row + rw[None, :], mask=ok, other=0)
+
+    @triton.jit
+    def codes_at(words, i: tl.constexpr, BITS: tl.constexpr):
+        """Value ``i`` of every word, as float32: the weights of columns ``k0 + (32/b)·j + i``."""
+        return ((words >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+    @triton.jit
+    def group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
+                     GS: tl.constexpr, HAS_Z: tl.constexpr):
+        """Scale and zero point (float32) of every word of the tile, [BN, BK·b/32]; the 32/b values
+        of a word share a group (groups are 32 columns or more)."""
+        PER: tl.constexpr = 32 // BITS
+        g = (k0 + tl.arange(0, BK // PER) * PER) // GS
+        ok = (rn[:, None] < N) & (g[None, :] < G)
+        at = rn[:, None] * G + g[None, :]
+        s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(Z + at, mask=ok, other=0.0).to(tl.float32)
         else:
-            SG: tl.constexpr = BK // GS
-            rg = k0 // GS + tl.arange(0, SG)
-            g_ok = n_ok[:, None] & (rg[None, :] < G)
-            at = rn[:, None] * G + rg[None, :]
-            s = tl.load(S + at, mask=g_ok, other=0.0).to(tl.float32)
-            if HAS_Z:
-                z = tl.load(Z + at, mask=g_ok, other=0.0).to(tl.float32)
-            else:
-                z = tl.full([BN, SG], 1 << (BITS - 1), tl.float32)
-            u = tl.reshape(u, [BN, SG, GS]).to(tl.float32)
-            w = ((u - z[:, :, None]) * s[:, :, None]).to(sdt)
-            w = tl.reshape(w, [BN, BK])
-        return w.to(dt)
+            z = tl.full([BN, BK // PER], 1 << (BITS - 1), tl.float32)
+        return s, z
 
     @triton.jit
     def _packed_mm_kernel(X, Q, S, Z, Y, M, N, K, G, stride_x, stride_y, split_stride,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                           BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr, IEEE: tl.constexpr):
-        """Y[split, m, n] = sum over this split's K range of X[m, k] * W[n, k] (fp32 when split)."""
+        """Y[split, m, n] = sum over this split's K range of X[m, k] * W[n, k] (fp32 when split).
+
+        Each K tile is taken as 32/b interleaved column classes (value ``i`` of every word), so a
+        class's weights come out of the words by a shift and a mask, already in a dot's layout."""
+        PER: tl.constexpr = 32 // BITS
         dt = X.dtype.element_ty
+        sdt = S.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         split = tl.program_id(2)
@@ -95,14 +93,17 @@ if triton is not None:
         start = split * per_split
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(start, tl.minimum(start + per_split, K), BK):
-            rk = k0 + tl.arange(0, BK)
-            x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            w = dequant_tile(Q, S, Z, rn, k0, N, K, G, BN, BK, BITS, GS, HAS_Z, dt)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            words = load_words(Q, rn, k0, N, K, BN, BK, BITS)
+            s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
+            for i in tl.static_range(PER):
+                rk = k0 + tl.arange(0, BK // PER) * PER + i
+                x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                            other=0.0)
+                w = ((codes_at(words, i, BITS) - z) * s).to(sdt).to(dt)
+                if IEEE:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w))
         out = Y + split * split_stride + rm[:, None] * stride_y + rn[None, :]
         ok = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT == 1:
@@ -113,11 +114,15 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(Q, S, Z, W, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
                            GS: tl.constexpr, HAS_Z: tl.constexpr):
+        PER: tl.constexpr = 32 // BITS
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         k0 = tl.program_id(1) * BK
-        rk = k0 + tl.arange(0, BK)
-        w = dequant_tile(Q, S, Z, rn, k0, N, K, G, BN, BK, BITS, GS, HAS_Z, W.dtype.element_ty)
-        tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))
+        words = load_words(Q, rn, k0, N, K, BN, BK, BITS)
+        s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
+        for i in tl.static_range(PER):
+            rk = k0 + tl.arange(0, BK // PER) * PER + i
+            w = ((codes_at(words, i, BITS) - z) * s).to(S.dtype.element_ty).to(W.dtype.element_ty)
+            tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +157,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _tile_k(layout: PackedLayout, want: int) -> int:
-    """A K tile that fits the groups: ``want`` unless the group is smaller and not a divisor."""
-    return max(32, min(want, _pow2(layout.k)))
+    """A K tile of at least 16 columns per class (a dot's least K), ``want`` where the row is long enough."""
+    return max(16 * 32 // layout.bits, min(want, _pow2(layout.k)))
 
 
 def mm_config(layout: PackedLayout, rows: int, device: torch.device) -> MmConfig:
@@ -168,14 +173,51 @@ def mm_config(layout: PackedLayout, rows: int, device: torch.device) -> MmConfig
     return MmConfig(bn, bk, split)
 
 
+def mm_candidates(layout: PackedLayout) -> list[MmConfig]:
+    """The tiles :func:`tuned_config` times: narrow and wide N tiles, short and long K tiles, K split
+    up to eight ways where the row is long enough."""
+    out = []
+    for bn in (16, 32, 64):
+        for bk in sorted({_tile_k(layout, 128), _tile_k(layout, 256)}):
+            for split in (1, 2, 4, 8):
+                if layout.k >= bk * split:
+                    out.append(MmConfig(bn, bk, split))
+    return out
+
+
+# Tile choices by (layout, row tile, device), timed once per process on first use outside a CUDA
+# graph capture (a capture uses the heuristic until then): Triton's own autotuner keeps its choices
+# the same way, per kernel and key.
+_TUNED: dict[tuple, MmConfig] = {}
+
+
+def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedLayout) -> MmConfig:
+    """The fastest of :func:`mm_candidates` for ``x``'s row tile on this device, timed with the L2
+    cache flushed between calls (a decode step reads each weight from memory)."""
+    bm = max(16, _pow2(x.shape[0]))
+    key = (layout, bm, zeros is not None, x.dtype, x.device)
+    if key in _TUNED:
+        return _TUNED[key]
+    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return mm_config(layout, x.shape[0], x.device)
+    from triton.testing import do_bench
+
+    times = {}
+    for cfg in mm_candidates(layout):
+        times[cfg] = do_bench(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg), warmup=3, rep=8)
+    _TUNED[key] = min(times, key=times.get)
+    return _TUNED[key]
+
+
 def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
               layout: PackedLayout, config: MmConfig | None = None) -> torch.Tensor:
-    """``x @ W.T`` for ``x`` [M, K] with M ≤ :data:`MAX_DOT_ROWS`, ``W`` the packed [N, K] weight."""
+    """``x @ W.T`` for ``x`` [M, K] with M ≤ :data:`MAX_DOT_ROWS`, ``W`` the packed [N, K] weight;
+    ``config`` None: :func:`tuned_config`."""
     m = x.shape[0]
     if m > MAX_DOT_ROWS:
         raise ValueError(f"packed_mm takes at most {MAX_DOT_ROWS} rows, got {m}: dequantize and use a GEMM")
     x = x.contiguous()
-    cfg = config or mm_config(layout, m, x.device)
+    cfg = config or tuned_config(x, codes, scales, zeros, layout)
     bm = max(16, _pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     if cfg.split == 1:
@@ -199,3 +241,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
         codes, scales, zeros if zeros is not None else scales, w, layout.n, layout.k, layout.groups,
         BN=bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=zeros is not None, num_warps=4)
     return w
+
+
+def tuned_choices() -> list[dict]:
+    """The tiles :func:`tuned_config` chose in this process, for benchmark reports."""
+    return [{"n": layout.n, "k": layout.k, "bits": layout.bits, "row_tile": bm, "zeros": has_z, "dtype": str(dtype),
+             "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split}
+            for (layout, bm, has_z, dtype, _), cfg in _TUNED.items()]

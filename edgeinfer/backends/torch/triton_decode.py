@@ -38,7 +38,7 @@ try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import dequant_tile
+    from edgeinfer.quant.kernels import codes_at, group_params, load_words
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -66,20 +66,40 @@ NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
 if triton is not None:
 
     @triton.jit
+    def _input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr):
+        """f(X)[rm, rk] in ``dt``, rounded as the eager layer rounds (RMSNorm or SiLU(gate)·up first)."""
+        k_ok = rk[None, :] < K
+        if PROLOGUE == 2:  # X holds gate | up, each K wide
+            g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
+            act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+            xv = (act * u).to(dt)
+        else:
+            xv = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0)
+            if PROLOGUE == 1:
+                nw = tl.load(NORM_W + rk, mask=rk < K, other=0.0).to(tl.float32)
+                xn = (xv.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+                xv = (xn * nw[None, :]).to(dt)
+        return xv
+
+    @triton.jit
     def _gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, N, K, G, stride_x, stride_r, stride_y, eps,
                      MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
                      BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr):
         """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs.
 
-        ``BITS`` 16: W is the dense matrix; 4 or 8: W holds packed codes, S/Z their scales and
-        zero points (:func:`edgeinfer.quant.kernels.dequant_tile` rebuilds each tile)."""
+        ``BITS`` 16: W is the dense matrix. 4 or 8 (one row only): W holds packed codes and S/Z
+        their scales and zero points; per word, ``sum_i (q_i - z)·s·x_i`` is taken as
+        ``s·(sum_i q_i·x_i - z·sum_i x_i)``, so each weight costs a shift, a mask, a conversion
+        and one multiply-add."""
         dt = Y.dtype.element_ty
         pid = tl.program_id(0)
         rn = pid * BN + tl.arange(0, BN)
         rm = tl.arange(0, MP)
         n_ok = rn < N
         rows = rn.to(tl.int64) * K
+        rstd = tl.zeros([MP], tl.float32)
         if PROLOGUE == 1:  # RMSNorm over each row of X
             ss = tl.zeros([MP], tl.float32)
             for k0 in range(0, K, BK):
@@ -89,36 +109,38 @@ if triton is not None:
                 ss += tl.sum(xv * xv, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([MP, BN], tl.float32)
-        wide = tl.zeros([BN, BK], tl.float32)  # one row: products summed across K only at the end
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            k_ok = rk[None, :] < K
-            if PROLOGUE == 2:  # X holds gate | up, each K wide
-                g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
-                u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
-                act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-                xv = (act * u).to(dt)
-            else:
-                xv = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0)
-                if PROLOGUE == 1:
-                    nw = tl.load(NORM_W + rk, mask=rk < K, other=0.0).to(tl.float32)
-                    xn = (xv.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
-                    xv = (xn * nw[None, :]).to(dt)
-            if BITS == 16:
-                w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-            else:
-                w = dequant_tile(W, S, Z, rn, k0, N, K, G, BN, BK, BITS, GS, HAS_Z, dt)
-            if USE_DOT:
-                if IEEE:
-                    acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+        if BITS < 16:
+            PER: tl.constexpr = 32 // BITS
+            wide_words = tl.zeros([BN, BK // PER], tl.float32)
+            for k0 in range(0, K, BK):
+                words = load_words(W, rn, k0, N, K, BN, BK, BITS)
+                s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
+                qx = tl.zeros([BN, BK // PER], tl.float32)
+                xsum = tl.zeros([BK // PER], tl.float32)
+                for i in tl.static_range(PER):
+                    rk = k0 + tl.arange(0, BK // PER) * PER + i
+                    xv = tl.sum(_input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE, dt).to(tl.float32), axis=0)
+                    qx += codes_at(words, i, BITS) * xv[None, :]
+                    xsum += xv
+                wide_words += s * (qx - z * xsum[None, :])
+            acc = tl.sum(wide_words, axis=1)[None, :]
+        else:
+            wide = tl.zeros([BN, BK], tl.float32)  # one row: products summed across K only at the end
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                xv = _input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE, dt)
+                w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+                if USE_DOT:
+                    if IEEE:
+                        acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+                    else:
+                        acc += tl.dot(xv, tl.trans(w))
+                elif MP == 1:
+                    wide += w.to(tl.float32) * xv.to(tl.float32)
                 else:
-                    acc += tl.dot(xv, tl.trans(w))
-            elif MP == 1:
-                wide += w.to(tl.float32) * xv.to(tl.float32)
-            else:
-                acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if MP == 1 and not USE_DOT:
-            acc = tl.sum(wide, axis=1)[None, :]
+                    acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if MP == 1 and not USE_DOT:
+                acc = tl.sum(wide, axis=1)[None, :]
         y = acc.to(dt)
         if HAS_BIAS:
             b = tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -276,6 +298,9 @@ GEMV_CANDIDATES = (GemvConfig(2, 512, 2, 3), GemvConfig(4, 256, 2, 3), GemvConfi
                    GemvConfig(16, 256, 8, 2), GemvConfig(32, 128, 8, 2), GemvConfig(4, 1024, 8, 2),
                    GemvConfig(8, 128, 2, 4), GemvConfig(16, 512, 8, 3), GemvConfig(8, 1024, 8, 2),
                    GemvConfig(2, 1024, 4, 2))
+# Packed low-bit rows spend more arithmetic per byte: wider tiles and more warps are timed as well.
+PACKED_GEMV_CANDIDATES = (*GEMV_CANDIDATES, GemvConfig(32, 512, 8, 2), GemvConfig(64, 256, 8, 2),
+                          GemvConfig(16, 1024, 8, 2), GemvConfig(32, 256, 4, 2))
 
 
 def _pow2(n: int) -> int:
@@ -294,6 +319,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor | PackedMatrix, *, bias: torch.Tensor 
     m = x.shape[0]
     n, k = w.shape
     if isinstance(w, PackedMatrix):
+        if m != 1:
+            raise ValueError(f"gemv reads packed weights for one row, got {m}: use edgeinfer.quant.kernels.packed_mm")
         layout = w.layout
         weights = (w.codes, w.scales, w.zeros if w.zeros is not None else w.scales)
         quant = {"BITS": layout.bits, "GS": layout.group_constexpr, "HAS_Z": w.zeros is not None}
@@ -449,12 +476,12 @@ class FusedDecode:
                 kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
             outs = [torch.empty(1, n, dtype=dtype, device=device) for _ in weights]
             times = {}
-            for c in GEMV_CANDIDATES:
+            packed = isinstance(weights[0], PackedMatrix)
+            for c in PACKED_GEMV_CANDIDATES if packed else GEMV_CANDIDATES:
                 calls = [lambda w=w, o=o, c=c: gemv(x, w, config=c, out=o, **kw) for w, o in zip(weights, outs)]
                 times[c] = graph_time_us(calls)
             best = min(times, key=times.get)
             self.configs[name] = best
-            packed = isinstance(weights[0], PackedMatrix)
             mb = _nbytes(weights[0]) / 1e6
             report = {"shape": [n, k], "weight": f"{weights[0].bits}-bit packed" if packed else str(dtype),
                       "config": [best.bn, best.bk, best.warps, best.stages],
