@@ -150,16 +150,21 @@ def test_compressed_load_generates_the_tokens_of_the_dequantized_load(checkpoint
     assert torch.equal(tokens[0], tokens[1])
 
 
-@pytest.mark.parametrize("family,method,with_image", [("qwen2_vl", Method.rtn, True), ("llava", Method.awq, False)])
-def test_edgeinfer_loads_its_own_output_with_transformers_tokens(checkpoint, tmp_path, family, method, with_image):
+@pytest.mark.parametrize("family,method,with_image,lm_head_int8",
+                         [("qwen2_vl", Method.rtn, True, False), ("llava", Method.awq, False, False),
+                          ("qwen2_vl", Method.rtn, False, True)])
+def test_edgeinfer_loads_its_own_output_with_transformers_tokens(checkpoint, tmp_path, family, method, with_image,
+                                                                 lm_head_int8):
     """The round trip a user makes: ``edgeinfer quantize``, then serve the folder with edgeinfer;
     32 greedy tokens equal transformers' on the same folder (text, and one image where the
-    test can build transformers' image inputs)."""
+    test can build transformers' image inputs). With an int8 ``lm_head`` the head's own config
+    group (int8 per channel) must win over the ``Linear`` group that also covers it."""
     from tests.conftest import noise_image
     from tests.test_quant_load import ours, transformers_tokens
 
     out = tmp_path / "q"
-    quantize_checkpoint(QuantizeOptions(checkpoint(family), out, QuantSpec(4, 32), method=method, samples=2))
+    spec = QuantSpec(4, 32, lm_head_int8=lm_head_int8)
+    quantize_checkpoint(QuantizeOptions(checkpoint(family), out, spec, method=method, samples=2))
     model = load(out)
     for images in ([], [noise_image(64, 48, seed=3)])[:1 + with_image]:
         engine, prompt_ids, tokens = ours(out, images)

@@ -46,9 +46,12 @@ class WeightScheme:
     targets: tuple[str, ...] = ()
     desc_act: bool = False  # GPTQ act-order: input columns are grouped through ``g_idx``
 
-    def matches(self, module: str) -> bool:
+    def matches(self, module: str, by_name: bool = False) -> bool:
         """Whether ``module`` (a checkpoint layer name) falls under this group's targets. A class
-        name (``Linear``) matches every layer: the checkpoint's tensors say which layers are packed."""
+        name (``Linear``) matches every layer: the checkpoint's tensors say which layers are packed.
+        With ``by_name`` only a name or ``re:`` target counts."""
+        if by_name:
+            return any(not _is_class(t) and _target_matches(t, module) for t in self.targets)
         return not self.targets or any(_target_matches(t, module) for t in self.targets)
 
 
@@ -75,13 +78,21 @@ class QuantScheme:
         """The weight scheme of ``module``, or None when the config leaves it unquantized."""
         if self.ignores(module):
             return None
-        return next((g for g in self.groups if g.matches(module)), None)
+        # A group that names the layer wins over one that targets its class, as in compressed-tensors
+        # (which also renumbers the groups it writes, so their order says nothing).
+        named = next((g for g in self.groups if g.matches(module, by_name=True)), None)
+        return named or next((g for g in self.groups if g.matches(module)), None)
+
+
+def _is_class(target: str) -> bool:
+    """A class name such as ``Linear`` (not a layer name or a regex)."""
+    return not target.startswith("re:") and "." not in target and target[:1].isupper()
 
 
 def _target_matches(target: str, module: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], module) is not None
-    if "." not in target and target[:1].isupper():  # a class name such as "Linear"
+    if _is_class(target):
         return True
     # a layer name or a part of one (AWQ's modules_to_not_convert lists "visual", "lm_head")
     return f".{target}." in f".{module}."

@@ -180,7 +180,7 @@ def mm_candidates(layout: PackedLayout) -> list[MmConfig]:
     for bn in (16, 32, 64):
         for bk in sorted({_tile_k(layout, 128), _tile_k(layout, 256)}):
             for split in (1, 2, 4, 8):
-                if layout.k >= bk * split:
+                if split == 1 or layout.k >= bk * split:
                     out.append(MmConfig(bn, bk, split))
     return out
 
