@@ -192,12 +192,16 @@ def _quantized_checkpoints(spec, cache: Path) -> dict[str, Path]:
     )
 
     from edgeinfer.bench.gpu import prepare_weights
+    from edgeinfer.bench.weights import is_quantized
     from edgeinfer.cli.quantize import RichSteps
 
+    if not any(map(is_quantized, spec.formats)):
+        return prepare_weights(spec, cache)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True))
     with progress:
-        return prepare_weights(spec, cache, RichSteps(progress), log=progress.console.print)
+        return prepare_weights(spec, cache, RichSteps(progress),
+                               log=lambda line: progress.console.print(line, markup=False, highlight=False))
 
 
 @bench_app.command("kv")
