@@ -7,6 +7,10 @@
 #   gpu-qwen2-vl-2b.json    ours vs transformers (static cache + torch.compile, and dynamic), batch 1/4/16,
 #                           decode only and whole request, first token, peak memory, bandwidth best of three
 #   gpu-smolvlm-256m.json   the same on a SmolVLM-256M-shaped checkpoint
+#   gpu-qwen2-vl-2b-bf16-w8a16-w4a16.json
+#                           ours on the Qwen2-VL-2B shape as built (bf16) and quantized by `edgeinfer quantize`
+#                           (rtn, group 128) to W8A16 and W4A16, batch 1/4/16: decode, first token, memory,
+#                           each format's share of its own byte roofline, the Jetson projection
 #   kv-cuda.json            KV spill manager: resume, spill overhead end to end, round robin, offloading peer, drift
 #   gpu-qwen3-vl-2b.json, gpu-gemma-3-4b.json
 #                           the newer families at batch 1, ours vs transformers static cache + compile
@@ -17,11 +21,13 @@
 #   decode-vs-batch.png     the plot of both gpu files (only where matplotlib is installed: pip install -e '.[plot]')
 #   round.log               everything the commands printed
 # Checkpoints (random weights, published shapes) are built under $EDGEINFER_BENCH_CACHE (default
-# OUT/checkpoints), about 9 GB for Qwen2-VL-2B. No network is used.
+# OUT/checkpoints), about 9 GB for Qwen2-VL-2B (its W8A16 and W4A16 copies, written on the CPU
+# the first time, add about 5.6 GB). No network is used.
 #
 # Budget: the first three steps took about 12 minutes of GPU time on an H200 (most of it
 # transformers' compilation, once per batch size); the newer-family, sleep and serve steps add
-# more (Gemma-3-4B's transformers compile alone passed 4.5 minutes). Every step goes on when
+# more (Gemma-3-4B's transformers compile alone passed 4.5 minutes); the weights step, not yet
+# timed, quantizes twice on the CPU the first time and loads ours three times. Every step goes on when
 # an earlier one failed; the script exits non-zero if any did.
 set -euo pipefail
 
@@ -43,7 +49,8 @@ except ImportError:
 if not torch.cuda.is_available():
     missing.append("no CUDA device is visible to torch")
 for name, why in (("transformers", "the peer"), ("triton", "our fused batch-1 decode (without it the figures are "
-                                                                "not the engine's)"), ("psutil", "the load records")):
+                                                                "not the engine's)"), ("psutil", "the load records"),
+                  ("compressed_tensors", "the W8A16 / W4A16 checkpoints of the weights step")):
     try:
         __import__(name)
     except ImportError:
@@ -66,6 +73,9 @@ step gpu-qwen2-vl-2b bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT"
 step gpu-smolvlm-256m bench gpu --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
     --image-size 1024x768 --batch-sizes 1,4,16 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
     --kinds ours,transformers-static,transformers-dynamic
+step gpu-qwen2-vl-2b-weights bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT" \
+    --image-size 1024x768 --batch-sizes 1,4,16 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
+    --weights bf16,w8a16,w4a16 --group-size 128 --kinds ours
 step kv-cuda bench kv --device cuda --dtype bfloat16 --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
     --parts resume,overhead,round_robin,peer,drift --repeats 3 --sessions 8 --rounds 3 --new-tokens 16
 for shape in qwen3-vl-2b gemma-3-4b; do

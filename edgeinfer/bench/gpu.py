@@ -20,22 +20,48 @@ vision, prefill and the first token). Both sides get the same two figures:
 
 A ratio is ours over the *fastest* peer configuration at that batch size and span. The
 roofline uses the best of three bandwidth probes (copy, sum, GEMV), each in the raw file.
+
+Weight formats (``weights``): ours runs the checkpoint as it is (``bf16``) and, in the same
+run, at the same batch sizes with the same prompt and pictures, each quantized format asked
+for (``w8a16``, ``w4a16``: the checkpoint quantized once by ``edgeinfer quantize``'s round to
+nearest, see :mod:`.weights`). Ours on a quantized checkpoint is recorded as ``ours-w4a16``;
+the peers run the checkpoint as it is only. Every engine's record states its checkpoint's
+weight bytes, and each of ours gets its own byte roofline: the decoder bytes a step reads as
+stored in that format (:func:`edgeinfer.quant.footprint.decode_weight_bytes`) plus the K/V of
+every sequence. A Jetson projection (:mod:`.jetson`) scales each measured share to the boards'
+bandwidths.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from edgeinfer.bench import raw
 from edgeinfer.bench.common import bench_image, environment, peak_memory_mb, sync
-from edgeinfer.bench.quiet import QUIET_LOAD, LoadTracker, RunLog, judge, refuse_if_noisy
-from edgeinfer.bench.roofline import Probe, best_bandwidth_gbs, roofline
+from edgeinfer.bench.jetson import BOARDS, projection, projection_label
+from edgeinfer.bench.quiet import (
+    QUIET_LOAD,
+    LoadTracker,
+    RunLog,
+    judge,
+    refuse_if_noisy,
+)
+from edgeinfer.bench.roofline import Probe, best_bandwidth_gbs, roofline, step_bytes
 from edgeinfer.bench.stats import Spread, ratio, spread
+from edgeinfer.bench.weights import (
+    QUANTIZED_BITS,
+    QuantizedCheckpointSpec,
+    check_weights,
+    dense_format,
+    is_quantized,
+    quantized_checkpoint,
+)
 
 QUESTION = "Describe this image."
 OURS = "ours"
@@ -57,6 +83,9 @@ class GpuBenchSpec:
     dtype: str = "bfloat16"
     device: str = "cuda"
     kinds: tuple[str, ...] = KINDS
+    # Weight formats ours runs (see .weights); empty: the checkpoint as it is, in ``dtype``.
+    weights: tuple[str, ...] = ()
+    group_size: int = 128  # input columns per scale of the quantized formats
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(KINDS)
@@ -64,6 +93,27 @@ class GpuBenchSpec:
             raise ValueError(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
         if self.new_tokens < 2:
             raise ValueError("new_tokens must be >= 2: decode is timed as T(new_tokens) - T(1)")
+        check_weights(self.formats, self.dtype)
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, not {self.group_size}")
+
+    @property
+    def dense(self) -> str:
+        """The checkpoint as it is: the format the peers run."""
+        return dense_format(self.dtype)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return self.weights or (self.dense,)
+
+    def engines(self) -> list[tuple[str, str, str]]:
+        """(label, kind, weight format) of every engine run, in order: ours once per format
+        (``ours`` on the checkpoint as it is, ``ours-w4a16`` ...), each peer once, as it is."""
+        out = []
+        for kind in self.kinds:
+            formats = self.formats if kind == OURS else (self.dense,)
+            out += [(engine_label(kind, fmt, self.dense), kind, fmt) for fmt in formats]
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "model": str(self.model)}
@@ -73,7 +123,13 @@ class GpuBenchSpec:
         names = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in names}
         return cls(**{**data, "model": Path(data["model"]), "image_size": tuple(data["image_size"]),
-                      "batch_sizes": tuple(data["batch_sizes"]), "kinds": tuple(data["kinds"])})
+                      "batch_sizes": tuple(data["batch_sizes"]), "kinds": tuple(data["kinds"]),
+                      "weights": tuple(data.get("weights", ()))})
+
+
+def engine_label(kind: str, fmt: str, dense: str) -> str:
+    """``ours`` on the checkpoint as it is (the name earlier raw files use), ``ours-w4a16`` on a quantized one."""
+    return kind if fmt == dense else f"{kind}-{fmt}"
 
 
 def prompt_digest(ids: list[int]) -> str:
@@ -117,7 +173,7 @@ def summarize(records: list[dict[str, Any]], new_tokens: int) -> dict[int, dict[
 
 def compare(summaries: dict[str, dict[int, dict[str, Spread]]]) -> dict[int, dict[str, Any]]:
     """Per batch size and span: ours over the fastest peer configuration measured in this run."""
-    peers = {k: v for k, v in summaries.items() if k != OURS}
+    peers = {k: v for k, v in summaries.items() if k in PEERS}
     ours = summaries.get(OURS, {})
     out: dict[int, dict[str, Any]] = {}
     for batch, figures in ours.items():
@@ -133,6 +189,53 @@ def compare(summaries: dict[str, dict[int, dict[str, Spread]]]) -> dict[int, dic
             row[key] = {"fastest_peer": best, "peer": candidates[best], "ours": figures[key].median, "speedup": value}
         out[batch] = row
     return out
+
+
+def compare_weights(summaries: dict[str, dict[int, dict[str, Spread]]]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per quantized engine of ours and batch size: its figures over ours on the checkpoint as it is."""
+    dense = summaries.get(OURS, {})
+    return {label: {batch: _over(figures, dense[batch]) for batch, figures in per_batch.items() if batch in dense}
+            for label, per_batch in summaries.items() if label.startswith(f"{OURS}-")}
+
+
+def _over(figures: dict[str, Spread], base: dict[str, Spread]) -> dict[str, float]:
+    """Rates over the base's rates; for the first token, the base's time over this one's (above 1: faster)."""
+    return {"decode_tok_s": ratio(figures["decode_tok_s"].median, base["decode_tok_s"].median),
+            "request_tok_s": ratio(figures["request_tok_s"].median, base["request_tok_s"].median),
+            "first_token_s": ratio(base["first_token_s"].median, figures["first_token_s"].median)}
+
+
+# --- the checkpoints of each weight format -------------------------------------------------------
+
+def prepare_weights(spec: GpuBenchSpec, cache: Path, steps=None,
+                    log: Callable[[str], None] = print) -> dict[str, Path]:
+    """The checkpoint of every weight format ours runs: the model itself for the format it is in,
+    a quantized copy (written once under ``cache``, see :mod:`.weights`) for each other one.
+    ``steps`` receives the quantizer's progress."""
+    checkpoints = {spec.dense: spec.model}
+    if OURS not in spec.kinds:
+        return checkpoints
+    for fmt in filter(is_quantized, spec.formats):
+        quantized = QuantizedCheckpointSpec(spec.model, QUANTIZED_BITS[fmt], spec.group_size)
+        folder = quantized.folder(cache)
+        if not (folder / "config.json").is_file():
+            log(f"[bench gpu] quantizing {spec.model.name} to {fmt} (rtn, group {spec.group_size}) into {folder}")
+        checkpoints[fmt] = quantized_checkpoint(quantized, cache, steps)
+    return checkpoints
+
+
+def weight_record(fmt: str, checkpoint: Path, peer: bool) -> dict[str, Any]:
+    """What an engine's raw record says of the weights it ran: format, folder, bytes as stored,
+    and the decoder bytes one decode step reads."""
+    from edgeinfer.quant.footprint import decode_weight_bytes, weight_footprint
+
+    footprint = weight_footprint(checkpoint)
+    record = {"weights": fmt, "checkpoint": str(checkpoint), "weight_format": footprint.format,
+              "weight_bytes": footprint.total_bytes, "quantized_weight_bytes": footprint.quantized_bytes,
+              "decode_weight_bytes": decode_weight_bytes(checkpoint).to_dict()}
+    if peer:
+        record["weights_note"] = f"transformers runs the {fmt} checkpoint only"
+    return record
 
 
 # --- ours ----------------------------------------------------------------------------------------
@@ -170,6 +273,11 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
             "peak_memory_mb": peak_memory_mb(spec.device),
             "text_weight_bytes": sum(p.numel() * p.element_size() for n, p in decoder.named_parameters()
                                      if n != "embed"),  # a tied head is lm_head_t, read every step
+            # What the decoder holds on the device (parameters and buffers, packed weights included):
+            # above the stored bytes, the weights ran in a wider form than the checkpoint keeps them.
+            "loaded_text_bytes": sum(t.numel() * t.element_size()
+                                     for n, t in (*decoder.named_parameters(), *decoder.named_buffers())
+                                     if n != "embed"),
             "kv_bytes_per_token": engine.kv.bytes_per_block // engine.config.block_size,
             "diagnostics": _diagnostics(engine)}
 
@@ -212,26 +320,47 @@ class GpuReport:
     def same_prompt(self) -> bool:
         return len({r["prompt_digest"] for r in self.results.values()}) <= 1
 
-    def roofline(self) -> dict[int, dict[str, float]]:
-        ours = self.results.get(OURS)
-        if not ours or not self.probes:
+    def rooflines(self) -> dict[str, dict[int, dict[str, float]]]:
+        """Each of our engines' own byte roofline per batch size: the bytes a step reads (its
+        checkpoint's decoder as stored, plus every sequence's K/V), the roofline rate and the
+        share of it measured."""
+        if not self.probes:
             return {}
-        rates = {b: s["decode_tok_s"].median for b, s in summarize(ours["runs"], self.spec.new_tokens).items()}
-        context = ours["prompt_tokens"] + self.spec.new_tokens / 2
-        return roofline(rates, best_bandwidth_gbs(self.probes), ours["text_weight_bytes"], ours["kv_bytes_per_token"],
-                        context)
+        bandwidth, out = best_bandwidth_gbs(self.probes), {}
+        for label, result in self.results.items():
+            if result.get("kind") != OURS:
+                continue
+            rates = {b: s["decode_tok_s"].median for b, s in summarize(result["runs"], self.spec.new_tokens).items()}
+            context = result["prompt_tokens"] + self.spec.new_tokens / 2
+            weights, kv = result["decode_weight_bytes"]["per_step"], result["kv_bytes_per_token"]
+            out[label] = {b: {**row, "step_bytes": step_bytes(weights, kv, context, b), "weight_bytes": weights}
+                          for b, row in roofline(rates, bandwidth, weights, kv, context).items()}
+        return out
+
+    def roofline(self) -> dict[int, dict[str, float]]:
+        """Ours on the checkpoint as it is (the raw file's ``roofline``, as before)."""
+        return self.rooflines().get(OURS, {})
+
+    def jetson(self) -> list[dict[str, Any]]:
+        return projection(self.rooflines())
 
 
-def run(spec: GpuBenchSpec, log: Callable[[str], None] = print) -> GpuReport:
+def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
+        checkpoints: Mapping[str, Path] | None = None) -> GpuReport:
+    """Every engine in its own worker; ``checkpoints`` maps each weight format to its folder
+    (:func:`prepare_weights`; by default built under the model's parent folder)."""
     from edgeinfer.bench.common import call_worker
 
+    checkpoints = dict(checkpoints) if checkpoints is not None else prepare_weights(spec, spec.model.parent, log=log)
     report = GpuReport(spec)
-    tasks = [("gpu-bandwidth", "bandwidth")] + [(f"gpu-{kind}", kind) for kind in spec.kinds]
-    for task, name in tasks:
+    tasks = [("gpu-bandwidth", "bandwidth", spec.dense)] + [(f"gpu-{kind}", label, fmt)
+                                                           for label, kind, fmt in spec.engines()]
+    for task, name, fmt in tasks:
         log(f"[bench gpu] {spec.model.name}: {name} ...")
         started = time.perf_counter()
+        checkpoint = checkpoints[fmt]
         try:
-            out = call_worker(task, spec.to_json())
+            out = call_worker(task, replace(spec, model=checkpoint, weights=(fmt,)).to_json())
         except RuntimeError as error:
             report.errors[name] = str(error)
             log(f"[bench gpu] {name} failed:\n{str(error)[-2000:]}")
@@ -241,7 +370,8 @@ def run(spec: GpuBenchSpec, log: Callable[[str], None] = print) -> GpuReport:
             report.probes = [Probe(p["name"], p["bytes"], p["seconds"]) for p in out["probes"]]
             report.environment = out["environment"]
         else:
-            report.results[name] = out
+            kind = task.removeprefix("gpu-")
+            report.results[name] = {**out, "kind": kind, **weight_record(fmt, checkpoint, peer=kind != OURS)}
     return report
 
 
@@ -254,7 +384,12 @@ def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in report.results.items()},
             "runs": {k: v["runs"] for k, v in report.results.items()},
             "summary": summaries, "speedups": compare(summaries), "roofline": report.roofline(),
-            "same_prompt": report.same_prompt(), "errors": report.errors}
+            "same_prompt": report.same_prompt(), "errors": report.errors,
+            "weights": {"formats": list(report.spec.formats), "peers_run": report.spec.dense,
+                        "note": f"transformers runs the {report.spec.dense} checkpoint only; ours runs every format",
+                        "over_dense": compare_weights(summaries)},
+            "rooflines": report.rooflines(),
+            "jetson": {"label": projection_label(report.environment.get("gpu")), "rows": report.jetson()}}
     head = raw.header("gpu", report.spec.to_json(), report.environment or environment("cpu"))
     problems = raw.comparison_problems(report.errors, report.same_prompt())
     return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
@@ -268,10 +403,13 @@ def _cell(s: Spread, scale: float = 1.0, digits: int = 0) -> str:
 
 def markdown(report: GpuReport) -> str:
     spec, summaries, speedups = report.spec, report.summaries(), compare(report.summaries())
+    over_dense = compare_weights(summaries)
     batches = list(spec.batch_sizes)
     lines = [f"Medians of {spec.repeats} timed pairs of calls (min–max) per batch size, after {spec.warmup} "
              f"untimed; {spec.new_tokens} tokens; {spec.image_size[0]}×{spec.image_size[1]} pictures, one per "
              "request.", ""]
+    if any(map(is_quantized, spec.formats)):
+        lines += [_weights_line(spec), ""]
     for key, title, scale, digits in (("decode_tok_s", "decode only (tok/s)", 1, 0),
                                       ("request_tok_s", "whole request (tok/s)", 1, 0)):
         lines += ["| engine | " + " | ".join(f"{title} b={b}" for b in batches) + " |",
@@ -282,6 +420,9 @@ def markdown(report: GpuReport) -> str:
         lines.append("| **ours / fastest peer** | " + " | ".join(
             f"**{speedups[b][key]['speedup']:.2f}×** ({speedups[b][key]['fastest_peer']})"
             if b in speedups and key in speedups[b] else "–" for b in batches) + " |")
+        for label, per_batch in over_dense.items():
+            lines.append(f"| **{label} / {OURS}** | " + " | ".join(
+                f"**{per_batch[b][key]:.2f}×**" if b in per_batch else "–" for b in batches) + " |")
         lines.append("")
     if 1 in batches:
         lines += ["| engine | time to first token b=1 (ms) | peak memory (MB) |", "|---|---|---|"]
@@ -291,11 +432,9 @@ def markdown(report: GpuReport) -> str:
         lines.append("")
     if report.probes:
         probes = ", ".join(f"{p.name} {p.gbs:.0f}" for p in report.probes)
-        roof = report.roofline()
         best = best_bandwidth_gbs(report.probes)
-        lines.append(f"Bandwidth (GB/s): {probes}; the roofline uses the best, {best:.0f}. "
-                     "Roofline (ours, decode only): " + ", ".join(
-                         f"b={b}: {v['fraction']:.1%} of {v['roofline_tok_s']:.0f} tok/s" for b, v in roof.items()))
+        lines += [f"Bandwidth (GB/s): {probes}; the roofline uses the best, {best:.0f}.", ""]
+        lines += _roofline_table(report, batches) + _jetson_table(report, batches)
     if not report.same_prompt():
         lines.append("\n**The engines' prompt ids differ: this comparison is not like for like.**")
     for kind, error in report.errors.items():
@@ -303,14 +442,77 @@ def markdown(report: GpuReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _weights_line(spec: GpuBenchSpec) -> str:
+    quantized = [f for f in spec.formats if is_quantized(f)]
+    return (f"Weights: ours runs {', '.join(spec.formats)}; {', '.join(quantized)} quantized once from the "
+            f"{spec.dense} checkpoint by `edgeinfer quantize --method rtn --group-size {spec.group_size}`. "
+            f"The transformers peers run the {spec.dense} checkpoint only.")
+
+
+def _mb(value: float) -> str:
+    mb = value / 1e6
+    return f"{mb:,.0f}" if mb >= 100 else f"{mb:.3g}"
+
+
+def _roofline_table(report: GpuReport, batches: list[int]) -> list[str]:
+    """Each of ours: its weights as stored, the bytes a step reads, the share of its own roofline."""
+    rooflines = report.rooflines()
+    if not rooflines:
+        return []
+    lines = [("Byte roofline, decode only: bytes a step reads = the decoder's weights as stored + every "
+              "sequence's K/V at the prompt plus half the new tokens."), "",
+             "| engine | checkpoint weights (MB) | decoder read per step (MB) | "
+             + " | ".join(f"share of roofline b={b}" for b in batches) + " |",
+             "|---" * (3 + len(batches)) + "|"]
+    for label, per_batch in rooflines.items():
+        result = report.results[label]
+        cells = [f"{v['fraction']:.1%} of {v['roofline_tok_s']:,.0f} tok/s"
+                 if (v := per_batch.get(b)) and math.isfinite(v["fraction"]) else "–" for b in batches]
+        lines.append(f"| {label} | {_mb(result['weight_bytes'])} | {_mb(result['decode_weight_bytes']['per_step'])} | "
+                     + " | ".join(cells) + " |")
+    lines.append("")
+    for label in rooflines:
+        result = report.results[label]
+        held, stored = result.get("loaded_text_bytes"), result["decode_weight_bytes"]["per_step"]
+        if label != OURS and held and held > 1.5 * stored:
+            lines += [(f"{label} held {_mb(held)} MB of decoder weights on the device against {_mb(stored)} MB "
+                       "stored: its weights ran in a wider form than stored, so it read more than its roofline "
+                       "counts."), ""]
+    return lines
+
+
+def _jetson_table(report: GpuReport, batches: list[int]) -> list[str]:
+    rows = report.jetson()
+    if not rows:
+        return []
+    lines = [(f"Jetson decode (tok/s), {projection_label(report.environment.get('gpu'))}: share of roofline × "
+              "the board's bandwidth / bytes a step reads per token. A board's achievable share is usually lower."),
+             "",
+             "| board | bandwidth (GB/s) | engine | " + " | ".join(f"projected b={b}" for b in batches) + " |",
+             "|---" * (3 + len(batches)) + "|"]
+    for row in rows:
+        lines.append(f"| {row['board']} | {row['bandwidth_gbs']:g} | {row['engine']} | " + " | ".join(
+            f"{row['tok_s'][b]:,.0f}" if math.isfinite(row["tok_s"].get(b, math.nan)) else "–"
+            for b in batches) + " |")
+    sources = "; ".join(f"{b.name}: {b.source}" for b in BOARDS)
+    return lines + ["", f"Board bandwidths: {sources}.", ""]
+
+
+def raw_stem(spec: GpuBenchSpec) -> str:
+    """``gpu-<model>``, and ``gpu-<model>-bf16-w8a16-w4a16`` when more than the checkpoint as it is runs."""
+    stem = f"gpu-{spec.model.name}"
+    return stem if spec.formats == (spec.dense,) else "-".join((stem, *spec.formats))
+
+
 def bench(spec: GpuBenchSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_noisy: bool = False,
-          log: Callable[[str], None] = print) -> Path:
-    """Run the GPU benchmark, write ``gpu-<model>.json`` (+ ``.md``) under ``out``, return its path.
+          log: Callable[[str], None] = print, checkpoints: Mapping[str, Path] | None = None) -> Path:
+    """Run the GPU benchmark, write ``gpu-<model>.json`` (+ ``.md``) under ``out`` (see :func:`raw_stem`),
+    return its path. ``checkpoints``: each weight format's folder (:func:`prepare_weights`).
     Raises ``LimitExceeded`` for noisy CPU runs (the file is written first, marked unpublishable)."""
     with LoadTracker() as tracker:
-        report = run(spec, log)
+        report = run(spec, log, checkpoints)
     data, verdict = to_raw(report, tracker, max_load, allow_noisy)
-    path = raw.write(out, f"gpu-{spec.model.name}", data, markdown(report))
+    path = raw.write(out, raw_stem(spec), data, markdown(report))
     log(markdown(report))
     raw.refuse_if_problems(data["problems"], path)
     refuse_if_noisy(verdict, path, allow_noisy)

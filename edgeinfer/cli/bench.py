@@ -142,19 +142,66 @@ def gpu(
         help="Engines, comma-separated: ours, transformers-static (compiled), transformers-dynamic.")]
     = "ours,transformers-static,transformers-dynamic",
     bandwidth_mib: Annotated[int, typer.Option(min=1, help="Buffer size of each bandwidth probe.")] = 1024,
+    weights: Annotated[Optional[str], typer.Option(
+        help="Weight formats ours runs, comma-separated: the checkpoint as it is (bf16, or fp16 / fp32 to match "
+             "--dtype), w8a16, w4a16 (quantized once by `edgeinfer quantize --method rtn`, kept under --cache). "
+             "The transformers peers run the checkpoint as it is only. Default: the checkpoint as it is.")] = None,
+    group_size: Annotated[int, typer.Option(min=1, help="Input columns per scale of w8a16 / w4a16.")] = 128,
     max_load: MaxLoadOption = QUIET_LOAD,
     allow_noisy: AllowNoisyOption = False,
 ) -> None:
-    """Decode-only and whole-request tokens/s per batch size, first token, memory, roofline on a GPU."""
+    """Decode-only and whole-request tokens/s per batch size, first token, memory, each weight format's
+    byte roofline and a Jetson projection on a GPU."""
     from edgeinfer.bench.gpu import GpuBenchSpec, bench
     from edgeinfer.profiles import parse_size
 
     with cli_errors():
         spec = _spec(GpuBenchSpec, _model(model, shape, cache), image_size=parse_size(image_size),
-                            batch_sizes=tuple(int(b) for b in batch_sizes.split(",")), new_tokens=new_tokens,
-                            repeats=repeats, warmup=warmup, dtype=dtype, device=device, kinds=_kinds(kinds),
-                            bandwidth_mib=bandwidth_mib)
-        _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo))
+                     batch_sizes=_batch_sizes(batch_sizes), new_tokens=new_tokens, repeats=repeats, warmup=warmup,
+                     dtype=dtype, device=device, kinds=_kinds(kinds), bandwidth_mib=bandwidth_mib,
+                     weights=_spec(_weights, weights, dtype), group_size=group_size)
+        checkpoints = _quantized_checkpoints(spec, cache)
+        _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo, checkpoints=checkpoints))
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(b) for b in _kinds(text))
+    except ValueError:
+        raise typer.BadParameter(f"--batch-sizes takes comma-separated integers, not {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise typer.BadParameter(f"--batch-sizes takes positive integers, not {text!r}")
+    return sizes
+
+
+def _weights(text: str | None, dtype: str) -> tuple[str, ...]:
+    from edgeinfer.bench.weights import parse_weights
+
+    return () if text is None else parse_weights(text, dtype)
+
+
+def _quantized_checkpoints(spec, cache: Path) -> dict[str, Path]:
+    """Each weight format's checkpoint, quantizing (with a progress bar on stderr) what is not cached yet."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from edgeinfer.bench.gpu import prepare_weights
+    from edgeinfer.bench.weights import is_quantized
+    from edgeinfer.cli.quantize import RichSteps
+
+    if not any(map(is_quantized, spec.formats)):
+        return prepare_weights(spec, cache)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True))
+    with progress:
+        return prepare_weights(spec, cache, RichSteps(progress),
+                               log=lambda line: progress.console.print(line, markup=False, highlight=False))
 
 
 @bench_app.command("kv")

@@ -1,5 +1,6 @@
 """What a checkpoint's weights take: their format and bytes, read from the safetensors headers
-alone (no tensor is loaded), for ``edgeinfer doctor --model``."""
+alone (no tensor is loaded), for ``edgeinfer doctor --model``; and the bytes one decode step
+reads from them, for the benchmarks' byte roofline."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from edgeinfer.quant.formats import read_quant_scheme
 
 # The tensor names that mark a quantized layer (compressed-tensors, then GPTQ / AWQ).
 PACKED_MARKERS = (".weight_packed", ".qweight")
+# Stored beside a packed layer and never read by a decode step: its dense shape, as metadata.
+METADATA_SUFFIXES = (".weight_shape",)
+# The decoder's tensors under the family adapters' canonical names (``text.*``).
+TEXT_PREFIX = "text."
+EMBEDDING = "text.embed_tokens.weight"
+HEAD_PREFIX = "text.lm_head."
+UNREAD = ("text.rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +77,78 @@ def weight_footprint(model_dir: str | Path) -> WeightFootprint:
             dtypes[meta["dtype"]] += sizes[name]
         label = f"dense {dtypes.most_common(1)[0][0] if dtypes else 'empty'}"
     return WeightFootprint(label, sum(sizes.values()), len(layers), quantized)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeWeightBytes:
+    """The bytes of a checkpoint's decoder that one decode step reads, as stored: every
+    quantized layer's packed values, scales and zero points (``quantized``), the dense
+    tensors of the decoder layers and the final norm (``dense``: dense linears, norms,
+    biases), the output projection (``head``: ``lm_head`` as stored, or the whole embedding
+    matrix when the head is tied to it) and one row of the embedding (``embedding_row``).
+    The vision tower and the projector run once per picture, not per token: not counted."""
+
+    quantized: int
+    dense: int
+    head: int
+    embedding_row: int
+    quantized_layers: int
+    tied_head: bool
+
+    @property
+    def per_step(self) -> int:
+        return self.quantized + self.dense + self.head + self.embedding_row
+
+    def to_dict(self) -> dict:
+        return {"quantized": self.quantized, "dense": self.dense, "head": self.head,
+                "embedding_row": self.embedding_row, "quantized_layers": self.quantized_layers,
+                "tied_head": self.tied_head, "per_step": self.per_step}
+
+
+def _text_names(model_dir: Path, names: list[str]) -> dict[str, str]:
+    """Checkpoint name -> canonical name, for the decoder's tensors only (its family adapter's
+    weight map decides which tensors are the decoder's)."""
+    from edgeinfer.errors import UnsupportedArchitectureError
+    from edgeinfer.models.base import rename_weights
+    from edgeinfer.models.registry import (
+        adapter_for,
+        not_yet_supported,
+        supported_architectures,
+    )
+
+    config_file = model_dir / "config.json"
+    try:
+        architectures = list(json.loads(config_file.read_text()).get("architectures") or [])
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file} cannot be read: {exc}") from exc
+    adapter = adapter_for(architectures)
+    if adapter is None:
+        raise UnsupportedArchitectureError(architectures, supported_architectures(), not_yet_supported(architectures))
+    try:
+        mapping = rename_weights(names, adapter.weight_renames)
+    except KeyError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc.args[0]}") from None
+    return {name: new for name, new in mapping.items() if new.startswith(TEXT_PREFIX)}
+
+
+def decode_weight_bytes(model_dir: str | Path) -> DecodeWeightBytes:
+    """The decoder bytes one decode step of the checkpoint in ``model_dir`` reads, as stored
+    (read from the safetensors headers; no tensor is loaded)."""
+    model_dir = Path(model_dir)
+    read_quant_scheme(model_dir)  # a format a load would refuse is refused here too
+    entries = {name: meta for file in _weight_files(model_dir) for name, meta in _header(file).items()}
+    text = _text_names(model_dir, list(entries))
+    sizes = {text[name]: meta["data_offsets"][1] - meta["data_offsets"][0] for name, meta in entries.items()
+             if name in text and not name.endswith(METADATA_SUFFIXES) and text[name] not in UNREAD}
+    if EMBEDDING not in sizes:
+        raise ModelLoadError(f"{model_dir}: the decoder has no {EMBEDDING.removeprefix(TEXT_PREFIX)}")
+    rows = next(meta["shape"][0] for name, meta in entries.items() if text.get(name) == EMBEDDING)
+    embedding = sizes.pop(EMBEDDING)
+    head = {name: size for name, size in sizes.items() if name.startswith(HEAD_PREFIX)}
+    body = {name: size for name, size in sizes.items() if name not in head}
+    layers = {name.rsplit(".", 1)[0] for name in body if name.endswith(PACKED_MARKERS)}
+    quantized = sum(size for name, size in body.items() if name.rsplit(".", 1)[0] in layers)
+    tied = not head
+    return DecodeWeightBytes(quantized=quantized, dense=sum(body.values()) - quantized,
+                             head=embedding if tied else sum(head.values()), embedding_row=embedding // rows,
+                             quantized_layers=len(layers), tied_head=tied)
