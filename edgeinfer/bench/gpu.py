@@ -55,7 +55,6 @@ from edgeinfer.bench.quiet import (
 from edgeinfer.bench.roofline import Probe, best_bandwidth_gbs, roofline, step_bytes
 from edgeinfer.bench.stats import Spread, ratio, spread
 from edgeinfer.bench.weights import (
-    QUANTIZED_BITS,
     QuantizedCheckpointSpec,
     check_weights,
     dense_format,
@@ -216,7 +215,7 @@ def prepare_weights(spec: GpuBenchSpec, cache: Path, steps=None,
     if OURS not in spec.kinds:
         return checkpoints
     for fmt in filter(is_quantized, spec.formats):
-        quantized = QuantizedCheckpointSpec(spec.model, QUANTIZED_BITS[fmt], spec.group_size)
+        quantized = QuantizedCheckpointSpec.of(fmt, spec.model, spec.group_size)
         folder = quantized.folder(cache)
         if not (folder / "config.json").is_file():
             log(f"[bench gpu] quantizing {spec.model.name} to {fmt} (rtn, group {spec.group_size}) into {folder}")

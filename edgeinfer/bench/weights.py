@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-QUANTIZED_BITS = {"w8a16": 8, "w4a16": 4}
+QUANTIZED_BITS = {"w8a16": 8, "w4a16": 4, "w4a16-h8": 4}
+# Formats whose lm_head is int8 per channel too (``edgeinfer quantize --lm-head int8``): at batch 1
+# a 2B model's bf16 head is two fifths of the bytes a 4-bit step reads.
+INT8_HEAD = frozenset({"w4a16-h8"})
 FORMATS = (*DTYPE_NAMES.values(), *QUANTIZED_BITS)
 QUANTIZE_METHOD = "rtn"
 # The modules whose code decides what an ``rtn`` checkpoint holds.
@@ -65,17 +68,23 @@ class QuantizedCheckpointSpec:
     bits: int
     group_size: int
     method: str = QUANTIZE_METHOD
+    lm_head_int8: bool = False
+
+    @classmethod
+    def of(cls, fmt: str, source: Path, group_size: int) -> "QuantizedCheckpointSpec":
+        return cls(source, QUANTIZED_BITS[fmt], group_size, lm_head_int8=fmt in INT8_HEAD)
 
     @property
     def format(self) -> str:
-        return f"w{self.bits}a16"
+        return f"w{self.bits}a16" + ("-h8" if self.lm_head_int8 else "")
 
     def key(self) -> str:
         """A digest of everything the written checkpoint depends on."""
         from edgeinfer.artifacts import checkpoint_fingerprint
 
         digest = hashlib.sha256()
-        for part in (checkpoint_fingerprint(self.source), str(self.bits), str(self.group_size), self.method,
+        head = ("lm_head int8",) if self.lm_head_int8 else ()  # absent otherwise: older keys stay valid
+        for part in (checkpoint_fingerprint(self.source), str(self.bits), str(self.group_size), self.method, *head,
                      quantizer_identity()):
             digest.update(part.encode())
             digest.update(b"\0")
@@ -111,7 +120,8 @@ def quantized_checkpoint(spec: QuantizedCheckpointSpec, cache: Path, steps=None)
     cache.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache))
     try:
-        options = QuantizeOptions(spec.source, scratch, QuantSpec(spec.bits, spec.group_size), Method(spec.method))
+        options = QuantizeOptions(spec.source, scratch, QuantSpec(spec.bits, spec.group_size, lm_head_int8=spec.lm_head_int8),
+                                   Method(spec.method))
         quantize_checkpoint(options, steps)
         scratch.rename(path)
     finally:
