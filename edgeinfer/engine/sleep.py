@@ -18,7 +18,6 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -67,13 +66,6 @@ class SleepStats:
     last_wake_capture_s: float = 0.0  # the share of the last wake those captures took
 
 
-class WeightStash(Protocol):
-    kind: str
-
-    def restore(self) -> None:
-        """Put every tensor back where it was, with its shape, strides and dtype."""
-
-
 def _named_tensors(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``modules`` by ``<module>.<name>``, each once (tied weights are
     one tensor, under its first name)."""
@@ -107,7 +99,8 @@ def _release(slot: _Slot) -> None:
 
 
 class PinnedHostStash:
-    """Weights copied to pinned host memory; the device copies are released."""
+    """Weights copied to pinned host memory; the device copies are released. ``restore`` puts every
+    tensor back where it was, with its shape, strides and dtype."""
 
     kind = "pinned-host"
 
