@@ -95,3 +95,29 @@ def test_dropped_weights_refuse_a_checkpoint_of_other_tensors(checkpoint):
     expected = [p.detach().clone() for p in same.decoder.parameters()]
     dropped.refill({"decoder": same.decoder})
     assert all(torch.equal(a, b) for a, b in zip(model.decoder.parameters(), expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch.cuda.is_available() is false")
+def test_on_a_gpu_the_wake_captures_and_the_question_after_it_compiles_nothing(checkpoint, tmp_path):
+    """The first token after a wake: no compilation, no tile tuning, no capture (the wake did them)."""
+    path = checkpoint("qwen2_vl")
+    engine = Engine.load(path, config=EngineConfig(num_blocks=256, max_batch_size=2, device="cuda", cuda_graphs=True,
+                                                   disk_dir=str(tmp_path)))
+    picture = noise_image(64, 64)
+    first = engine.generate(QUESTION, [picture], GREEDY)
+    engine.generate(QUESTION, [picture], GREEDY)  # the prefix reused: as every question after a wake
+    decoder = engine.decoder_engine
+    state, compiled = decoder.capture_state(), dynamo_graphs()
+    for level in (1, 2, 1):
+        engine.sleep(level)
+        assert all(p.numel() == 0 for p in engine.model.decoder.parameters()) and engine.kv is None
+        assert decoder.capture_state()["prefill_graphs"] == decoder.capture_state()["burst_graphs"] == 0
+        again = engine.generate(QUESTION, [picture], GREEDY)
+        assert again.token_ids == first.token_ids, f"level {level}"
+        assert engine.decoder_engine is decoder and engine.sleep_stats.last_wake_captures > 0
+        after = decoder.capture_state()
+        assert after["captures"] - state["captures"] == engine.sleep_stats.last_wake_captures  # all in the wake
+        assert after["fused_tuned"] == state["fused_tuned"] and dynamo_graphs() == compiled
+        state = after
+    engine.close()
