@@ -97,6 +97,33 @@ def test_dropped_weights_refuse_a_checkpoint_of_other_tensors(checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(model.decoder.parameters(), expected))
 
 
+def test_a_checkpoint_replaced_during_a_level_2_sleep_is_loaded_whole(checkpoint, tmp_path):
+    import shutil
+
+    from edgeinfer.profiles import load_profile
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint("smolvlm"), folder)
+    profile = load_profile("cpu", ["kv.device_blocks=64", "memory.disk_tier_mb=0"])
+    engine = Engine.load(folder, profile=profile, backend="torch")
+    old_decoder, old_adapter = engine.model.decoder, engine.adapter
+    engine.sleep(2)
+    shutil.rmtree(folder)
+    shutil.copytree(checkpoint("qwen2_vl"), folder)
+    with pytest.warns(UserWarning, match="checkpoint changed while the engine slept"):
+        engine.wake_up()
+    assert engine.model.decoder is not old_decoder and type(engine.adapter) is not type(old_adapter)
+    assert engine.generate(QUESTION, [], GREEDY).token_ids == load_and_generate(folder, profile)
+    engine.close()
+
+
+def load_and_generate(folder, profile) -> list[int]:
+    engine = Engine.load(folder, profile=profile, backend="torch")
+    ids = engine.generate(QUESTION, [], GREEDY).token_ids
+    engine.close()
+    return ids
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch.cuda.is_available() is false")
 def test_on_a_gpu_the_wake_captures_and_the_question_after_it_compiles_nothing(checkpoint, tmp_path):

@@ -127,7 +127,8 @@ class Engines:
     abilities they offer, declared here rather than probed.
 
     ``bursts`` is the decoder itself where it can burst, ``compiler`` the vision engine
-    where it can be readied for picture sizes, ``graphs`` the decoder where it captures graphs. ``backend`` and ``precision`` say what runs
+    where it can be readied for picture sizes, ``graphs`` the decoder where it captures graphs
+    (dropped at a sleep, captured again at the wake). ``backend`` and ``precision`` say what runs
     (reported with every result); ``build_identity`` ties prefix-cache entries to the build.
     ``passed_over`` names the built engines the choice did not use because they are stale,
     each with the command that rebuilds them.

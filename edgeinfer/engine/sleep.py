@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.errors import RequestError
+from edgeinfer.errors import ModelLoadError, RequestError
 
 
 class SleepLevel(enum.IntEnum):
@@ -170,8 +170,9 @@ class FileStash:
         self._slots = []
 
 
-class WeightsChanged(ValueError):
-    """The checkpoint read at a wake does not have the tensors the sleeping model had."""
+class WeightsChanged(ModelLoadError):
+    """The checkpoint read at a wake does not have the tensors the sleeping model had (the engine
+    then opens its engines again over the new load)."""
 
 
 class DroppedWeights:
