@@ -32,7 +32,7 @@ def eager_compiler(monkeypatch):
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
 
 
-def graph_engine(path, tmp_path) -> Engine:
+def graph_engine(path, tmp_path, declare_graphs: bool = True) -> Engine:
     from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
     from edgeinfer.backends.torch.eager import TorchVisionEngine
 
@@ -41,7 +41,8 @@ def graph_engine(path, tmp_path) -> Engine:
     decoder = CudaGraphDecoderEngine(model.decoder, config.max_batch_size, -(-config.max_context // config.block_size),
                                      take_decoder=True)
     vision = TorchVisionEngine(model.vision)
-    engines = Engines(decoder, vision, "torch", "fp32", bursts=decoder, compiler=vision, graphs=decoder)
+    engines = Engines(decoder, vision, "torch", "fp32", bursts=decoder, compiler=vision,
+                      graphs=decoder if declare_graphs else None)
     return Engine(model, config, engines, recipe=LoadRecipe(path, Backend.TORCH, None, None, False))
 
 
@@ -81,6 +82,16 @@ def test_level_1_then_2_refills_the_same_tensors(checkpoint, tmp_path, eager_com
     engine.sleep(2)
     assert all(p.numel() == 0 for p in engine.model.decoder.parameters())  # nothing kept, not even on the host
     assert engine.generate(QUESTION, [], GREEDY).token_ids == before.token_ids
+    engine.close()
+
+
+def test_a_bursting_decoder_that_cannot_drop_its_graphs_is_opened_again(checkpoint, tmp_path, eager_compiler):
+    engine = graph_engine(checkpoint("smolvlm"), tmp_path, declare_graphs=False)
+    decoder = engine.decoder_engine
+    before = engine.generate(QUESTION, [], GREEDY)
+    engine.sleep(1)
+    assert engine.generate(QUESTION, [], GREEDY).token_ids == before.token_ids
+    assert engine.decoder_engine is not decoder  # its bursts held the freed pool
     engine.close()
 
 

@@ -217,10 +217,17 @@ class Engine:
         return seconds
 
     @property
-    def _keeps_engines(self) -> bool:
-        """The torch engines run on the model's own tensors, which a sleep empties and a wake
-        refills in place: they stay open, and what they compiled and tuned stays valid."""
+    def _keeps_weights(self) -> bool:
+        """The torch engines run on the model's own tensors: a sleep empties them and a wake refills
+        them in place. Other backends hold their weights inside their runtimes."""
         return self.backend == "torch"
+
+    @property
+    def _keeps_engines(self) -> bool:
+        """Engines over the model's own tensors stay open across a sleep, and what they compiled and
+        tuned stays valid; a decoder that bursts from captured state must be able to drop it."""
+        engines = self.engines
+        return self._keeps_weights and (engines.bursts is None or engines.graphs is not None)
 
     def _require_idle(self) -> None:
         if self.has_work():
@@ -236,7 +243,7 @@ class Engine:
         return {"decoder": self.model.decoder, "vision": self.model.vision}
 
     def _put_weights_away(self, level: SleepLevel) -> str:
-        if not self._keeps_engines:
+        if not self._keeps_weights:
             self.model = None  # type: ignore[assignment]
             return "dropped"
         if level is SleepLevel.OFFLOAD:
@@ -274,25 +281,32 @@ class Engine:
             setattr(self, name, None)
 
     def _weights_back(self) -> tuple[LoadedModel, Engines]:
-        """The model and engines to assemble: the same ones, their tensors refilled, for torch; else
-        the model loaded again and its engines opened again."""
-        from edgeinfer.backends.registry import open_engines
-
+        """The model and engines to assemble: for torch the same model, its tensors refilled, and the
+        same engines where they stayed open; else the model loaded again and its engines opened again."""
         stash, self._stash = self._stash, None
         if isinstance(stash, (PinnedHostStash, FileStash)):
             stash.restore()
-            return self.model, self.engines
+            model = self.model
+        else:
+            recipe = self.recipe
+            assert recipe is not None  # _require_reloadable made sure
+            model = load_model(recipe.path, self.config.torch_dtype, self.config.device, recipe.trust_remote_code)
+            if isinstance(stash, DroppedWeights):
+                try:
+                    stash.refill({"decoder": model.decoder, "vision": model.vision})
+                    model = dataclasses.replace(model, decoder=self.model.decoder, vision=self.model.vision)
+                except WeightsChanged as exc:
+                    warnings.warn(f"the checkpoint changed while the engine slept, its engines open again: {exc}")
+                    self.engines = None  # type: ignore[assignment]
+        return model, self.engines if self.engines is not None else self._open_engines(model)
+
+    def _open_engines(self, model: LoadedModel) -> Engines:
+        from edgeinfer.backends.registry import Backend, open_engines
+
         recipe = self.recipe
-        assert recipe is not None  # _require_reloadable made sure
-        model = load_model(recipe.path, self.config.torch_dtype, self.config.device, recipe.trust_remote_code)
-        if isinstance(stash, DroppedWeights):
-            try:
-                stash.refill({"decoder": model.decoder, "vision": model.vision})
-                return dataclasses.replace(model, decoder=self.model.decoder, vision=self.model.vision), self.engines
-            except WeightsChanged as exc:
-                warnings.warn(f"the checkpoint changed while the engine slept, its engines open again: {exc}")
-                self.engines = None  # type: ignore[assignment]
-        return model, open_engines(recipe.backend, model, recipe.device_profile, self.config, recipe.engines_root)
+        if recipe is None:  # a torch engine built by hand: the registry's torch engines
+            return open_engines(Backend.TORCH, model, None, self.config)
+        return open_engines(recipe.backend, model, recipe.device_profile, self.config, recipe.engines_root)
 
     @torch.inference_mode()  # as a step captures them
     def _capture_again(self) -> None:
