@@ -227,4 +227,10 @@ def test_bench_sleep_writes_its_raw_file_at_tiny_size(checkpoint, tmp_path):
         assert run["weights"] == ("host-file" if run["level"] == 1 else "dropped")
         assert 0 < run["wake_s"] < run["wake_to_first_token_s"]
         assert run["asleep"]["rss"] < run["awake"]["rss"]
+        # Where the time went: the result's own timings, and nothing compiled again after a wake.
+        question = run["question"]
+        assert question["timings"]["wake_s"] == run["wake_s"] and question["timings"]["prefill_s"] > 0
+        assert question["cache"]["prefix_tokens_reused"] >= 0 and question["built"]["dynamo_graphs"] == 0
     assert set(report["summary"]) == {"1", "2"}
+    summary = next(tmp_path.glob("sleep-cpu-*.md")).read_text()
+    assert "| level 1 #0 |" in summary and "| after load, again |" in summary and "prefill s" in summary

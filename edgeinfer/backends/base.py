@@ -79,6 +79,25 @@ class CompilableVision(Protocol):
     def compile_for(self, inputs: list[dict[str, torch.Tensor]]) -> None:
         """Ready the tower for these processed pictures; raises where the compiler fails."""
 
+    def release_captures(self) -> int:
+        """Drop the captured graphs (they hold the weights' addresses), keeping compiled code;
+        ``compile_for`` captures again. Returns how many were dropped."""
+
+
+class CapturedGraphs(Protocol):
+    """A decoder engine whose captured graphs hold the KV pools' and the weights' addresses, beside
+    work that depends on neither (compiled layers, tuned kernels) and outlives a sleep."""
+
+    def release_captures(self) -> int:
+        """Drop every captured graph and its memory, keeping compiled code and tuned choices;
+        returns how many were dropped."""
+
+    def recapture(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
+        """Capture the graphs ``release_captures`` dropped again, over these pools; returns how many."""
+
+    def capture_state(self) -> dict[str, int]:
+        """Counts of what the engine captured and tuned so far (for benchmarks)."""
+
 
 class RunSettings(Protocol):
     """What a backend reads of the engine's configuration (``edgeinfer.engine.EngineConfig``),
@@ -108,7 +127,8 @@ class Engines:
     abilities they offer, declared here rather than probed.
 
     ``bursts`` is the decoder itself where it can burst, ``compiler`` the vision engine
-    where it can be readied for picture sizes. ``backend`` and ``precision`` say what runs
+    where it can be readied for picture sizes, ``graphs`` the decoder where it captures graphs
+    (dropped at a sleep, captured again at the wake). ``backend`` and ``precision`` say what runs
     (reported with every result); ``build_identity`` ties prefix-cache entries to the build.
     ``passed_over`` names the built engines the choice did not use because they are stale,
     each with the command that rebuilds them.
@@ -120,5 +140,6 @@ class Engines:
     precision: str
     bursts: BurstDecoder | None = None
     compiler: CompilableVision | None = None
+    graphs: CapturedGraphs | None = None
     build_identity: str = ""
     passed_over: tuple[str, ...] = ()

@@ -1,11 +1,19 @@
 """Sleep benchmark: the memory a sleep frees and the time from a wake to the next first token.
 
-One engine (the torch backend) answers one warm-up question, then per repeat and level:
+One engine (the torch backend) answers one warm-up question, and the same again (its prefix
+then comes from the cache, as after a wake: a path used for the first time costs there, not
+in the first wake), then per repeat and level:
 the memory the process holds is read awake, the engine sleeps (level 1, then level 2),
 the memory is read again, and a question is asked at once: its wake, vision, prefill and
 first token, timed together, are "wake to first token". On a GPU the memory is the
 device's (``torch.cuda`` allocator reserve, and the device's used memory, which also counts
 the CUDA context and anything else on the device); on a CPU it is the process's RSS.
+
+Where that time goes is recorded beside it, per question: the result's ``timings`` (wake, of
+which capturing graphs again, vision, prefill, first token), its ``cache`` (prefix reused,
+blocks restored), and what was built during it (:func:`build_counts`): graphs dynamo
+compiled and the seconds it spent, graphs the decoder engine captured, whether the fused
+step's tiles were tuned.
 """
 
 from __future__ import annotations
@@ -62,13 +70,35 @@ def _freed(awake: dict[str, int], asleep: dict[str, int], before_load: dict[str,
     return out
 
 
-def _timed_question(engine, picture) -> tuple[float, float]:
-    """(seconds from the question to its first token, of which waking) for one question."""
+def build_counts(engine) -> dict[str, float]:
+    """Process-wide and engine counts of work a request may do once and then never again:
+    dynamo's compiled graphs and compile seconds (all of the process's compiled functions), and
+    the decoder engine's captures and tunings (where it captures graphs)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    out = {"dynamo_graphs": counters["stats"]["unique_graphs"],
+           "dynamo_compile_s": sum(sum(times) for times in compilation_time_metrics.values())}
+    graphs = engine.engines.graphs if engine.engines is not None else None
+    if graphs is not None:
+        out.update(graphs.capture_state())
+    return out
+
+
+def _changes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before.get(key, 0) for key in after}
+
+
+def _timed_question(engine, picture) -> dict[str, Any]:
+    """One question: seconds from it to its first token, the result's timings and cache, and what
+    was compiled, captured or tuned while it ran (counts' changes; ``*_graphs`` are held graphs)."""
     from edgeinfer.engine import SamplingParams
 
+    built = build_counts(engine)
     started = time.perf_counter()
     result = engine.generate(QUESTION, [picture], SamplingParams(max_new_tokens=1, ignore_eos=True))
-    return time.perf_counter() - started, float(result.timings["wake_s"] or 0.0)
+    to_first_token_s = time.perf_counter() - started
+    return {"to_first_token_s": to_first_token_s, "timings": result.timings, "cache": result.cache,
+            "built": _changes(built, build_counts(engine))}
 
 
 def bench(spec: SleepBenchSpec) -> dict[str, Any]:
@@ -80,7 +110,8 @@ def bench(spec: SleepBenchSpec) -> dict[str, Any]:
     before_load = memory_held(device)
     engine = Engine.load(spec.model, profile=profile, backend="torch")
     picture = bench_image(spec.image_size)
-    awake_first_token_s, _ = _timed_question(engine, picture)  # warm-up: compilation, graphs, caches
+    first = _timed_question(engine, picture)  # warm-up: compilation, graphs, caches
+    again = _timed_question(engine, picture)  # the prefix reused: the path every question after a wake takes
     log = RunLog()  # each run with the load average before and after it
     for repeat in range(spec.repeats):
         for level in spec.levels:
@@ -88,23 +119,59 @@ def bench(spec: SleepBenchSpec) -> dict[str, Any]:
                 awake = memory_held(device)
                 report = engine.sleep(level)
                 asleep = memory_held(device)
-                to_first_token_s, wake_s = _timed_question(engine, picture)
+                question = _timed_question(engine, picture)
                 record.update({"repeat": repeat, "level": level, "awake": awake, "asleep": asleep,
                                "freed_fraction": _freed(awake, asleep, before_load), "sleep_s": report.seconds,
                                "weights": report.weights, "freed_kv_bytes": report.freed_kv_bytes,
-                               "wake_s": wake_s, "wake_to_first_token_s": to_first_token_s})
+                               "wake_s": float(question["timings"]["wake_s"] or 0.0),
+                               "wake_to_first_token_s": question["to_first_token_s"], "question": question})
     engine.close()
     runs = log.records
     summary = {str(level): _summary([r for r in runs if r["level"] == level]) for level in spec.levels}
     return {**raw.header("sleep", spec.to_json(), environment(device)), "before_load": before_load,
-            "awake_first_token_s": awake_first_token_s, "runs": runs, "summary": summary}
+            "awake_first_token_s": first["to_first_token_s"], "awake_question": first, "awake_again": again,
+            "runs": runs, "summary": summary}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = runs[0]["freed_fraction"].keys()
     return {"freed_fraction_median": {k: statistics.median(r["freed_fraction"][k] for r in runs) for k in keys},
             "wake_s_median": statistics.median(r["wake_s"] for r in runs),
-            "wake_to_first_token_s_median": statistics.median(r["wake_to_first_token_s"] for r in runs)}
+            "wake_to_first_token_s_median": statistics.median(r["wake_to_first_token_s"] for r in runs),
+            "wake_to_first_token_s_max": max(r["wake_to_first_token_s"] for r in runs)}
+
+
+# The breakdown's columns: (heading, where in a question, format).
+BREAKDOWN = (
+    ("to first token s", ("to_first_token_s",), "{:.3f}"),
+    ("wake s", ("timings", "wake_s"), "{:.3f}"),
+    ("of which captures s", ("timings", "wake_capture_s"), "{:.3f}"),
+    ("vision s", ("timings", "vision_s"), "{:.3f}"),
+    ("prefill s", ("timings", "prefill_s"), "{:.3f}"),
+    ("prefix reused", ("cache", "prefix_tokens_reused"), "{}"),
+    ("blocks restored", ("cache", "restored_blocks"), "{}"),
+    ("dynamo graphs", ("built", "dynamo_graphs"), "{:g}"),
+    ("dynamo compile s", ("built", "dynamo_compile_s"), "{:.2f}"),
+    ("captures", ("built", "captures"), "{:g}"),
+    ("fused tiles tuned", ("built", "fused_tuned"), "{:g}"),
+)
+
+
+def _cell(question: dict[str, Any], path: tuple[str, ...], fmt: str) -> str:
+    value: Any = question
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return "-" if value is None else fmt.format(value)
+
+
+def _breakdown(report: dict[str, Any]) -> list[str]:
+    """One row per question: where its time to the first token went and what it built."""
+    lines = ["| question | " + " | ".join(h for h, _, _ in BREAKDOWN) + " |", "|---" * (len(BREAKDOWN) + 1) + "|"]
+    rows = [("after load", report["awake_question"]), ("after load, again", report["awake_again"])]
+    rows += [(f"level {r['level']} #{r['repeat']}", r["question"]) for r in report["runs"]]
+    for name, question in rows:
+        lines.append(f"| {name} | " + " | ".join(_cell(question, path, fmt) for _, path, fmt in BREAKDOWN) + " |")
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -112,4 +179,6 @@ def markdown(report: dict[str, Any]) -> str:
     for level, s in report["summary"].items():
         freed = ", ".join(f"{k} {v:.1%}" for k, v in s["freed_fraction_median"].items())
         lines.append(f"| {level} | {freed} | {s['wake_s_median']:.3f} | {s['wake_to_first_token_s_median']:.3f} |")
+    lines += ["", "Where each question's time went (its wake included) and what it compiled, captured or tuned:",
+              "", *_breakdown(report)]
     return "\n".join(lines) + "\n"

@@ -5,11 +5,14 @@ sequence (:class:`Inputs`, then the :class:`VisionCache`); ``step`` runs one pre
 or one batched decode step (:class:`Scheduler`, then the :class:`Runner`); ``generate`` and
 ``stream`` are loops over ``step`` for one request; :class:`Output` makes text and results.
 ``sleep`` releases the KV pool and the weights between requests (:mod:`edgeinfer.engine.sleep`);
-``wake_up``, or the next ``submit``, builds them again.
+``wake_up``, or the next ``submit``, builds them again. The torch backend's engines stay open
+across a sleep (their compiled code and tuned kernels are the process's to keep): only their
+captured graphs are dropped, and the wake captures them again over the new pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections import Counter
@@ -30,7 +33,8 @@ from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.engine.sleep import (
-    SleepLevel, SleepReport, SleepStats, WeightStash, release_unused_memory, stash_weights,
+    DroppedWeights, FileStash, PinnedHostStash, SleepLevel, SleepReport, SleepStats, WeightsChanged,
+    release_unused_memory, stash_weights,
 )
 from edgeinfer.engine.vision_cache import VisionCache
 from edgeinfer.errors import RequestError
@@ -67,12 +71,13 @@ class Engine:
         self.profile = profile
         self.recipe = recipe
         self.sleep_stats = SleepStats()
-        self._stash: WeightStash | None = None
+        self._stash: PinnedHostStash | FileStash | DroppedWeights | None = None
         self._carried: Counter[str] = Counter()  # counters of the parts a sleep dropped
         self._assemble(model, engines)
 
     def _assemble(self, model: LoadedModel, engines: Engines) -> None:
-        """Build every part over ``model`` and ``engines``: at load, and again at each wake."""
+        """Build every part over ``model`` and ``engines``: at load, and again at each wake (with the
+        same engines where they stayed open)."""
         config = self.config
         self.model = model
         self.adapter = model.adapter
@@ -165,8 +170,10 @@ class Engine:
 
         The prefix cache goes through to the disk tier first (where the profile has one: a
         question after the wake reuses it). Level 1 keeps the weights in host memory (a file on a
-        CPU); level 2 drops them. A backend other than torch holds its weights inside its runtime:
-        its engines are closed and, at either level, opened again from the engines folder.
+        CPU); level 2 drops them. The torch backend's engines stay open, their captured graphs
+        dropped; the weights' tensor objects stay too, only their storage goes. A backend other
+        than torch holds its weights inside its runtime: its engines are closed and, at either
+        level, opened again from the engines folder.
         Sleeping again deeper is allowed; sleeping while asleep at the same level is a no-op.
         """
         level = SleepLevel.parse(level)
@@ -190,18 +197,37 @@ class Engine:
         return SleepReport(int(level), time.perf_counter() - started, persisted, freed, weights)
 
     def wake_up(self) -> float:
-        """Build the KV pool and bring the weights back; returns the seconds it took (0 when awake)."""
+        """Build the KV pool, bring the weights back and capture again the graphs the engines had;
+        returns the seconds it took (0 when awake). The captures' share is in ``sleep_stats``."""
         if not self.is_sleeping:
             return 0.0
         started = time.perf_counter()
-        model, engines = self._weights_back()
-        self._assemble(model, engines)
+        # As at load, whatever the caller's mode (a request wakes the engine inside inference mode):
+        # weights made there would be inference tensors, whose other dispatch keys fail the guards
+        # of every compiled function that reads them, and each would compile again.
+        with torch.inference_mode(False):
+            model, engines = self._weights_back()
+            self._assemble(model, engines)
+        self._capture_again()
         seconds = time.perf_counter() - started
         stats = self.sleep_stats
         stats.level, stats.wakes = int(SleepLevel.AWAKE), stats.wakes + 1
         stats.wake_s_total += seconds
         stats.last_wake_s = seconds
         return seconds
+
+    @property
+    def _keeps_weights(self) -> bool:
+        """The torch engines run on the model's own tensors: a sleep empties them and a wake refills
+        them in place. Other backends hold their weights inside their runtimes."""
+        return self.backend == "torch"
+
+    @property
+    def _keeps_engines(self) -> bool:
+        """Engines over the model's own tensors stay open across a sleep, and what they compiled and
+        tuned stays valid; a decoder that bursts from captured state must be able to drop it."""
+        engines = self.engines
+        return self._keeps_weights and (engines.bursts is None or engines.graphs is not None)
 
     def _require_idle(self) -> None:
         if self.has_work():
@@ -213,13 +239,18 @@ class Engine:
             raise RequestError(f"sleep level {int(level)} on the {self.backend} backend reloads the model on "
                                f"wake, and this engine was not loaded from a folder (use Engine.load)")
 
+    def _weight_modules(self) -> dict[str, torch.nn.Module]:
+        return {"decoder": self.model.decoder, "vision": self.model.vision}
+
     def _put_weights_away(self, level: SleepLevel) -> str:
-        if level is SleepLevel.OFFLOAD and self.backend == "torch":
-            self._stash = stash_weights((self.model.decoder, self.model.vision), self.config.device,
-                                        self._stash_folder())
-            return self._stash.kind
-        self.model = None  # type: ignore[assignment]
-        return "dropped"
+        if not self._keeps_weights:
+            self.model = None  # type: ignore[assignment]
+            return "dropped"
+        if level is SleepLevel.OFFLOAD:
+            self._stash = stash_weights(self._weight_modules(), self.config.device, self._stash_folder())
+        else:
+            self._stash = DroppedWeights.of(self._weight_modules())
+        return self._stash.kind
 
     def _stash_folder(self) -> Path:
         from edgeinfer.kv.disk import default_cache_dir
@@ -228,33 +259,64 @@ class Engine:
 
     def _deepen(self, started: float) -> SleepReport:
         self._require_reloadable(SleepLevel.DISCARD)
-        self._stash, self.model = None, None  # type: ignore[assignment]
+        if self._stash is not None:  # the torch engines' tensors: from host memory to nothing
+            self._stash = DroppedWeights(self._stash.slots)
         release_unused_memory()
         self.sleep_stats.level = int(SleepLevel.DISCARD)
         self.sleep_stats.sleeps[int(SleepLevel.DISCARD)] += 1
         return SleepReport(int(SleepLevel.DISCARD), time.perf_counter() - started, 0, 0, "dropped")
 
     def _drop_parts(self) -> None:
-        """Let go of every part that holds device memory: pool, engines (CUDA graphs), caches. The
-        inputs (tokenizer, processor, limits) stay, so requests are checked while asleep."""
-        self.engines = None  # type: ignore[assignment]
+        """Let go of every part that holds device memory: pool, caches, and the engines' captured
+        graphs (they hold the pool's and the weights' addresses), or the engines themselves where they
+        close. The inputs (tokenizer, processor, limits) stay, so requests are checked while asleep."""
+        if self._keeps_engines:
+            if self.engines.graphs is not None:
+                self.engines.graphs.release_captures()
+            if self.engines.compiler is not None:
+                self.engines.compiler.release_captures()
+        else:
+            self.engines = None  # type: ignore[assignment]
         for name in ("pool", "kv", "kv_manager", "scheduler", "vision_cache", "runner"):
             setattr(self, name, None)
 
     def _weights_back(self) -> tuple[LoadedModel, Engines]:
+        """The model and engines to assemble: for torch the same model, its tensors refilled, and the
+        same engines where they stayed open; else the model loaded again and its engines opened again."""
+        stash, self._stash = self._stash, None
+        if isinstance(stash, (PinnedHostStash, FileStash)):
+            stash.restore()
+            model = self.model
+        else:
+            recipe = self.recipe
+            assert recipe is not None  # _require_reloadable made sure
+            model = load_model(recipe.path, self.config.torch_dtype, self.config.device, recipe.trust_remote_code)
+            if isinstance(stash, DroppedWeights):
+                try:
+                    stash.refill({"decoder": model.decoder, "vision": model.vision})
+                    model = dataclasses.replace(model, decoder=self.model.decoder, vision=self.model.vision)
+                except WeightsChanged as exc:
+                    warnings.warn(f"the checkpoint changed while the engine slept, its engines open again: {exc}")
+                    self.engines = None  # type: ignore[assignment]
+        return model, self.engines if self.engines is not None else self._open_engines(model)
+
+    def _open_engines(self, model: LoadedModel) -> Engines:
         from edgeinfer.backends.registry import Backend, open_engines
 
         recipe = self.recipe
-        if self._stash is not None:
-            self._stash.restore()
-            self._stash = None
-            chosen = recipe.backend if recipe is not None else Backend.TORCH
-            profile = recipe.device_profile if recipe is not None else None
-            root = recipe.engines_root if recipe is not None else None
-            return self.model, open_engines(chosen, self.model, profile, self.config, root)
-        assert recipe is not None  # _require_reloadable made sure
-        model = load_model(recipe.path, self.config.torch_dtype, self.config.device, recipe.trust_remote_code)
-        return model, open_engines(recipe.backend, model, recipe.device_profile, self.config, recipe.engines_root)
+        if recipe is None:  # a torch engine built by hand: the registry's torch engines
+            return open_engines(Backend.TORCH, model, None, self.config)
+        return open_engines(recipe.backend, model, recipe.device_profile, self.config, recipe.engines_root)
+
+    @torch.inference_mode()  # as a step captures them
+    def _capture_again(self) -> None:
+        """Capture the decoder's graphs of before the sleep over the new pool, so that the wake, not
+        the next request, pays for them."""
+        graphs = self.engines.graphs
+        started = time.perf_counter()
+        captured = graphs.recapture(self.kv.k, self.kv.v) if graphs is not None else 0
+        self.sleep_stats.last_wake_captures = captured
+        self.sleep_stats.last_wake_capture_s = time.perf_counter() - started
 
     # --- construction ------------------------------------------------------------------
     @classmethod
@@ -320,6 +382,7 @@ class Engine:
                                    vision_reused=sum(reused for _, reused in embeds))
         seq.timings.created = started
         seq.timings.wake_s = wake_s
+        seq.timings.wake_capture_s = self.sleep_stats.last_wake_capture_s if wake_s else 0.0
         seq.timings.vision_s = vision_s - wake_s
         self.scheduler.add(seq)
         self.output.start(seq)

@@ -91,7 +91,8 @@ class Output:
         self._text.pop(seq.seq_id, None)
         t = seq.timings
         timings = {
-            "wake_s": t.wake_s, "vision_s": t.vision_s, "prefill_s": t.prefill_s, "ttft_s": t.ttft_s,
+            "wake_s": t.wake_s, "wake_capture_s": t.wake_capture_s, "vision_s": t.vision_s, "prefill_s": t.prefill_s,
+            "ttft_s": t.ttft_s,
             "total_s": (t.finished or time.perf_counter()) - t.created,
             "decode_tokens_per_s": t.decode_tokens_per_s(len(seq.generated)),
         }

@@ -32,6 +32,7 @@ class FinishReason(str, enum.Enum):
 class Timings:
     created: float = field(default_factory=time.perf_counter)
     wake_s: float = 0.0  # waking the engine from sleep for this request
+    wake_capture_s: float = 0.0  # of which capturing the engines' graphs again
     vision_s: float = 0.0
     prefill_s: float = 0.0
     first_token: float | None = None

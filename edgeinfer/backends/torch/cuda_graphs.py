@@ -35,6 +35,11 @@ counters are still in the graph's buffers) before the host reads the last one's 
 device runs on while the host takes its turn. Burst graphs are keyed by the sampler's kind
 too (greedy only, drawing, penalizing), so an all-greedy batch runs the argmax alone.
 
+Across a sleep the engine stays: ``release_captures`` drops every graph (they hold the KV
+pools' and the weights' addresses) and keeps the compiled layers, the fused step's tile choices
+and the sampler buffers; ``recapture`` captures the same graphs again over the new pools, so the
+wake pays for them and nothing is compiled or tuned again.
+
 The engine changes nothing outside itself unless told to: torch's compiler settings are
 raised only around its own compiled calls, and the decoder's matrices are re-laid out (in
 place: values and shapes unchanged, strides changed) only for an engine that was handed the
@@ -225,6 +230,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._sampling: dict[tuple, SamplingStep] = {}  # per (batch bucket, sampler kind): shared by every width
         self._pool = None  # graphs share one memory pool
         self.captures = 0
+        self._released: list[tuple[str, tuple, torch.dtype | None]] = []  # graphs dropped by a sleep
         self.compile_error: str | None = None
         # Why the fused Triton step is not used (None: it is).
         self.fused_off = "turned off" if not fused else triton_decode.available(self.device)
@@ -262,6 +268,43 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return {"fused": False, "reason": self.fused_off}
         return {"fused": True, "max_batch": triton_decode.MAX_BATCH, "fused_replays": self.fused_replays,
                 "products": self._fused.report}
+
+    def capture_state(self) -> dict[str, int]:
+        """What this engine captured and tuned so far: graphs captured in all, held now by kind, and
+        whether the fused step's tiles are chosen (a benchmark reads the changes per request)."""
+        return {"captures": self.captures, "decode_graphs": len(self._graphs), "prefill_graphs": len(self._prefills),
+                "burst_graphs": len(self._bursts), "prefill_replays": self.prefill_replays,
+                "fused_tuned": int(self._fused is not None and bool(self._fused.configs))}
+
+    # --- sleep ----------------------------------------------------------------------------------
+    def release_captures(self) -> int:
+        """Drop every graph and the memory pool they share, remembering their keys for
+        ``recapture``; the compiled layers, tile choices and sampler buffers stay."""
+        self._released = [("decode", key, g.embeds.dtype) for key, g in self._graphs.items()]
+        self._released += [("prefill", key, g.embeds.dtype) for key, g in self._prefills.items()]  # oldest first
+        self._released += [("burst", key, None) for key in self._bursts]
+        self._graphs, self._prefills, self._bursts = {}, OrderedDict(), {}
+        self._last_burst, self._pool = None, None
+        return len(self._released)
+
+    def recapture(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
+        """Capture the graphs ``release_captures`` dropped over ``k_pool``/``v_pool``; returns how many."""
+        released, self._released = self._released, []
+        captured = 0
+        for kind, key, dtype in released:
+            if kind == "burst":
+                step = self._sampling.get((key[0], key[3])) if key[3] is not None else None
+                self._capture_burst(key, k_pool, v_pool, None, step)
+            else:
+                like = torch.empty(1, 1, key[3], dtype=dtype, device=k_pool.device)  # the inputs' dtype and width
+                if kind == "decode":
+                    self._capture(key, like, None, k_pool, v_pool)
+                elif self.prefill_error is None and (g := self._capture_prefill(key, like, k_pool, v_pool)):
+                    self._prefills[key] = g
+                else:
+                    continue  # a chunk that cannot be captured runs eagerly, as before the sleep
+            captured += 1
+        return captured
 
     def _uses_fused(self, batch: int) -> bool:
         return self._fused is not None and batch <= triton_decode.MAX_BATCH

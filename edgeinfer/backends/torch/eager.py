@@ -95,6 +95,13 @@ class TorchVisionEngine:
                 self._run(self._compiled, tensors)
             self.compiled_signatures.add(signature)
 
+    def release_captures(self) -> int:
+        """Drop the captured graphs and their memory (they hold the weights' addresses); the compiled
+        tower stays. ``compile_for`` captures them again."""
+        dropped = len(self._graphs)
+        self._graphs, self._pool = {}, None
+        return dropped
+
     def _capture(self, tensors: dict[str, torch.Tensor]) -> tuple:
         device = self._device
         static = {k: v.clone() if v.device == device else v for k, v in self._moved(tensors).items()}
