@@ -1,0 +1,376 @@
+"""Gemma 4 through our loader and decoder, token for token against transformers.
+
+The tiny checkpoint (``edgeinfer.testing.checkpoints_gemma4``) has google/gemma-4-E2B's
+structure: sliding windows of 8 tokens between global layers whose heads are twice as wide
+and rotate a quarter of their angles, the last two layers reading earlier layers' K/V with
+double-wide MLPs, per-layer input embeddings, layer scalars and a logit soft-cap. The
+mutation tests show that each detail changes the 32 tokens, so the parity tests would see
+it wrong. transformers' gemma4 modules are imported inside the tests only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
+
+from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from edgeinfer.models import gemma4  # noqa: E402
+from edgeinfer.models.gemma4 import Gemma4Adapter  # noqa: E402
+from edgeinfer.testing.checkpoints_gemma4 import make_gemma4  # noqa: E402
+from tests.conftest import noise_image  # noqa: E402
+
+QUESTION = "how many circle are there ?"
+FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
+MIN_DISTINCT = 12
+CASES = {
+    "text": [],
+    "one_image": [noise_image(120, 80, seed=1)],
+    "two_images": [noise_image(120, 80, seed=1), noise_image(60, 100, seed=2)],
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These steps are a few kilobytes each: one intra-op thread runs them faster than two,
+    which on a busy 2-core machine spin waiting for each other (about 10x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def gemma4_path(tmp_path_factory):
+    return make_gemma4(tmp_path_factory.mktemp("gemma4") / "model")
+
+
+@pytest.fixture(scope="module")
+def variant_path(tmp_path_factory):
+    """The larger variants' options: keys as values with their own head count on global
+    layers, and images attending to themselves on sliding layers."""
+    types = [gemma4.SLIDING, gemma4.FULL] * 3  # global layer 3 owns K/V: layer 1's mask reaches the tokens
+    return make_gemma4(tmp_path_factory.mktemp("gemma4_variant") / "model", seed=1, attention_k_eq_v=True,
+                       num_global_key_value_heads=2, use_bidirectional_attention="vision", layer_types=types)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """reference(path, case) -> transformers' greedy tokens on our prompt ids, computed once."""
+    from transformers import AutoModelForImageTextToText
+
+    done, models = {}, {}
+
+    def get(path, case: str):
+        if (path, case) not in done:
+            if path not in models:
+                models[path] = AutoModelForImageTextToText.from_pretrained(path).eval()
+            engine = load_engine(path)
+            prompt_ids = engine.submit(QUESTION, CASES[case], FORCED).prompt_ids
+            done[path, case] = hf_generate(models[path], hf_inputs(engine, prompt_ids, CASES[case]))
+        return done[path, case]
+
+    return get
+
+
+def load_engine(path, prefill_chunk: int = 512, **config) -> Engine:
+    return Engine.load(path, config=EngineConfig(block_size=16, num_blocks=256, prefill_chunk=prefill_chunk,
+                                                 **config))
+
+
+def hf_inputs(engine: Engine, prompt_ids: list[int], images) -> dict:
+    ids = torch.tensor([prompt_ids])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if images:
+        adapter = engine.adapter
+        processed = adapter.image_processor(images=images, return_tensors="pt")
+        inputs |= {"pixel_values": processed["pixel_values"], "image_position_ids": processed["image_position_ids"],
+                   "mm_token_type_ids": (ids == adapter.image_token_id).long()}
+    return inputs
+
+
+def hf_generate(model, inputs: dict, new_tokens: int = 32) -> list[int]:
+    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def generate(path, case: str, **config) -> list[int]:
+    return load_engine(path, **config).generate(QUESTION, CASES[case], FORCED).token_ids
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_match_transformers(gemma4_path, reference, case):
+    tokens = generate(gemma4_path, case)
+    assert len(tokens) == 32
+    assert len(set(tokens)) >= MIN_DISTINCT, "a near-constant sequence would make this comparison meaningless"
+    assert tokens == reference(gemma4_path, case)
+
+
+@pytest.mark.slow
+def test_keys_as_values_and_images_seen_both_ways_match_transformers(variant_path, reference):
+    engine = load_engine(variant_path, prefill_chunk=16)  # chunks stretched to the end of an image
+    case = "two_images"
+    assert engine.adapter.shape().layers[1].k_eq_v and engine.adapter.shape().layers[1].kv_heads == 2
+    seq = engine.submit(QUESTION, CASES[case], FORCED)
+    assert seq.attend_groups(0, seq.prompt_len) is not None
+    assert engine.run_until_done([seq])[0].token_ids == reference(variant_path, case)
+
+
+def test_logits_match_transformers_soft_cap_included(gemma4_path, tmp_path):
+    """Greedy tokens cannot see the soft-cap (tanh keeps the order); the logits do. A cap of
+    0.5 (the checkpoint's 30 barely bends its small logits) in a copy of the checkpoint."""
+    from transformers import AutoModelForImageTextToText
+
+    from edgeinfer.models.loader import load_model
+
+    folder = tmp_path / "capped"
+    shutil.copytree(gemma4_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["final_logit_softcapping"] = 0.5
+    (folder / "config.json").write_text(json.dumps(config))
+    decoder = load_model(folder).decoder
+    ids = torch.arange(40, 60)[None]
+    cfg = decoder.cfg
+    pool = torch.zeros(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    hf = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    with torch.no_grad():
+        ours = decoder(decoder.embed_tokens(ids), torch.arange(20)[None], pool, pool.clone(), torch.arange(2)[None],
+                       torch.tensor([0]))[0]
+        theirs = hf(input_ids=ids, use_cache=False).logits[:, -1]
+    assert float(ours.abs().max()) < 0.5
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_layers_read_their_source_layers_kv(gemma4_path):
+    shape = Gemma4Adapter(load_engine(gemma4_path).adapter.checkpoint).shape()
+    assert [layer.kv_source for layer in shape.layers] == [0, 1, 2, 3, 3, 2]
+    assert [layer.head_dim for layer in shape.layers] == [16, 16, 32, 16, 16, 32]
+    assert [layer.intermediate_size for layer in shape.layers] == [96] * 4 + [192] * 2
+
+
+# --- the parity tests see each detail: a mutation of it changes the tokens -------------------
+
+def _replace(**changes):
+    return lambda cfg: dataclasses.replace(cfg, **{k: v(cfg) if callable(v) else v for k, v in changes.items()})
+
+
+DECODER_MUTATIONS = {
+    "window one token longer": _replace(sliding_window=lambda c: c.sliding_window + 1),
+    "window one token shorter": _replace(sliding_window=lambda c: c.sliding_window - 1),
+    "sliding layers see the whole past": _replace(sliding_window=4096),
+    "head_dim attention scale": _replace(attn_scale=None),
+}
+
+
+@pytest.mark.parametrize("mutation", list(DECODER_MUTATIONS))
+def test_a_wrong_decoder_detail_changes_tokens(gemma4_path, reference, monkeypatch, mutation):
+    right = Gemma4Adapter.decoder_config
+    monkeypatch.setattr(Gemma4Adapter, "decoder_config", lambda self: DECODER_MUTATIONS[mutation](right(self)))
+    assert generate(gemma4_path, "text") != reference(gemma4_path, "text")
+
+
+def _shape_mutation(change):
+    def mutate(shape):
+        return dataclasses.replace(shape, layers=tuple(change(i, layer) for i, layer in enumerate(shape.layers)))
+    return mutate
+
+
+SHAPE_MUTATIONS = {
+    # layer 4 (sliding) reads sliding layer 0's K/V instead of layer 3's
+    "shared layer reads an earlier layer's K/V": _shape_mutation(
+        lambda i, layer: dataclasses.replace(layer, stores_kv=True) if i == 0
+        else dataclasses.replace(layer, kv_source=0) if i == 4 else layer),
+    "placeholder ids embedded as themselves": lambda shape: dataclasses.replace(shape, placeholder_ids=()),
+}
+
+
+@pytest.mark.parametrize("mutation", list(SHAPE_MUTATIONS))
+def test_a_wrong_layer_shape_changes_tokens(gemma4_path, reference, monkeypatch, mutation):
+    right = Gemma4Adapter.shape
+
+    monkeypatch.setattr(Gemma4Adapter, "shape", lambda self: SHAPE_MUTATIONS[mutation](right(self)))
+    assert generate(gemma4_path, "text") != reference(gemma4_path, "text")
+
+
+def test_without_per_layer_inputs_tokens_change(gemma4_path, reference, monkeypatch):
+    right = gemma4.Gemma4Decoder.per_layer_inputs
+    monkeypatch.setattr(gemma4.Gemma4Decoder, "per_layer_inputs", lambda self, x, ids: right(self, x, ids) * 0)
+    assert generate(gemma4_path, "text") != reference(gemma4_path, "text")
+
+
+def test_ignoring_layer_scalars_changes_tokens(gemma4_path, reference, monkeypatch):
+    right = Gemma4Adapter.build_decoder
+
+    def unscaled(self, tensors, dtype):
+        decoder = right(self, tensors, dtype)
+        for layer in decoder.layers:
+            layer.layer_scalar = torch.ones_like(layer.layer_scalar)
+        return decoder
+
+    monkeypatch.setattr(Gemma4Adapter, "build_decoder", unscaled)
+    assert generate(gemma4_path, "text") != reference(gemma4_path, "text")
+
+
+def test_full_rotation_on_global_layers_changes_tokens(gemma4_path, reference, monkeypatch):
+    """Global layers rotate a quarter of their pairs ("proportional" RoPE); all of them is wrong."""
+    right = Gemma4Adapter.build_decoder
+
+    def fully_rotated(self, tensors, dtype):
+        decoder = right(self, tensors, dtype)
+        dim = decoder.inv_freq.shape[0] * 2
+        decoder.inv_freq = 1.0 / (10.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return decoder
+
+    monkeypatch.setattr(Gemma4Adapter, "build_decoder", fully_rotated)
+    assert generate(gemma4_path, "text") != reference(gemma4_path, "text")
+
+
+@pytest.mark.slow
+def test_images_seen_both_ways_on_global_layers_changes_tokens(variant_path, reference, monkeypatch):
+    """The variant's images attend to themselves on sliding layers only: on global ones too is wrong."""
+    from edgeinfer.models import decoder as decoder_module
+
+    def everywhere(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
+        tokens = inputs_embeds.shape[1]
+        slots, mask = decoder_module.past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], tokens)
+        mask, window = decoder_module.layer_masks(self.cfg, mask, context_lens, slots.shape[1], tokens, image_groups)
+        return self.run_layers(inputs_embeds, position_ids, decoder_module.past_reader(k_pool, v_pool, slots), mask,
+                               window_mask=window)
+
+    monkeypatch.setattr(gemma4.Gemma4Decoder, "forward", everywhere)
+    assert generate(variant_path, "two_images") != reference(variant_path, "two_images")
+
+
+@pytest.mark.slow
+def test_causal_images_change_tokens(variant_path, reference, monkeypatch):
+    right = Gemma4Adapter.layout
+    monkeypatch.setattr(Gemma4Adapter, "layout",
+                        lambda self, ids, images: dataclasses.replace(right(self, ids, images), attend_groups=None))
+    assert generate(variant_path, "two_images") != reference(variant_path, "two_images")
+
+
+# --- the processor ---------------------------------------------------------------------------
+
+def image_only_processor(image_processor, tokenizer):
+    """transformers' Gemma4Processor without its video and audio parts (the video processor
+    needs torchvision). Expansion and tokenization stay the library's own
+    (``ProcessorMixin.__call__`` with ``Gemma4Processor.replace_image_token``)."""
+    from transformers import Gemma4Processor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyGemma4Processor(Gemma4Processor):
+        def __init__(self, image_processor=None, tokenizer=None, **kwargs):
+            self.image_token_id, self.image_token = tokenizer.image_token_id, tokenizer.image_token
+            self.boi_token, self.eoi_token = tokenizer.boi_token, tokenizer.eoi_token
+            self.boa_token, self.eoa_token, self.audio_token = tokenizer.boa_token, tokenizer.eoa_token, None
+            ProcessorMixin.__init__(self, image_processor, tokenizer, **kwargs)
+
+    return ImageOnlyGemma4Processor(image_processor, tokenizer)
+
+
+def test_prompt_ids_match_transformers_processor(gemma4_path):
+    engine = load_engine(gemma4_path)
+    adapter = engine.adapter
+    images = CASES["two_images"] + [noise_image(64, 64, seed=3)]
+    seq = engine.submit(QUESTION, images, SamplingParams(max_new_tokens=1))
+    processor = image_only_processor(adapter.image_processor, adapter.tokenizer)
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": QUESTION}]
+    text = adapter.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                 chat_template=adapter.checkpoint.chat_template, tokenize=False,
+                                                 add_generation_prompt=True)
+    expected = processor(text=[text], images=[images], return_tensors="pt")
+    assert seq.prompt_ids == expected["input_ids"][0].tolist()
+    per_image = [adapter.process_image(image).num_tokens for image in images]
+    assert seq.image_tokens == sum(per_image) == seq.prompt_ids.count(adapter.image_token_id)
+    assert len(set(per_image)) > 1, "images of different shapes should give different token counts"
+
+
+def test_stop_tokens_include_end_of_turn(gemma4_path):
+    adapter = load_engine(gemma4_path).adapter
+    assert set(adapter.stop_token_ids()) == set(adapter.tokenizer.convert_tokens_to_ids(["<eos>", "<turn|>"]))
+
+
+# --- the KV pool ----------------------------------------------------------------------------
+
+def test_sharing_layers_never_read_their_own_pool_slices(gemma4_path):
+    """Layers 4 and 5 attend to layers 3's and 2's K/V: large values in their own pool slices
+    change nothing; in their source layers' slices they do."""
+    from edgeinfer.models.loader import load_model
+
+    decoder = load_model(gemma4_path).decoder
+    cfg = decoder.cfg
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v_pool = torch.randn(k_pool.shape, generator=gen)
+    table = torch.randperm(8, generator=gen)[None]
+    x = decoder.embed_tokens(torch.tensor([[40, 41]]))
+    step = (torch.tensor([[21, 22]]), k_pool, v_pool, table, torch.tensor([21]))
+    with torch.no_grad():
+        want = decoder(x, *step)
+        k_pool[4:], v_pool[4:] = 1e4, -1e4
+        got = decoder(x, *step)
+        k_pool[3] = 1e4
+        source_changed = decoder(x, *step)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert not torch.equal(source_changed[0], want[0])
+    assert not want[1][4:].any(), "sharing layers return no K/V of their own"
+
+
+# --- the CUDA-graph engine's static shapes, run eagerly off the GPU ---------------------------
+
+def test_cuda_graph_static_steps_match_the_decoder(gemma4_path):
+    """Whole blocks under the window masks (what the graphs capture) give ``Decoder.forward``'s
+    logits and K/V, for contexts inside and well past the sliding window."""
+    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
+    from edgeinfer.models.loader import load_model
+
+    decoder = load_model(gemma4_path).decoder
+    engine = CudaGraphDecoderEngine(decoder, 4, 8, compile_layers=False)
+    cfg = decoder.cfg
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v_pool = torch.randn(k_pool.shape, generator=gen)
+    table = torch.randperm(16, generator=gen)[:8][None]
+    for context, tokens in ((0, 5), (3, 1), (13, 1), (13, 4), (27, 1)):
+        x = decoder.embed_tokens(torch.randint(20, 500, (1, tokens), generator=gen))
+        positions = (context + torch.arange(tokens))[None]
+        lens = torch.tensor([context])
+        with torch.no_grad():
+            want = decoder(x, positions, k_pool, v_pool, table, lens)
+            if tokens == 1:
+                got = engine._static_step(x, positions, k_pool, v_pool, table, lens)
+            else:
+                got = engine._prefill_step(x, positions, k_pool, v_pool, table, lens, torch.tensor([tokens - 1]),
+                                           past=context > 0)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_triton_step_refuses_gemma4_layers(gemma4_path):
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.models.loader import load_model
+
+    with pytest.raises(ValueError, match="sandwich_norms"):
+        triton_decode.FusedDecode(load_model(gemma4_path).decoder)
+
+
+# --- what is not run is refused, with what it lacks ------------------------------------------
+
+def test_mixture_of_experts_variants_are_refused_with_what_they_use(gemma4_path, tmp_path):
+    from edgeinfer.errors import ModelLoadError
+    from edgeinfer.models.loader import load_model
+
+    folder = tmp_path / "moe"
+    shutil.copytree(gemma4_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"] |= {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                              "moe_intermediate_size": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="mixture-of-experts blocks"):
+        load_model(folder)
