@@ -374,3 +374,16 @@ def test_mixture_of_experts_variants_are_refused_with_what_they_use(gemma4_path,
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="mixture-of-experts blocks"):
         load_model(folder)
+
+
+def test_onnxruntime_and_tensorrt_refuse_gemma4_before_building(gemma4_path, tmp_path, monkeypatch):
+    from edgeinfer.backends.tensorrt.build import check_decoder_supported
+    from edgeinfer.errors import EngineBuildError
+    from edgeinfer.models.loader import load_model
+
+    monkeypatch.setenv("EDGEINFER_ENGINES", str(tmp_path))
+    with pytest.raises(EngineBuildError, match="not built for Gemma 4 decoders.*fix: --backend torch"):
+        Engine.load(gemma4_path, backend="onnxruntime", config=EngineConfig(block_size=16, num_blocks=64))
+    assert not any(tmp_path.rglob("*.onnx"))
+    with pytest.raises(EngineBuildError, match="per_layer_shapes"):
+        check_decoder_supported(load_model(gemma4_path).decoder.cfg)

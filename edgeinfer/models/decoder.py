@@ -64,6 +64,9 @@ class DecoderConfig:
     sliding_window: int | None = None  # a sliding layer's query sees the keys less than this many tokens back
     sliding_layers: tuple[bool, ...] = ()  # per layer: True attends within sliding_window (empty: none)
     bidirectional_images: bool = False  # the tokens of one image attend to each other in both directions
+    # Gemma 4 (models/gemma4.py): layers differ in head size, K/V source and per-layer inputs,
+    # which its own decoder class holds; num_kv_heads and head_dim are then the pool slot's (the widest layer's).
+    per_layer_shapes: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -101,7 +104,7 @@ class DecoderConfig:
             "norm_offset": self.norm_offset != 0.0, "sandwich_norms": self.sandwich_norms,
             "hidden_act": self.hidden_act != "silu", "attn_scale": self.attn_scale is not None,
             "sliding_layers": self.has_sliding_layers,
-            "bidirectional_images": self.bidirectional_images,
+            "bidirectional_images": self.bidirectional_images, "per_layer_shapes": self.per_layer_shapes,
         }
         return [name for name, used in changed.items() if used]
 

@@ -236,6 +236,8 @@ class Gemma4Decoder(Decoder):
                  local_rope: tuple[torch.Tensor, float]) -> None:
         super().__init__(cfg, inv_freq, attention_scaling, local_rope)
         self.shape = shape
+        # A buffer, not a tensor made per call: a CUDA graph's capture allows no host-to-device copy.
+        self.register_buffer("placeholder_ids", torch.tensor(shape.placeholder_ids, dtype=torch.long), persistent=False)
         ple = shape.per_layer_input_size
         self.layers = nn.ModuleList(Gemma4Layer(cfg, layer, shape.owns_kv(i), ple)
                                     for i, layer in enumerate(shape.layers))
@@ -250,8 +252,7 @@ class Gemma4Decoder(Decoder):
         return self.cfg.hidden_size + ID_DIGITS
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        placeholders = torch.tensor(self.shape.placeholder_ids, dtype=ids.dtype, device=ids.device)
-        ids = torch.where(torch.isin(ids, placeholders), self.shape.pad_token_id, ids)
+        ids = torch.where(torch.isin(ids, self.placeholder_ids), self.shape.pad_token_id, ids)
         embeds = super().embed_tokens(ids)
         return torch.cat((embeds, id_digits(ids, embeds.dtype)), dim=-1)
 
@@ -392,6 +393,9 @@ class Gemma4Adapter(FamilyAdapter):
 
     def __init__(self, checkpoint) -> None:
         super().__init__(checkpoint)
+        if getattr(self.config, "model_type", None) != "gemma4":
+            raise ModelLoadError(f"{checkpoint.path}: config.json names Gemma4ForConditionalGeneration but its "
+                                 f"model_type is {getattr(self.config, 'model_type', None)!r}, not 'gemma4'")
         missing = unsupported_features(self.text_config)
         if missing:
             raise ModelLoadError(f"{checkpoint.path}: this Gemma 4 checkpoint uses what edgeinfer does not run: "
@@ -430,7 +434,7 @@ class Gemma4Adapter(FamilyAdapter):
             sandwich_norms=True, qk_norm=True, hidden_act=text.hidden_activation,
             embed_scale=float(text.hidden_size) ** 0.5, attn_scale=1.0, sliding_window=text.sliding_window,
             sliding_layers=tuple(t == SLIDING for t in text.layer_types),
-            bidirectional_images=shape.bidirectional_images,
+            bidirectional_images=shape.bidirectional_images, per_layer_shapes=True,
         )
 
     def rope(self, layer_type: str) -> tuple[torch.Tensor, float]:
@@ -452,6 +456,7 @@ class Gemma4Adapter(FamilyAdapter):
                                     (local_rope[0].to("meta"), local_rope[1]))
         decoder = decoder.to_empty(device="cpu").to(dtype)
         decoder.inv_freq, decoder.local_inv_freq = global_rope[0].float(), local_rope[0].float()
+        decoder.placeholder_ids = torch.tensor(decoder.shape.placeholder_ids, dtype=torch.long)
         load_gemma4_weights(decoder, tensors)
         return decoder.eval()
 
