@@ -112,24 +112,40 @@ class Gemma4Shape:
     @classmethod
     def from_hf(cls, text, placeholder_ids: tuple[int, ...] = ()) -> "Gemma4Shape":
         types = list(text.layer_types)
-        modes = text.kv_sharing_modes
-        producer = {t: max(i for i, m in enumerate(modes) if m != "reuse" and types[i] == t) for t in set(types)}
+        sources = kv_sources(types, int(text.num_kv_shared_layers or 0))
         layers = []
         for i, t in enumerate(types):
             own = text.per_layer_config[i]
-            shared = modes[i] == "reuse"
+            shared = sources[i] != i
             wide = bool(text.use_double_wide_mlp) and shared
             layers.append(LayerShape(
                 head_dim=own.head_dim, kv_heads=own.num_key_value_heads,
                 intermediate_size=text.intermediate_size * (2 if wide else 1),
                 k_eq_v=bool(text.attention_k_eq_v) and t == FULL,
-                kv_source=producer[t] if shared else i, stores_kv=modes[i] == "store"))
+                kv_source=sources[i], stores_kv=i in sources[i + 1:]))
         return cls(tuple(layers), int(text.hidden_size_per_layer_input or 0), int(text.vocab_size_per_layer_input),
                    text.final_logit_softcapping, text.use_bidirectional_attention == "vision", placeholder_ids,
                    int(text.pad_token_id or 0))
 
     def owns_kv(self, i: int) -> bool:
         return self.layers[i].kv_source == i
+
+
+def kv_sources(layer_types: list[str], shared_layers: int) -> list[int]:
+    """The layer whose K/V each layer attends to: itself, or for the last ``shared_layers``
+    the last earlier layer of its own type that has K/V (transformers' ``kv_sharing_modes``,
+    computed here: transformers 5.17's config does not have it)."""
+    first_shared = len(layer_types) - shared_layers
+    sources = []
+    for i, t in enumerate(layer_types):
+        if i < first_shared:
+            sources.append(i)
+            continue
+        earlier = [j for j in range(first_shared) if layer_types[j] == t]
+        if not earlier:
+            raise ValueError(f"layer {i} ({t}) shares K/V, but no earlier layer of its type has any")
+        sources.append(earlier[-1])
+    return sources
 
 
 class Gemma4RMSNorm(nn.Module):
