@@ -295,6 +295,21 @@ def test_stop_tokens_include_end_of_turn(gemma4_path):
     assert set(adapter.stop_token_ids()) == set(adapter.tokenizer.convert_tokens_to_ids(["<eos>", "<turn|>"]))
 
 
+# --- the prefix cache keys on image content --------------------------------------------------
+
+def test_a_second_question_about_the_same_image_reuses_its_blocks(gemma4_path, reference):
+    image = CASES["one_image"]
+    engine = load_engine(gemma4_path)
+    engine.generate("what is in the image ?", image, FORCED)
+    second = engine.generate(QUESTION, image, FORCED)
+    image_end = max(s.end for s in engine.submit("x", image).image_spans)
+    assert second.cache["vision_reused"] == 1 and second.cache["prefix_tokens_reused"] >= image_end // 16 * 16
+    assert second.token_ids == reference(gemma4_path, "one_image")
+    other = engine.generate(QUESTION, [noise_image(120, 80, seed=5)], FORCED)
+    assert other.cache["vision_reused"] == 0
+    assert other.cache["prefix_tokens_reused"] <= min(s.start for s in engine.submit("x", image).image_spans)
+
+
 # --- the KV pool ----------------------------------------------------------------------------
 
 def test_sharing_layers_never_read_their_own_pool_slices(gemma4_path):
@@ -320,6 +335,14 @@ def test_sharing_layers_never_read_their_own_pool_slices(gemma4_path):
         assert torch.equal(g, w)
     assert not torch.equal(source_changed[0], want[0])
     assert not want[1][4:].any(), "sharing layers return no K/V of their own"
+
+
+def test_the_pool_overhead_docs_state_for_an_e2b_shape():
+    """docs/families.md: one slot shape for all 35 layers holds 3.9x the K/V the E2B shape needs."""
+    from edgeinfer.testing.checkpoints_gemma4 import gemma4_config
+
+    shape = gemma4.Gemma4Shape.from_hf(gemma4_config("gemma-4-e2b").text_config)
+    assert shape.kv_values_per_token() == (12 * 256 + 3 * 512, 35 * 512) == (4608, 17920)
 
 
 # --- the CUDA-graph engine's static shapes, run eagerly off the GPU ---------------------------

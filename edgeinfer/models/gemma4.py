@@ -130,6 +130,13 @@ class Gemma4Shape:
     def owns_kv(self, i: int) -> bool:
         return self.layers[i].kv_source == i
 
+    def kv_values_per_token(self) -> tuple[int, int]:
+        """K values per token (V: as many) that the layers owning K/V need, and that a pool of
+        one slot shape (the widest layer's, for every layer) holds."""
+        owned = sum(layer.kv_heads * layer.head_dim for i, layer in enumerate(self.layers) if self.owns_kv(i))
+        slot = max(layer.kv_heads for layer in self.layers) * max(layer.head_dim for layer in self.layers)
+        return owned, slot * len(self.layers)
+
 
 def kv_sources(layer_types: list[str], shared_layers: int) -> list[int]:
     """The layer whose K/V each layer attends to: itself, or for the last ``shared_layers``
