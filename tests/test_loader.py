@@ -22,7 +22,8 @@ def test_every_family_is_registered():
     assert set(supported_architectures()) == {
         "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration", "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-        "Qwen3VLForConditionalGeneration", "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration"}
+        "Qwen3VLForConditionalGeneration", "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
+        "Gemma4ForConditionalGeneration"}
 
 
 def test_unknown_architecture_lists_the_supported_ones(checkpoint, tmp_path):
