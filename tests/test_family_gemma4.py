@@ -19,11 +19,11 @@ import torch
 
 pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
 
-from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from edgeinfer.models import gemma4  # noqa: E402
-from edgeinfer.models.gemma4 import Gemma4Adapter  # noqa: E402
-from edgeinfer.testing.checkpoints_gemma4 import make_gemma4  # noqa: E402
-from tests.conftest import noise_image  # noqa: E402
+from edgeinfer.engine import Engine, EngineConfig, SamplingParams
+from edgeinfer.models import gemma4
+from edgeinfer.models.gemma4 import Gemma4Adapter
+from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
+from tests.conftest import noise_image
 
 QUESTION = "how many circle are there ?"
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)

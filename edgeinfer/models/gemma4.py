@@ -42,7 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.errors import ModelLoadError
-from edgeinfer.models.base import FamilyAdapter, ImageInputs, PromptLayout, load_module_state
+from edgeinfer.models.base import (
+    FamilyAdapter,
+    ImageInputs,
+    PromptLayout,
+    load_module_state,
+)
 from edgeinfer.models.decoder import (
     ACTIVATIONS,
     Decoder,
@@ -110,7 +115,7 @@ class Gemma4Shape:
     pad_token_id: int = 0
 
     @classmethod
-    def from_hf(cls, text, placeholder_ids: tuple[int, ...] = ()) -> "Gemma4Shape":
+    def from_hf(cls, text, placeholder_ids: tuple[int, ...] = ()) -> Gemma4Shape:
         types = list(text.layer_types)
         sources = kv_sources(types, int(text.num_kv_shared_layers or 0))
         layers = []
@@ -269,10 +274,6 @@ class Gemma4Decoder(Decoder):
             self.ple_embed = nn.Parameter(torch.empty(shape.per_layer_vocab, cfg.num_layers * ple))
             self.ple_model_proj_t = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_layers * ple))
             self.ple_proj_norm = Gemma4RMSNorm(ple, cfg.rms_norm_eps)
-
-    @property
-    def row_width(self) -> int:
-        return self.cfg.hidden_size + ID_DIGITS
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         ids = torch.where(torch.isin(ids, self.placeholder_ids), self.shape.pad_token_id, ids)

@@ -93,7 +93,12 @@ def _gemma4_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def gemma4_config(size: str = "tiny", tok=None, **text_changes):
-    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+    from transformers import (
+        Gemma4AudioConfig,
+        Gemma4Config,
+        Gemma4TextConfig,
+        Gemma4VisionConfig,
+    )
 
     spec = GEMMA4_SIZES[size]
     ids = {} if tok is None else {t: tok.convert_tokens_to_ids(t) for t in ["<bos>", "<eos>", "<pad>", *NAMED.values(),
@@ -114,7 +119,9 @@ def make_gemma4(out: Path, size: str = "tiny", seed: int = 0, **text_changes) ->
     """``text_changes`` override text-config fields (``use_bidirectional_attention="vision"``,
     ``attention_k_eq_v=True``...)."""
     from transformers import Gemma4ForConditionalGeneration
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.image_processing_pil_gemma4 import (
+        Gemma4ImageProcessorPil,
+    )
 
     spec = GEMMA4_SIZES[size]
     tok = build_word_tokenizer(spec["text"]["vocab_size"], SPECIALS, bos="<bos>", eos="<eos>", named=NAMED)
