@@ -62,7 +62,8 @@ GEMMA4_SIZES = {
                    output_proj_dims=16),
         max_soft_tokens=70,
     ),
-    # google/gemma-4-E2B's text and vision shapes, for benchmarks.
+    # google/gemma-4-E2B's text and vision shapes as its published config gives them, for
+    # benchmarks (written from that config, not read from it: compare before publishing figures).
     "gemma-4-e2b": dict(
         text=dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
                   num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
