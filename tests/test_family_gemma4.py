@@ -410,3 +410,18 @@ def test_onnxruntime_and_tensorrt_refuse_gemma4_before_building(gemma4_path, tmp
     assert not any(tmp_path.rglob("*.onnx"))
     with pytest.raises(EngineBuildError, match="per_layer_shapes"):
         check_decoder_supported(load_model(gemma4_path).decoder.cfg)
+
+
+def test_a_quantized_checkpoint_loads_dequantized_where_products_would_stay_packed(gemma4_path, tmp_path):
+    """On a GPU a quantized checkpoint's products stay packed for the shared decoder's kernels;
+    Gemma 4's layers dequantize them and give the dense load's logits."""
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.testing.quantized import quantize_compressed_tensors
+
+    folder = quantize_compressed_tensors(gemma4_path, tmp_path / "int8", bits=8, group_size=None)
+    packed, dense = (load_model(folder, keep_packed=keep).decoder for keep in (True, False))
+    ids = torch.arange(40, 60)[None]
+    pool = torch.zeros(dense.cfg.num_layers, 2, 16, dense.cfg.num_kv_heads, dense.cfg.head_dim)
+    step = (torch.arange(20)[None], pool, pool.clone(), torch.arange(2)[None], torch.tensor([0]))
+    with torch.no_grad():
+        assert torch.equal(packed(packed.embed_tokens(ids), *step)[0], dense(dense.embed_tokens(ids), *step)[0])

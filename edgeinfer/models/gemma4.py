@@ -60,6 +60,7 @@ from edgeinfer.models.decoder import (
 )
 from edgeinfer.models.export import VisionGraph
 from edgeinfer.models.gemma3 import image_runs
+from edgeinfer.quant.weights import QuantizedWeight
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -339,8 +340,11 @@ class Gemma4Decoder(Decoder):
 
 
 def load_gemma4_weights(decoder: Gemma4Decoder, tensors: dict[str, torch.Tensor]) -> None:
-    """Fill ``decoder`` from transformers' Gemma 4 text-model tensors; missing or unexpected names are errors."""
-    remaining = dict(tensors)
+    """Fill ``decoder`` from transformers' Gemma 4 text-model tensors; missing or unexpected names are
+    errors. A quantized checkpoint's low-bit products are dequantized: the packed kernels serve
+    the shared decoder's layers only."""
+    dtype = decoder.lm_head_t.dtype
+    remaining = {n: t.dequantize(dtype) if isinstance(t, QuantizedWeight) else t for n, t in tensors.items()}
 
     def take(name: str) -> torch.Tensor:
         try:
