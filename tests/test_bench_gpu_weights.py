@@ -170,6 +170,16 @@ def test_decode_bytes_are_the_decoders_tensors_as_stored(quantized):
     assert got.head == dense.head and got.embedding_row == dense.embedding_row  # both stay as they were
 
 
+def test_dense_tensors_count_at_the_dtype_the_engine_runs(quantized):
+    """An fp32 checkpoint run in bf16 is converted at load: its dense tensors are read at two bytes
+    a value, its packed layers as stored."""
+    source, _, folder = quantized
+    as_stored, in_bf16 = decode_weight_bytes(source), decode_weight_bytes(source, 2)
+    assert in_bf16.dense * 2 == as_stored.dense and in_bf16.head * 2 == as_stored.head
+    packed, packed_bf16 = decode_weight_bytes(folder), decode_weight_bytes(folder, 2)
+    assert packed_bf16.quantized == packed.quantized and packed_bf16.dense * 2 == packed.dense
+
+
 def test_a_tied_head_reads_the_whole_embedding(checkpoint):
     folder = checkpoint("qwen2_5_vl")  # tie_word_embeddings: no lm_head stored
     tensors = _stored(folder)
@@ -237,14 +247,14 @@ def test_each_engines_record_states_the_weights_it_ran(quantized):
 
     source, _, folder = quantized
     for fmt, checkpoint, peer in (("fp32", source, True), ("w4a16", folder, False)):
-        record = weight_record(fmt, checkpoint, peer)
+        record = weight_record(fmt, checkpoint, peer, "float32")
         assert record["weights"] == fmt and record["checkpoint"] == str(checkpoint)
-        assert record["decode_weight_bytes"] == decode_weight_bytes(checkpoint).to_dict()
+        assert record["decode_weight_bytes"] == decode_weight_bytes(checkpoint, 4).to_dict()
         tensors = _stored(checkpoint)
         assert record["weight_bytes"] == _nbytes(tensors, lambda n: True)
         assert ("weights_note" in record) == peer
-    assert weight_record("w4a16", folder, False)["weight_format"] == "compressed-tensors W4A16 g32"
-    assert "transformers runs the fp32 checkpoint only" in weight_record("fp32", source, True)["weights_note"]
+    assert weight_record("w4a16", folder, False, "float32")["weight_format"] == "compressed-tensors W4A16 g32"
+    assert "transformers runs the fp32 checkpoint only" in weight_record("fp32", source, True, "float32")["weights_note"]
 
 
 @pytest.mark.slow

@@ -223,15 +223,19 @@ def prepare_weights(spec: GpuBenchSpec, cache: Path, steps=None,
     return checkpoints
 
 
-def weight_record(fmt: str, checkpoint: Path, peer: bool) -> dict[str, Any]:
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def weight_record(fmt: str, checkpoint: Path, peer: bool, dtype: str) -> dict[str, Any]:
     """What an engine's raw record says of the weights it ran: format, folder, bytes as stored,
-    and the decoder bytes one decode step reads."""
+    and the decoder bytes one decode step reads when it runs in ``dtype`` (dense tensors are
+    converted to it at load; quantized ones stay as stored)."""
     from edgeinfer.quant.footprint import decode_weight_bytes, weight_footprint
 
     footprint = weight_footprint(checkpoint)
     record = {"weights": fmt, "checkpoint": str(checkpoint), "weight_format": footprint.format,
               "weight_bytes": footprint.total_bytes, "quantized_weight_bytes": footprint.quantized_bytes,
-              "decode_weight_bytes": decode_weight_bytes(checkpoint).to_dict()}
+              "decode_weight_bytes": decode_weight_bytes(checkpoint, DTYPE_BYTES[dtype]).to_dict()}
     if peer:
         record["weights_note"] = f"transformers runs the {fmt} checkpoint only"
     return record
@@ -370,7 +374,8 @@ def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
             report.environment = out["environment"]
         else:
             kind = task.removeprefix("gpu-")
-            report.results[name] = {**out, "kind": kind, **weight_record(fmt, checkpoint, peer=kind != OURS)}
+            report.results[name] = {**out, "kind": kind, **weight_record(fmt, checkpoint, peer=kind != OURS,
+                                                                                    dtype=spec.dtype)}
     return report
 
 

@@ -5,6 +5,7 @@ reads from them, for the benchmarks' byte roofline."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from edgeinfer.quant.formats import read_quant_scheme
 
 # The tensor names that mark a quantized layer (compressed-tensors, then GPTQ / AWQ).
 PACKED_MARKERS = (".weight_packed", ".qweight")
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 # Stored beside a packed layer and never read by a decode step: its dense shape, as metadata.
 METADATA_SUFFIXES = (".weight_shape",)
 # The decoder's tensors under the family adapters' canonical names (``text.*``).
@@ -131,14 +133,24 @@ def _text_names(model_dir: Path, names: list[str]) -> dict[str, str]:
     return {name: new for name, new in mapping.items() if new.startswith(TEXT_PREFIX)}
 
 
-def decode_weight_bytes(model_dir: str | Path) -> DecodeWeightBytes:
-    """The decoder bytes one decode step of the checkpoint in ``model_dir`` reads, as stored
-    (read from the safetensors headers; no tensor is loaded)."""
+def decode_weight_bytes(model_dir: str | Path, run_dtype_bytes: int | None = None) -> DecodeWeightBytes:
+    """The decoder bytes one decode step of the checkpoint in ``model_dir`` reads (read from the
+    safetensors headers; no tensor is loaded). Quantized layers count as stored (the engine keeps
+    them so); dense floating-point tensors count at ``run_dtype_bytes`` per value when given, since
+    a load in another dtype than the checkpoint's converts them (an fp32 file run in bf16 reads half)."""
     model_dir = Path(model_dir)
     read_quant_scheme(model_dir)  # a format a load would refuse is refused here too
     entries = {name: meta for file in _weight_files(model_dir) for name, meta in _header(file).items()}
     text = _text_names(model_dir, list(entries))
-    sizes = {text[name]: meta["data_offsets"][1] - meta["data_offsets"][0] for name, meta in entries.items()
+    packed_layers = {name.rsplit(".", 1)[0] for name in entries if name.endswith(PACKED_MARKERS)}
+
+    def size(name: str, meta: dict) -> int:
+        stored = meta["data_offsets"][1] - meta["data_offsets"][0]
+        if run_dtype_bytes is None or meta["dtype"] not in FLOAT_DTYPES or name.rsplit(".", 1)[0] in packed_layers:
+            return stored
+        return math.prod(meta["shape"]) * run_dtype_bytes
+
+    sizes = {text[name]: size(name, meta) for name, meta in entries.items()
              if name in text and not name.endswith(METADATA_SUFFIXES) and text[name] not in UNREAD}
     if EMBEDDING not in sizes:
         raise ModelLoadError(f"{model_dir}: the decoder has no {EMBEDDING.removeprefix(TEXT_PREFIX)}")
