@@ -242,10 +242,24 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             except ValueError as exc:
                 self.fused_off = str(exc)
         self.weight_layout = self._lay_out(decoder, take_decoder)
+        self._tune_fused()
         # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
         # Every layer has the same code and shapes, so one compilation serves all of them.
         self._layer_fn = with_variants(torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True)) \
             if compile_layers else None
+
+    def _tune_fused(self) -> None:
+        """Time the fused step's tiles at load. Left to its first use, the timing (a few seconds of
+        compiling and replaying every candidate) fell on the first request whose prompt was mostly a
+        cached prefix. A failure falls back to the compiled layers, with a warning."""
+        if self._fused is None or self.device.type != "cuda":
+            return
+        try:
+            self._fused.tune()
+        except Exception as exc:  # noqa: BLE001 - any kernel or compiler failure has a fallback
+            self.fused_off = f"{type(exc).__name__}: {exc}"[:500]
+            self._fused = None
+            warnings.warn(f"fused decode kernels failed, using compiled layers: {self.fused_off}")
 
     def _lay_out(self, decoder: Decoder, take_decoder: bool) -> dict | None:
         """The weight layout the decode step reads, re-laying out ``decoder`` only where it was handed over."""
