@@ -21,13 +21,14 @@
 #   decode-vs-batch.png     the plot of both gpu files (only where matplotlib is installed: pip install -e '.[plot]')
 #   round.log               everything the commands printed
 # Checkpoints (random weights, published shapes) are built under $EDGEINFER_BENCH_CACHE (default
-# OUT/checkpoints), about 9 GB for Qwen2-VL-2B (its W8A16 and W4A16 copies, written on the CPU
+# OUT/checkpoints), about 9 GB for Qwen2-VL-2B (its W8A16, W4A16 and W4A16-with-int8-head copies, written on the CPU
 # the first time, add about 5.6 GB). No network is used.
 #
 # Budget: the first three steps took about 12 minutes of GPU time on an H200 (most of it
 # transformers' compilation, once per batch size); the newer-family, sleep and serve steps add
-# more (Gemma-3-4B's transformers compile alone passed 4.5 minutes); the weights step, not yet
-# timed, quantizes twice on the CPU the first time and loads ours three times. Every step goes on when
+# more (Gemma-3-4B's transformers compile alone passed 4.5 minutes); the weights step quantizes
+# three times on the CPU the first time (about 15 s each on 16 cores) and runs ours once per
+# format (70-105 s each at batch 1, 4 and 16). Every step goes on when
 # an earlier one failed; the script exits non-zero if any did.
 set -euo pipefail
 
@@ -75,7 +76,7 @@ step gpu-smolvlm-256m bench gpu --shape smolvlm-256m --cache "$CACHE" --out "$OU
     --kinds ours,transformers-static,transformers-dynamic
 step gpu-qwen2-vl-2b-weights bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT" \
     --image-size 1024x768 --batch-sizes 1,4,16 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
-    --weights bf16,w8a16,w4a16 --group-size 128 --kinds ours
+    --weights bf16,w8a16,w4a16,w4a16-h8 --group-size 128 --kinds ours
 step kv-cuda bench kv --device cuda --dtype bfloat16 --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
     --parts resume,overhead,round_robin,peer,drift --repeats 3 --sessions 8 --rounds 3 --new-tokens 16
 for shape in qwen3-vl-2b gemma-3-4b; do
