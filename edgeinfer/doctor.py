@@ -347,16 +347,25 @@ def check_model_files(model_dir: Path) -> list[Check]:
     return checks
 
 
-def check_model_weights(model_dir: Path) -> Check:
-    """The checkpoint's weight format and bytes; an unsupported quantization format fails."""
+def check_model_weights(model_dir: Path, profile: DeviceProfile | None = None) -> Check:
+    """The checkpoint's weight format and bytes, and on a GPU profile what its packed layers leave
+    the KV pool; an unsupported quantization format fails."""
     try:
         from edgeinfer.quant.footprint import weight_footprint
     except ImportError as exc:
         return _warn("model weights", f"weight format not read: {exc}")
     try:
-        return _pass("model weights", weight_footprint(model_dir).describe())
+        footprint = weight_footprint(model_dir)
     except EdgeInferError as exc:
         return _fail("model weights", str(exc), "use a dense checkpoint or one in a supported format")
+    detail = footprint.describe()
+    if profile is not None and footprint.quantized_layers and profile.runtime.device.startswith("cuda"):
+        dtype_bytes = 4 if profile.runtime.dtype == "float32" else 2
+        saved = footprint.saved_bytes(dtype_bytes) // 2**20
+        budget = profile.memory.kv_device_budget_mb
+        detail += (f"; on {profile.name} the decoder keeps them packed, so the KV pool gets up to {saved} MiB "
+                   f"more than the dense model would leave: {budget} + {saved} = {budget + saved} MiB")
+    return _pass("model weights", detail)
 
 
 # --------------------------------------------------------------------------- engines
@@ -435,7 +444,7 @@ def run_checks(*, root: str | Path = "/", model_dir: Path | None = None, engines
     gpu = check_gpu_memory(device, chosen) if chosen else None
     checks += [gpu] if gpu else []
     if model_dir is not None:
-        checks += [check_model_architecture(model_dir), *check_model_files(model_dir), check_model_weights(model_dir)]
+        checks += [check_model_architecture(model_dir), *check_model_files(model_dir), check_model_weights(model_dir, chosen)]
     return checks + check_engines(engines_dir, env, device)
 
 

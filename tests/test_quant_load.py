@@ -360,6 +360,23 @@ def test_weight_footprint_counts_the_packed_bytes(quantized, checkpoint):
     assert dense.total_bytes - packed.total_bytes > layer_bytes / 2
 
 
+def test_doctor_says_what_packed_layers_leave_the_kv_pool_on_a_gpu_profile(quantized):
+    from edgeinfer.doctor import check_model_weights
+    from edgeinfer.profiles import load_profile
+    from edgeinfer.quant.footprint import weight_footprint
+
+    path = quantized("qwen2_vl", "w4a16_g32")
+    model = load_model(path, keep_packed=True)
+    values = sum(w.shape[0] * w.shape[1] for w in model.quantized.weights.values())
+    footprint = weight_footprint(path)
+    assert footprint.quantized_values == values
+    assert footprint.saved_bytes(2) == values * 2 - footprint.quantized_bytes
+    cuda = check_model_weights(path, load_profile("cuda"))
+    saved = footprint.saved_bytes(2) // 2**20
+    assert cuda.status == "pass" and f"4096 + {saved} = {4096 + saved} MiB" in cuda.detail
+    assert "packed" not in check_model_weights(path, load_profile("cpu")).detail  # the CPU dequantizes
+
+
 def test_doctor_fails_an_unsupported_format(quantized, tmp_path):
     from edgeinfer.doctor import check_model_weights
 

@@ -213,3 +213,17 @@ def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, t
     print(f"w4_g32 {'batched' if together else 'batch 1'}: first divergence packed vs dense (None = identical): "
           f"{positions}")
     assert all(p is None or p > 0 for p in positions)
+
+
+def test_what_packed_products_save_goes_to_the_kv_budget(quantized):
+    from edgeinfer.quant.packed import bytes_saved
+
+    model = load_model(quantized("w4_g32"), keep_packed=True)
+    packed = [m for m in model.decoder.modules() if isinstance(m, PackedMatrix)]
+    dense_bytes = sum(m.shape[0] * m.shape[1] * 2 for m in packed)
+    saved = bytes_saved(model.decoder, torch.bfloat16)
+    assert saved == dense_bytes - sum(m.nbytes for m in packed) and 0 < saved < dense_bytes
+    assert bytes_saved(load_model(quantized("w4_g32"), keep_packed=False).decoder, torch.bfloat16) == 0
+    config = EngineConfig(kv_budget_mb=512)
+    assert config.grown_by(300 * 2**20).kv_budget_mb == 812
+    assert EngineConfig(kv_budget_mb=512, num_blocks=64).grown_by(300 * 2**20).kv_budget_mb == 512  # as configured

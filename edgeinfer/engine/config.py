@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,6 +74,14 @@ class EngineConfig:
             disk_dir=self.disk_dir, high_watermark=self.high_watermark, low_watermark=self.low_watermark,
             available_floor_mb=self.available_floor_mb, policy=self.kv_policy, prefix_cache=self.prefix_cache,
             pin_host=self.device.startswith("cuda") and not self.unified_memory and torch.cuda.is_available())
+
+    def grown_by(self, saved_bytes: int) -> "EngineConfig":
+        """This config with the KV budget grown by ``saved_bytes``: what low-bit weights kept packed
+        save against the dense model a profile's memory plan leaves room for. A configured block
+        count stays as it is."""
+        if self.num_blocks is not None or saved_bytes < 2**20:
+            return self
+        return replace(self, kv_budget_mb=self.kv_budget_mb + saved_bytes // 2**20)
 
     @classmethod
     def from_profile(cls, profile) -> "EngineConfig":

@@ -42,6 +42,7 @@ from edgeinfer.kv.manager import KVManager
 from edgeinfer.kv.metrics import KVMetrics
 from edgeinfer.kv.pool import BlockPool, KVCache
 from edgeinfer.models.loader import LoadedModel, load_model
+from edgeinfer.quant.packed import bytes_saved
 from edgeinfer.preflight import ImageRules
 from edgeinfer.profiles import ImageLimits
 
@@ -345,6 +346,9 @@ class Engine:
             config = replace(config, profile_name=device_profile.name)
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
         engines = open_engines(chosen, model, device_profile, config, engines_root)
+        if device_profile is not None and engines.backend == Backend.TORCH.value:
+            # The profile's plan left room for dense weights: what packed ones save goes to the KV pool.
+            config = config.grown_by(bytes_saved(model.decoder, config.torch_dtype))
         recipe = LoadRecipe(Path(path), chosen, device_profile, engines_root, trust_remote_code)
         return cls(model, config, engines, profile=device_profile, recipe=recipe)
 

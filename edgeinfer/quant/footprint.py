@@ -32,12 +32,18 @@ class WeightFootprint:
     total_bytes: int  # every tensor of the checkpoint
     quantized_layers: int
     quantized_bytes: int  # the packed values, scales and zero points of those layers
+    quantized_values: int = 0  # the weights those layers hold, as a dense model would
 
     def describe(self) -> str:
         line = f"{self.format}, {self.total_bytes / 2**20:.1f} MiB of weights"
         if self.quantized_layers:
             line += f" ({self.quantized_layers} quantized layers: {self.quantized_bytes / 2**20:.1f} MiB)"
         return line
+
+    def saved_bytes(self, dtype_bytes: int) -> int:
+        """What the quantized layers, kept packed, save against the same layers dense at ``dtype_bytes``
+        a value (at most: a product the GPU kernels cannot read packed is held dense)."""
+        return max(0, self.quantized_values * dtype_bytes - self.quantized_bytes)
 
 
 def _header(file: Path) -> dict:
@@ -78,7 +84,18 @@ def weight_footprint(model_dir: str | Path) -> WeightFootprint:
         for name, meta in entries.items():
             dtypes[meta["dtype"]] += sizes[name]
         label = f"dense {dtypes.most_common(1)[0][0] if dtypes else 'empty'}"
-    return WeightFootprint(label, sum(sizes.values()), len(layers), quantized)
+    values = sum(_dense_values(name, meta["shape"], scheme) for name, meta in entries.items()
+                 if name.endswith(PACKED_MARKERS))
+    return WeightFootprint(label, sum(sizes.values()), len(layers), quantized, values)
+
+
+def _dense_values(name: str, shape: list[int], scheme) -> int:
+    """The weights a packed tensor (``weight_packed`` / ``qweight``) holds: 32/b values to a word,
+    packed along the input (compressed-tensors, GPTQ) or the output (AWQ)."""
+    layer = name.rsplit(".", 1)[0]
+    weight_scheme = scheme.scheme_for(layer) if scheme is not None else None
+    bits = weight_scheme.bits if weight_scheme is not None else 4
+    return math.prod(shape) * (32 // bits)
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,3 +144,9 @@ def pack_product(weights: list[QuantizedWeight]) -> PackedMatrix:
     shape = (codes.shape[0], first.shape[1])
     group_size = first.group_size if first.group_size < first.shape[1] else first.shape[1]
     return PackedMatrix(_pack_columns(codes, first.bits), scales, zeros, first.bits, group_size, shape)
+
+
+def bytes_saved(module: nn.Module, dtype: torch.dtype) -> int:
+    """What the packed products under ``module`` save against the same products dense in ``dtype``."""
+    return sum(m.shape[0] * m.shape[1] * dtype.itemsize - m.nbytes for m in module.modules()
+               if isinstance(m, PackedMatrix))
