@@ -24,6 +24,7 @@ from edgeinfer.models import gemma4
 from edgeinfer.models.gemma4 import Gemma4Adapter
 from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
 from tests.conftest import noise_image
+from tests.test_family_gemma3 import hf_generate
 
 QUESTION = "how many circle are there ?"
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
@@ -92,11 +93,6 @@ def hf_inputs(engine: Engine, prompt_ids: list[int], images) -> dict:
         inputs |= {"pixel_values": processed["pixel_values"], "image_position_ids": processed["image_position_ids"],
                    "mm_token_type_ids": (ids == adapter.image_token_id).long()}
     return inputs
-
-
-def hf_generate(model, inputs: dict, new_tokens: int = 32) -> list[int]:
-    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def generate(path, case: str, **config) -> list[int]:
