@@ -145,7 +145,8 @@ class MmConfig:
     stages: int = 3
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The least power of two ≥ ``n``."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -158,7 +159,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _tile_k(layout: PackedLayout, want: int) -> int:
     """A K tile of at least 16 columns per class (a dot's least K), ``want`` where the row is long enough."""
-    return max(16 * 32 // layout.bits, min(want, _pow2(layout.k)))
+    return max(16 * 32 // layout.bits, min(want, pow2(layout.k)))
 
 
 def mm_config(layout: PackedLayout, rows: int, device: torch.device) -> MmConfig:
@@ -166,7 +167,7 @@ def mm_config(layout: PackedLayout, rows: int, device: torch.device) -> MmConfig
     per multiprocessor (a decode product has few outputs and a long K)."""
     bn = 32 if layout.n >= 4096 else 16
     bk = _tile_k(layout, 128)
-    programs = triton.cdiv(layout.n, bn) * triton.cdiv(rows, max(16, _pow2(rows)))
+    programs = triton.cdiv(layout.n, bn) * triton.cdiv(rows, max(16, pow2(rows)))
     split = 1
     while programs * split < 2 * _sm_count(device) and layout.k // (bk * split * 2) >= 2:
         split *= 2
@@ -194,7 +195,7 @@ _TUNED: dict[tuple, MmConfig] = {}
 def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedLayout) -> MmConfig:
     """The fastest of :func:`mm_candidates` for ``x``'s row tile on this device, timed with the L2
     cache flushed between calls (a decode step reads each weight from memory)."""
-    bm = max(16, _pow2(x.shape[0]))
+    bm = max(16, pow2(x.shape[0]))
     key = (layout, bm, zeros is not None, x.dtype, x.device)
     if key in _TUNED:
         return _TUNED[key]
@@ -218,7 +219,7 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
         raise ValueError(f"packed_mm takes at most {MAX_DOT_ROWS} rows, got {m}: dequantize and use a GEMM")
     x = x.contiguous()
     cfg = config or tuned_config(x, codes, scales, zeros, layout)
-    bm = max(16, _pow2(m))
+    bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     if cfg.split == 1:
         y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)

@@ -41,7 +41,7 @@ class PackedMatrix(nn.Module):
         n, k = self.shape
         one_group = self.group_size >= k
         return kernels.PackedLayout(n, k, self.bits, self.scales.shape[1],
-                                    kernels._pow2(k) if one_group else self.group_size)
+                                    kernels.pow2(k) if one_group else self.group_size)
 
     @property
     def nbytes(self) -> int:
