@@ -24,7 +24,7 @@ from edgeinfer.models import gemma4
 from edgeinfer.models.gemma4 import Gemma4Adapter
 from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
 from tests.conftest import noise_image
-from tests.test_family_gemma3 import hf_generate
+from tests.test_family_gemma3 import hf_generate, load_engine
 
 QUESTION = "how many circle are there ?"
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
@@ -77,11 +77,6 @@ def reference():
         return done[path, case]
 
     return get
-
-
-def load_engine(path, prefill_chunk: int = 512, **config) -> Engine:
-    return Engine.load(path, config=EngineConfig(block_size=16, num_blocks=256, prefill_chunk=prefill_chunk,
-                                                 **config))
 
 
 def hf_inputs(engine: Engine, prompt_ids: list[int], images) -> dict:
