@@ -126,7 +126,7 @@ if triton is not None:
 
 
 @dataclass(frozen=True, slots=True)
-class PackedLayout:
+class PackedGeometry:
     """What the kernels need to know of a packed weight besides its tensors."""
 
     n: int
@@ -157,12 +157,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tile_k(layout: PackedLayout, want: int) -> int:
+def _tile_k(layout: PackedGeometry, want: int) -> int:
     """A K tile of at least 16 columns per class (a dot's least K), ``want`` where the row is long enough."""
     return max(16 * 32 // layout.bits, min(want, pow2(layout.k)))
 
 
-def mm_config(layout: PackedLayout, rows: int, device: torch.device) -> MmConfig:
+def mm_config(layout: PackedGeometry, rows: int, device: torch.device) -> MmConfig:
     """Tiles for ``rows`` rows: narrow N tiles, and K split until there are about two programs
     per multiprocessor (a decode product has few outputs and a long K)."""
     bn = 32 if layout.n >= 4096 else 16
@@ -174,7 +174,7 @@ def mm_config(layout: PackedLayout, rows: int, device: torch.device) -> MmConfig
     return MmConfig(bn, bk, split)
 
 
-def mm_candidates(layout: PackedLayout) -> list[MmConfig]:
+def mm_candidates(layout: PackedGeometry) -> list[MmConfig]:
     """The tiles :func:`tuned_config` times: narrow and wide N tiles, short and long K tiles, K split
     up to eight ways where the row is long enough."""
     out = []
@@ -192,7 +192,7 @@ def mm_candidates(layout: PackedLayout) -> list[MmConfig]:
 _TUNED: dict[tuple, MmConfig] = {}
 
 
-def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedLayout) -> MmConfig:
+def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig:
     """The fastest of :func:`mm_candidates` for ``x``'s row tile on this device, timed with the L2
     cache flushed between calls (a decode step reads each weight from memory)."""
     bm = max(16, pow2(x.shape[0]))
@@ -211,7 +211,7 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedLayout) ->
 
 
 def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-              layout: PackedLayout, config: MmConfig | None = None) -> torch.Tensor:
+              layout: PackedGeometry, config: MmConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` [M, K] with M ≤ :data:`MAX_DOT_ROWS`, ``W`` the packed [N, K] weight;
     ``config`` None: :func:`tuned_config`."""
     m = x.shape[0]
@@ -233,7 +233,7 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     return y if cfg.split == 1 else y.sum(0).to(x.dtype)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, layout: PackedLayout,
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, layout: PackedGeometry,
                dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] weight in ``dtype``."""
     w = torch.empty(layout.n, layout.k, dtype=dtype, device=codes.device)

@@ -37,10 +37,10 @@ class PackedMatrix(nn.Module):
         self.shape = shape
 
     @property
-    def layout(self) -> kernels.PackedLayout:
+    def layout(self) -> kernels.PackedGeometry:
         n, k = self.shape
         one_group = self.group_size >= k
-        return kernels.PackedLayout(n, k, self.bits, self.scales.shape[1],
+        return kernels.PackedGeometry(n, k, self.bits, self.scales.shape[1],
                                     kernels.pow2(k) if one_group else self.group_size)
 
     @property
@@ -50,8 +50,8 @@ class PackedMatrix(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for ``x`` [..., in], in ``x``'s dtype."""
         layout = self.layout
-        return torch.ops.edgeinfer.packed_linear(x, self.codes, self.scales, self.zeros, layout.bits,
-                                                 layout.group_constexpr, layout.groups)
+        return packed_linear(x, self.codes, self.scales, self.zeros, layout.bits, layout.group_constexpr,
+                             layout.groups)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``[out, in]`` weight in ``dtype``."""
@@ -61,13 +61,13 @@ class PackedMatrix(nn.Module):
         return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}"
 
 
-def _dequantize(codes, scales, zeros, layout: kernels.PackedLayout, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(codes, scales, zeros, layout: kernels.PackedGeometry, dtype: torch.dtype) -> torch.Tensor:
     if kernels.usable(codes.device):
         return kernels.dequantize(codes, scales, zeros, layout, dtype)
     return dequantize_with_torch(codes, scales, zeros, layout, dtype)
 
 
-def dequantize_with_torch(codes, scales, zeros, layout: kernels.PackedLayout, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_with_torch(codes, scales, zeros, layout: kernels.PackedGeometry, dtype: torch.dtype) -> torch.Tensor:
     """The dense ``[N, K]`` weight by plain torch ops: where Triton is missing, and the kernels' reference."""
     shifts = torch.arange(0, 32, layout.bits, dtype=torch.int32, device=codes.device)
     u = ((codes.unsqueeze(-1) >> shifts) & ((1 << layout.bits) - 1)).reshape(layout.n, -1)[:, :layout.k]
@@ -76,13 +76,17 @@ def dequantize_with_torch(codes, scales, zeros, layout: kernels.PackedLayout, dt
     return ((u.to(scales.dtype) - z) * scales[:, group]).to(dtype)
 
 
-@torch.library.custom_op("edgeinfer::packed_linear", mutates_args=())
+# The op's library namespace: torch.compile and CUDA graphs take the op as one opaque call.
+OP_LIBRARY = "edgeinfer"
+
+
+@torch.library.custom_op(f"{OP_LIBRARY}::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                   bits: int, group_size: int, groups: int) -> torch.Tensor:
     """``x @ W.T`` with W packed (see :class:`PackedMatrix`): the low-bit kernel for a few rows,
     dequantize + GEMM for a prompt's many."""
     k = x.shape[-1]
-    layout = kernels.PackedLayout(codes.shape[0], k, bits, groups, group_size)
+    layout = kernels.PackedGeometry(codes.shape[0], k, bits, groups, group_size)
     rows = x.reshape(-1, k)
     if rows.shape[0] <= kernels.MAX_DOT_ROWS and kernels.usable(x.device):
         y = kernels.packed_mm(rows, codes, scales, zeros, layout)
