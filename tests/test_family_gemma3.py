@@ -221,10 +221,18 @@ def test_a_different_image_behind_the_same_tokens_never_matches(gemma3):
 def test_cuda_graph_static_steps_match_the_decoder(gemma3):
     """Whole blocks under the window masks (what the graphs capture) give ``Decoder.forward``'s
     logits and K/V, for contexts inside and well past the sliding window."""
-    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
     from edgeinfer.models.loader import load_model
 
     decoder = load_model(gemma3).decoder
+    assert_static_steps_match(decoder, lambda tokens, gen: torch.randn(1, tokens, decoder.cfg.hidden_size,
+                                                                       generator=gen))
+
+
+def assert_static_steps_match(decoder, inputs) -> None:
+    """The CUDA-graph engine's static steps, run eagerly, against ``decoder.forward`` on a scattered
+    pool; ``inputs(tokens, generator)`` makes the [1, tokens, width] inputs."""
+    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
+
     engine = CudaGraphDecoderEngine(decoder, 4, 8, compile_layers=False)
     cfg = decoder.cfg
     gen = torch.Generator().manual_seed(0)
@@ -232,7 +240,7 @@ def test_cuda_graph_static_steps_match_the_decoder(gemma3):
     v_pool = torch.randn(k_pool.shape, generator=gen)
     table = torch.randperm(16, generator=gen)[:8][None]
     for context, tokens in ((0, 5), (3, 1), (13, 1), (13, 4), (27, 1)):
-        x = torch.randn(1, tokens, cfg.hidden_size, generator=gen)
+        x = inputs(tokens, gen)
         positions = (context + torch.arange(tokens))[None]
         lens = torch.tensor([context])
         with torch.no_grad():

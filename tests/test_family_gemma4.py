@@ -24,7 +24,7 @@ from edgeinfer.models import gemma4
 from edgeinfer.models.gemma4 import Gemma4Adapter
 from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
 from tests.conftest import noise_image
-from tests.test_family_gemma3 import hf_generate, load_engine
+from tests.test_family_gemma3 import assert_static_steps_match, hf_generate, load_engine
 
 QUESTION = "how many circle are there ?"
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
@@ -341,29 +341,11 @@ def test_the_pool_overhead_docs_state_for_an_e2b_shape():
 def test_cuda_graph_static_steps_match_the_decoder(gemma4_path):
     """Whole blocks under the window masks (what the graphs capture) give ``Decoder.forward``'s
     logits and K/V, for contexts inside and well past the sliding window."""
-    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
     from edgeinfer.models.loader import load_model
 
     decoder = load_model(gemma4_path).decoder
-    engine = CudaGraphDecoderEngine(decoder, 4, 8, compile_layers=False)
-    cfg = decoder.cfg
-    gen = torch.Generator().manual_seed(0)
-    k_pool = torch.randn(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, generator=gen)
-    v_pool = torch.randn(k_pool.shape, generator=gen)
-    table = torch.randperm(16, generator=gen)[:8][None]
-    for context, tokens in ((0, 5), (3, 1), (13, 1), (13, 4), (27, 1)):
-        x = decoder.embed_tokens(torch.randint(20, 500, (1, tokens), generator=gen))
-        positions = (context + torch.arange(tokens))[None]
-        lens = torch.tensor([context])
-        with torch.no_grad():
-            want = decoder(x, positions, k_pool, v_pool, table, lens)
-            if tokens == 1:
-                got = engine._static_step(x, positions, k_pool, v_pool, table, lens)
-            else:
-                got = engine._prefill_step(x, positions, k_pool, v_pool, table, lens, torch.tensor([tokens - 1]),
-                                           past=context > 0)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert_static_steps_match(decoder, lambda tokens, gen: decoder.embed_tokens(
+        torch.randint(20, 500, (1, tokens), generator=gen)))
 
 
 def test_the_fused_triton_step_refuses_gemma4_layers(gemma4_path):
