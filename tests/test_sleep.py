@@ -198,7 +198,11 @@ def test_fifty_sleep_wake_cycles_under_load_fail_no_request(checkpoint):
                 level = 2 if cycle % 10 == 9 else 1
                 assert admin.post(f"/sleep?level={level}").status_code == 200
                 if cycle % 2:
-                    assert admin.post("/wake_up").status_code == 200  # else a request wakes it
+                    assert admin.post("/wake_up").status_code == 200
+                else:  # a request wakes it; the next sleep must find it awake, or it would be a no-op
+                    deadline = time.monotonic() + 60
+                    while admin.get("/is_sleeping").json()["is_sleeping"] and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 time.sleep(0.02)
             stop.set()
             for future in clients:
