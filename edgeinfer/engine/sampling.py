@@ -242,8 +242,8 @@ class SamplingState:
         greedy = logits.argmax(-1)
         if not self.kind.draws:
             return greedy
-        probs, order = filtered_sorted(logits, self)
-        drawn = draw_sorted(probs, order, uniforms(self.ints[1], self.counters))
+        weights, order = filtered_sorted(logits, self)
+        drawn = draw_sorted(weights, order, uniforms(self.ints[1], self.counters))
         return torch.where(self.temperature > 0, drawn, greedy)
 
     def advance(self, ids: torch.Tensor, valid: torch.Tensor) -> None:
@@ -278,28 +278,34 @@ def penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
 
 def filtered_sorted(logits: torch.Tensor, state: SamplingState) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' distributions after temperature, top-k, min-p and top-p, each sorted from most
-    to least likely: (probabilities [B, vocab], zero where dropped; vocabulary ids [B, vocab])."""
+    to least likely: (weights [B, vocab], proportional to the probabilities and zero where
+    dropped, 1 for the most likely token; vocabulary ids [B, vocab]).
+
+    One sort and one running sum: a token's weight ``exp(l - l_max)`` is its probability over the
+    most likely token's, which is what min-p compares, and whatever top-k and min-p keep is a
+    prefix of the order, so the running sum of kept weights is the mass top-p needs. (Two
+    softmaxes over the vocabulary took longer than the sort at one row.)"""
     temperature, top_p, min_p = (k[:, None] for k in state.knobs[:3])
     vocab = logits.shape[-1]
     scaled = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     top_k = state.ints[0][:, None]
     ranks = torch.arange(vocab, device=logits.device)[None]
-    keep = ranks < torch.where(top_k > 0, top_k, vocab)
-    probs = ordered.masked_fill(~keep, float("-inf")).softmax(-1)
-    keep = keep & (probs >= min_p * probs[:, :1])  # the most likely token is always kept
-    probs = ordered.masked_fill(~keep, float("-inf")).softmax(-1)
-    before = probs.cumsum(-1) - probs  # the mass of the more likely tokens: the one that crosses top_p is kept
-    keep = keep & ((before <= top_p) | (top_p >= 1.0))
-    return probs.masked_fill(~keep, 0.0), order
+    weights = torch.exp(ordered - ordered[:, :1])
+    keep = (ranks < torch.where(top_k > 0, top_k, vocab)) & (weights >= min_p)  # the first token is always kept
+    weights = weights.masked_fill(~keep, 0.0)
+    mass = weights.cumsum(-1)
+    before = mass - weights  # the mass of the more likely tokens: the one that crosses top_p is kept
+    keep = keep & ((before <= top_p * mass[:, -1:]) | (top_p >= 1.0))
+    return weights.masked_fill(~keep, 0.0), order
 
 
-def draw_sorted(probs: torch.Tensor, order: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """[B] ids by inverse CDF: the first sorted token whose cumulative mass exceeds
-    ``uniform`` [B] times the row's total; never a token of zero probability."""
-    cdf = probs.cumsum(-1)
+def draw_sorted(weights: torch.Tensor, order: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[B] ids by inverse CDF: the first sorted token whose cumulative weight exceeds
+    ``uniform`` [B] times the row's total; never a token of zero weight."""
+    cdf = weights.cumsum(-1)
     index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
-    last = ((probs > 0).sum(-1, keepdim=True) - 1).clamp(min=0)  # the kept tokens are a prefix of the order
+    last = ((weights > 0).sum(-1, keepdim=True) - 1).clamp(min=0)  # the kept tokens are a prefix of the order
     return order.gather(1, torch.minimum(index, last))[:, 0]
 
 
@@ -307,5 +313,5 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """The distribution one sampled row draws from, in vocabulary order, for float32 ``logits``
     [vocab] (penalties are left out: they need the row's tokens)."""
     state = SamplingRows((params,), (0,), ((),), ((),)).state(logits.shape[-1], logits.device)
-    probs, order = filtered_sorted(logits[None], state)
-    return torch.zeros_like(probs).scatter(1, order, probs / probs.sum(-1, keepdim=True))[0]
+    weights, order = filtered_sorted(logits[None], state)
+    return torch.zeros_like(weights).scatter(1, order, weights / weights.sum(-1, keepdim=True))[0]
