@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,9 @@ def test_weight_formats_parse_in_order_once_and_match_the_dtype():
 def test_ours_runs_every_format_and_the_peers_the_checkpoint_as_it_is():
     spec = GpuBenchSpec(Path("/m/qwen2-vl-2b"), kinds=("ours", "transformers-static"),
                         weights=("bf16", "w8a16", "w4a16"))
-    assert spec.engines() == [("ours", "ours", "bf16"), ("ours-w8a16", "ours", "w8a16"),
-                              ("ours-w4a16", "ours", "w4a16"), ("transformers-static", "transformers-static", "bf16")]
+    assert spec.engines() == [("ours", "ours", "bf16", "greedy"), ("ours-w8a16", "ours", "w8a16", "greedy"),
+                              ("ours-w4a16", "ours", "w4a16", "greedy"),
+                              ("transformers-static", "transformers-static", "bf16", "greedy")]
     assert raw_stem(spec) == "gpu-qwen2-vl-2b-bf16-w8a16-w4a16"
     assert GpuBenchSpec.from_json(spec.to_json()) == spec
     # An existing run (and a raw file's spec from before the formats) keeps its engines and file name.
@@ -71,6 +73,18 @@ def test_ours_runs_every_format_and_the_peers_the_checkpoint_as_it_is():
     legacy = {k: v for k, v in old.to_json().items() if k not in ("weights", "group_size")}
     assert GpuBenchSpec.from_json(legacy) == old
     assert GpuBenchSpec(Path("/m/x"), dtype="float32").formats == ("fp32",)
+
+
+def test_each_engine_runs_once_per_sampling_mode_beside_greedy():
+    spec = GpuBenchSpec(Path("/m/qwen2-vl-2b"), kinds=("ours", "transformers-static"), sampling=("greedy", "sampled"))
+    assert [(label, mode) for label, _, _, mode in spec.engines()] == [
+        ("ours", "greedy"), ("ours-sampled", "sampled"), ("transformers-static", "greedy"),
+        ("transformers-static-sampled", "sampled")]
+    assert raw_stem(spec) == "gpu-qwen2-vl-2b-greedy-sampled"
+    assert GpuBenchSpec.from_json(spec.to_json()) == spec
+    assert not spec.sampled and replace(spec, sampling=("sampled",)).sampled
+    with pytest.raises(ValueError, match="sampling must name"):
+        GpuBenchSpec(Path("/m/x"), sampling=("top-p",))
 
 
 @pytest.mark.parametrize("args,needle", [

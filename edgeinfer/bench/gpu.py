@@ -64,6 +64,10 @@ from edgeinfer.bench.weights import (
 
 QUESTION = "Describe this image."
 OURS = "ours"
+# How each request chooses its tokens (``sampling``): the argmax, or the draw the issue's table
+# names (temperature 0.7, top-p 0.9, a seed per request), on both sides.
+GREEDY, SAMPLED = "greedy", "sampled"
+SAMPLED_SETTINGS = {"temperature": 0.7, "top_p": 0.9}
 PEERS = ("transformers-static", "transformers-dynamic")
 KINDS = (OURS, *PEERS)
 
@@ -85,6 +89,7 @@ class GpuBenchSpec:
     # Weight formats ours runs (see .weights); empty: the checkpoint as it is, in ``dtype``.
     weights: tuple[str, ...] = ()
     group_size: int = 128  # input columns per scale of the quantized formats
+    sampling: tuple[str, ...] = (GREEDY,)  # every engine runs once per entry
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(KINDS)
@@ -95,6 +100,13 @@ class GpuBenchSpec:
         check_weights(self.formats, self.dtype)
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, not {self.group_size}")
+        if not self.sampling or set(self.sampling) - {GREEDY, SAMPLED}:
+            raise ValueError(f"sampling must name {GREEDY} and/or {SAMPLED}, not {list(self.sampling)}")
+
+    @property
+    def sampled(self) -> bool:
+        """Whether a worker's engine samples (a worker's spec names one mode)."""
+        return self.sampling == (SAMPLED,)
 
     @property
     def dense(self) -> str:
@@ -105,13 +117,15 @@ class GpuBenchSpec:
     def formats(self) -> tuple[str, ...]:
         return self.weights or (self.dense,)
 
-    def engines(self) -> list[tuple[str, str, str]]:
-        """(label, kind, weight format) of every engine run, in order: ours once per format
-        (``ours`` on the checkpoint as it is, ``ours-w4a16`` ...), each peer once, as it is."""
+    def engines(self) -> list[tuple[str, str, str, str]]:
+        """(label, kind, weight format, sampling) of every engine run, in order: ours once per format
+        (``ours`` on the checkpoint as it is, ``ours-w4a16`` ...), each peer once, as it is; each
+        of those once per sampling mode (``-sampled`` appended to a sampled engine's label)."""
         out = []
         for kind in self.kinds:
             formats = self.formats if kind == OURS else (self.dense,)
-            out += [(engine_label(kind, fmt, self.dense), kind, fmt) for fmt in formats]
+            out += [(engine_label(kind, fmt, self.dense) + ("-sampled" if mode == SAMPLED else ""), kind, fmt, mode)
+                    for fmt in formats for mode in self.sampling]
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -123,7 +137,8 @@ class GpuBenchSpec:
         data = {k: v for k, v in data.items() if k in names}
         return cls(**{**data, "model": Path(data["model"]), "image_size": tuple(data["image_size"]),
                       "batch_sizes": tuple(data["batch_sizes"]), "kinds": tuple(data["kinds"]),
-                      "weights": tuple(data.get("weights", ()))})
+                      "weights": tuple(data.get("weights", ())),
+                      "sampling": tuple(data.get("sampling", (GREEDY,)))})
 
 
 def engine_label(kind: str, fmt: str, dense: str) -> str:
@@ -256,11 +271,13 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
     prompts: list[list[int]] = []
 
     def call(batch: int, new_tokens: int, images: list) -> float:
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        settings = SAMPLED_SETTINGS if spec.sampled else {}
+        params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=i if spec.sampled else None,
+                                 **settings) for i in range(len(images))]
         engine.vision_cache.clear()
         sync(spec.device)
         started = time.perf_counter()
-        seqs = [engine.submit(QUESTION, [image], params) for image in images]
+        seqs = [engine.submit(QUESTION, [image], p) for image, p in zip(images, params)]
         results = engine.run_until_done(seqs)
         sync(spec.device)
         seconds = time.perf_counter() - started
@@ -364,14 +381,14 @@ def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
 
     checkpoints = dict(checkpoints) if checkpoints is not None else prepare_weights(spec, spec.model.parent, log=log)
     report = GpuReport(spec)
-    tasks = [("gpu-bandwidth", "bandwidth", spec.dense)] + [(f"gpu-{kind}", label, fmt)
-                                                           for label, kind, fmt in spec.engines()]
-    for task, name, fmt in tasks:
+    tasks = [("gpu-bandwidth", "bandwidth", spec.dense, GREEDY)] + [(f"gpu-{kind}", label, fmt, mode)
+                                                                   for label, kind, fmt, mode in spec.engines()]
+    for task, name, fmt, mode in tasks:
         log(f"[bench gpu] {spec.model.name}: {name} ...")
         started = time.perf_counter()
         checkpoint = checkpoints[fmt]
         try:
-            out = call_worker(task, replace(spec, model=checkpoint, weights=(fmt,)).to_json())
+            out = call_worker(task, replace(spec, model=checkpoint, weights=(fmt,), sampling=(mode,)).to_json())
         except RuntimeError as error:
             report.errors[name] = str(error)
             log(f"[bench gpu] {name} failed:\n{str(error)[-2000:]}")
@@ -382,8 +399,8 @@ def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
             report.environment = out["environment"]
         else:
             kind = task.removeprefix("gpu-")
-            report.results[name] = {**out, "kind": kind, **weight_record(fmt, checkpoint, peer=kind != OURS,
-                                                                                    dtype=spec.dtype)}
+            report.results[name] = {**out, "kind": kind, "sampling": mode,
+                                    **weight_record(fmt, checkpoint, peer=kind != OURS, dtype=spec.dtype)}
     return report
 
 
@@ -511,9 +528,11 @@ def _jetson_table(report: GpuReport, batches: list[int]) -> list[str]:
 
 
 def raw_stem(spec: GpuBenchSpec) -> str:
-    """``gpu-<model>``, and ``gpu-<model>-bf16-w8a16-w4a16`` when more than the checkpoint as it is runs."""
+    """``gpu-<model>``, ``gpu-<model>-bf16-w8a16-w4a16`` when more than the checkpoint as it is runs,
+    and ``-greedy-sampled`` (the modes) appended when any engine samples."""
     stem = f"gpu-{spec.model.name}"
-    return stem if spec.formats == (spec.dense,) else "-".join((stem, *spec.formats))
+    stem = stem if spec.formats == (spec.dense,) else "-".join((stem, *spec.formats))
+    return stem if spec.sampling == (GREEDY,) else "-".join((stem, *spec.sampling))
 
 
 def bench(spec: GpuBenchSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_noisy: bool = False,

@@ -152,7 +152,7 @@ def gpu_peer(spec, cache: str) -> dict[str, Any]:
     """``edgeinfer bench gpu``'s peer: ``generate()`` with a ``static`` (compiled) or ``dynamic`` cache."""
     import torch
 
-    from edgeinfer.bench.gpu import QUESTION, measure
+    from edgeinfer.bench.gpu import QUESTION, SAMPLED_SETTINGS, measure
 
     require_nothing_of_ours()
     model = load_peer_model(spec.model, spec.dtype, spec.device)
@@ -166,7 +166,10 @@ def gpu_peer(spec, cache: str) -> dict[str, Any]:
         started = time.perf_counter()
         inputs = peer_inputs(processor, spec.model, [user_turn(QUESTION)] * batch, [[im] for im in images],
                              spec.device, dtype)
-        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
+        if spec.sampled:
+            torch.manual_seed(0)
+        sampling = {"do_sample": True, **SAMPLED_SETTINGS, "top_k": 0} if spec.sampled else {"do_sample": False}
+        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling, **extra)
         sync(spec.device)
         seconds = time.perf_counter() - started
         generated = out.shape[1] - inputs["input_ids"].shape[1]

@@ -148,6 +148,9 @@ def gpu(
              "`edgeinfer quantize --method rtn`, kept under --cache). "
              "The transformers peers run the checkpoint as it is only. Default: the checkpoint as it is.")] = None,
     group_size: Annotated[int, typer.Option(min=1, help="Input columns per scale of w8a16 / w4a16.")] = 128,
+    sampling: Annotated[str, typer.Option(
+        help="Comma-separated: greedy, sampled (temperature 0.7, top-p 0.9, a seed per request); every engine "
+             "runs once per mode, in the same run.")] = "greedy",
     max_load: MaxLoadOption = QUIET_LOAD,
     allow_noisy: AllowNoisyOption = False,
 ) -> None:
@@ -160,7 +163,7 @@ def gpu(
         spec = _spec(GpuBenchSpec, _model(model, shape, cache), image_size=parse_size(image_size),
                      batch_sizes=_batch_sizes(batch_sizes), new_tokens=new_tokens, repeats=repeats, warmup=warmup,
                      dtype=dtype, device=device, kinds=_kinds(kinds), bandwidth_mib=bandwidth_mib,
-                     weights=_spec(_weights, weights, dtype), group_size=group_size)
+                     weights=_spec(_weights, weights, dtype), group_size=group_size, sampling=_kinds(sampling))
         checkpoints = _quantized_checkpoints(spec, cache)
         _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo, checkpoints=checkpoints))
 
