@@ -286,6 +286,10 @@ class RuntimeConfig:
     prefill_graphs: int = 8
     # Picture sizes ("WIDTHxHEIGHT", e.g. the cameras') the vision tower is compiled for at load.
     vision_compile_sizes: tuple[str, ...] = ()
+    # Seconds of start-up spent capturing every decode graph the batch and context buckets allow
+    # (cuda_graphs only), so that live traffic never compiles or captures one; 0: each is
+    # captured the first time it is needed. Graphs left when the budget runs out are captured then.
+    capture_budget_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -299,6 +303,7 @@ class RuntimeConfig:
                  f"{self.prefill_chunk_tokens} is over max_context_tokens {self.max_context_tokens}")
         _require(self.threads is None or self.threads >= 1, "threads", f"must be >= 1 or null, got {self.threads}")
         _require(self.prefill_graphs >= 0, "prefill_graphs", f"must be >= 0, got {self.prefill_graphs}")
+        _require(self.capture_budget_s >= 0, "capture_budget_s", f"must be >= 0, got {self.capture_budget_s}")
         _require(not self.cuda_graphs or self.device == "cuda", "cuda_graphs",
                  "CUDA graphs need device 'cuda'")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
+from edgeinfer.engine.sampling import SamplingRows
 from edgeinfer.engine.sequence import Status
 from edgeinfer.errors import RequestError
 from tests.conftest import noise_image
@@ -278,3 +279,23 @@ def test_a_request_cancelled_with_a_burst_in_flight_leaves_no_trace(checkpoint):
     assert engine.step() == [] and not engine.has_work()
     assert len(seq.generated) == 17 and engine.pool.num_free == engine.pool.num_blocks
     assert engine.generate(question, images, params).token_ids == expected
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # 1-D positions and M-RoPE
+def test_the_start_up_capture_plan_holds_every_burst_live_traffic_asks_for(checkpoint, family):
+    """What ``capture_graphs`` captures at load must be what decode looks up later: run greedy,
+    sampled and penalized rows in batches of 1 to 3 and find each burst's key in the plan."""
+    engine = bursting_engine(checkpoint(family), max_context=256)
+    decoder = engine.decoder_engine
+    samplings = [None] + [SamplingRows((p,), (0,), ((),), ((),)) for p in Engine._CAPTURED_SAMPLING]
+    plan = decoder.capture_plan(samplings)
+    assert len(plan) == len(decoder.batch_buckets) * len(decoder.width_buckets) * 5
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, frequency_penalty=0.4)]
+    for n in (1, 2, 3):
+        seqs = [engine.submit("what is in the image ?", [], p) for p in params[:n]]
+        engine.run_until_done(seqs)
+    used = set(decoder._bursts)
+    assert len(used) >= 3 and used <= {key for what, key, _ in plan if what == "burst"}
+    assert engine.capture_graphs() is None  # no CUDA: nothing to capture at load

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -165,3 +167,34 @@ def test_batch_one_fused_step_against_eager_in_bf16_is_reported(checkpoint, fami
     positions = [first_divergence(a, b) for a, b in zip(eager, fused)]
     print(f"{family}: first divergence batch-1 fused vs eager per request (None = identical): {positions}")
     assert all(p is None or p > 0 for p in positions)
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])
+def test_graphs_captured_at_start_up_leave_nothing_to_capture_on_live_traffic(checkpoint, family):
+    """With a capture budget, every decode graph is captured at load: greedy, sampled and
+    penalized rows in batches of 1 to 4 then capture nothing, and give the tokens of an engine
+    that captured them on first use. A budget too small to finish says so and captures the rest later."""
+    path = checkpoint(family)
+    params = [FORCED, SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.8, seed=5),
+              SamplingParams(max_new_tokens=32, ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.7, top_p=0.9, seed=9)]
+
+    def run(engine):
+        out = []
+        for n in (1, 2, 3, 4):
+            seqs = [engine.submit(q, images, p) for (q, images), p in zip(REQUESTS * 2, params[:n])]
+            out.append([r.token_ids for r in engine.run_until_done(seqs)])
+        return out
+
+    config = EngineConfig(num_blocks=512, max_batch_size=4, max_context=512, device="cuda", cuda_graphs=True)
+    eager_capture = Engine.load(path, config=config)
+    expected = run(eager_capture)
+    engine = Engine.load(path, config=replace(config, capture_budget_s=600.0))
+    report = engine.startup_capture
+    assert report is not None and report["captured"] == report["planned"] > 0
+    before = engine.decoder_engine.captures
+    assert run(engine) == expected
+    assert engine.decoder_engine.captures == before, "live traffic captured a decode graph"
+    with pytest.warns(UserWarning, match="capture_budget_s"):
+        short = Engine.load(path, config=replace(config, capture_budget_s=1e-9))
+    assert short.startup_capture["captured"] < short.startup_capture["planned"]

@@ -203,7 +203,12 @@ def bench(spec: ServeBenchSpec, say=print) -> dict[str, Any]:
     from edgeinfer.profiles import load_profile
 
     profile = load_profile(spec.profile, spec.overrides)
+    started = time.perf_counter()
     engine = Engine.load(spec.model, profile=profile)
+    startup = {"load_s": time.perf_counter() - started, "capture": engine.startup_capture,
+               "capture_budget_s": profile.runtime.capture_budget_s}
+    say(f"[bench serve] ready after {startup['load_s']:.1f} s (decode graphs captured at start-up: "
+        f"{engine.startup_capture})")
     server = profile.server
     aengine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue).start()
     log = RunLog()
@@ -213,8 +218,8 @@ def bench(spec: ServeBenchSpec, say=print) -> dict[str, Any]:
         aengine.close()
     device = profile.runtime.device
     limits = {"max_concurrent": server.max_concurrent, "max_queue": server.max_queue}
-    return {**raw.header("serve", spec.to_json(), environment(device)), "limits": limits, "runs": log.records,
-            **parts}
+    return {**raw.header("serve", spec.to_json(), environment(device)), "limits": limits, "startup": startup,
+            "runs": log.records, **parts}
 
 
 def _ms(seconds: float | None) -> str:
@@ -227,6 +232,12 @@ def _rate(value: float | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = []
+    if "startup" in report:
+        s = report["startup"]
+        captured = s["capture"] or {"captured": 0, "planned": 0}
+        lines += [f"Start-up to ready: {s['load_s']:.1f} s, of which {captured.get('seconds', 0.0):.1f} s captured "
+                  f"{captured['captured']} of {captured['planned']} decode graphs (budget {s['capture_budget_s']:g} s).",
+                  ""]
     if "burst" in report:
         s = report["burst"]["summary"]
         lines += [f"Burst: {s['requests']} requests at once, {report['spec']['new_tokens']} tokens each: "

@@ -36,6 +36,8 @@ class EngineConfig:
     fused_decode: bool = True
     # CUDA graphs: prompt-length buckets whose batch-1 prefill graphs are kept (0: prefill eagerly).
     prefill_graphs: int = 8
+    # CUDA graphs: seconds of load spent capturing every decode graph the buckets allow (0: on first use).
+    capture_budget_s: float = 0.0
     # Image sizes (width, height) the torch vision tower is compiled for at load (CUDA only).
     vision_compile_sizes: tuple[tuple[int, int], ...] = ()
     profile_name: str = "custom"
@@ -98,6 +100,7 @@ class EngineConfig:
             available_floor_mb=profile.memory.available_floor_mb,
             cuda_graphs=profile.runtime.cuda_graphs,
             prefill_graphs=profile.runtime.prefill_graphs,
+            capture_budget_s=profile.runtime.capture_budget_s,
             vision_compile_sizes=tuple(parse_size(v) for v in profile.runtime.vision_compile_sizes),
             profile_name=profile.name,
             host_precision=profile.kv.host_precision,

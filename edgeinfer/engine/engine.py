@@ -29,7 +29,7 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.inputs import Inputs, Message, PreparedPrompt, image_key
 from edgeinfer.engine.output import GenerationResult, Output
 from edgeinfer.engine.runner import Runner
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.engine.sampling import SamplingParams, SamplingRows
 from edgeinfer.engine.scheduler import Scheduler
 from edgeinfer.engine.sequence import FinishReason, Sequence, Status
 from edgeinfer.engine.sleep import (
@@ -72,6 +72,7 @@ class Engine:
         self.profile = profile
         self.recipe = recipe
         self.sleep_stats = SleepStats()
+        self.startup_capture: dict[str, float] | None = None  # what capture_graphs did at load
         self._stash: PinnedHostStash | FileStash | DroppedWeights | None = None
         self._carried: Counter[str] = Counter()  # counters of the parts a sleep dropped
         self._assemble(model, engines)
@@ -350,7 +351,37 @@ class Engine:
             # The profile's plan left room for dense weights: what packed ones save goes to the KV pool.
             config = config.grown_by(bytes_saved(model.decoder, config.torch_dtype))
         recipe = LoadRecipe(Path(path), chosen, device_profile, engines_root, trust_remote_code)
-        return cls(model, config, engines, profile=device_profile, recipe=recipe)
+        engine = cls(model, config, engines, profile=device_profile, recipe=recipe)
+        engine.capture_graphs()
+        return engine
+
+    # Sampler kinds a burst is captured for at start-up: greedy, sampled, penalized, both.
+    _CAPTURED_SAMPLING = (SamplingParams(temperature=1.0), SamplingParams(presence_penalty=0.5),
+                          SamplingParams(temperature=1.0, presence_penalty=0.5))
+
+    def capture_graphs(self, progress: bool = True) -> dict[str, float] | None:
+        """Capture every decode graph the profile's buckets allow, within ``capture_budget_s``
+        (a rich bar on stderr meanwhile): after it, live traffic compiles and captures nothing
+        new in decode. None where the profile asks for none or the engines capture no graphs.
+        What it did is kept in :attr:`startup_capture`."""
+        capture_all = getattr(self.engines.bursts, "capture_all", None)
+        if self.config.capture_budget_s <= 0 or capture_all is None or not self.kv.k.is_cuda:
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        samplings = [None] + [SamplingRows((p,), (0,), ((),), ((),)) for p in self._CAPTURED_SAMPLING]
+        columns = (TextColumn("capturing decode graphs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
+            task = bar.add_task("capture", total=None)
+            report = capture_all(self.kv.k, self.kv.v, samplings, self.config.capture_budget_s,
+                                 lambda done, total: bar.update(task, completed=done, total=total))
+        if report["captured"] < report["planned"]:
+            warnings.warn(f"captured {report['captured']} of {report['planned']} decode graphs in the profile's "
+                          f"capture_budget_s ({self.config.capture_budget_s:g} s); the rest are captured on "
+                          "first use")
+        self.startup_capture = report
+        return report
 
     def image_rules(self) -> ImageRules:
         """Preflight rules for this engine: the stricter of the profile's and the model's limits."""

@@ -48,9 +48,11 @@ decoder to keep (``take_decoder=True``, as ``Engine.load`` does with the model i
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -289,6 +291,44 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return {"captures": self.captures, "decode_graphs": len(self._graphs), "prefill_graphs": len(self._prefills),
                 "burst_graphs": len(self._bursts), "prefill_replays": self.prefill_replays,
                 "fused_tuned": int(self._fused is not None and bool(self._fused.configs))}
+
+    # --- start-up -------------------------------------------------------------------------------
+    def capture_plan(self, samplings: Seq[BurstSampling | None]) -> list[tuple[str, tuple, BurstSampling | None]]:
+        """Every decode graph live traffic can ask for, in the order :meth:`capture_all` takes
+        them: for each batch bucket (smallest first) and each table width, the single step and a
+        burst of each sampler kind in ``samplings`` (None: greedy)."""
+        cfg = self.decoder.cfg
+        rank = 3 if cfg.mrope_section is not None else 2
+        plan = []
+        for batch in self.batch_buckets:
+            for width in self.width_buckets:
+                plan.append(("decode", (batch, width, rank, cfg.hidden_size), None))
+                plan += [("burst", (batch, width, rank, None if s is None else s.kind), s) for s in samplings]
+        return plan
+
+    @torch.inference_mode()
+    def capture_all(self, k_pool: torch.Tensor, v_pool: torch.Tensor, samplings: Seq[BurstSampling | None],
+                    budget_s: float, progress: Callable[[int, int], None] | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> dict[str, float]:
+        """Capture the graphs of :meth:`capture_plan` not captured yet, until ``budget_s`` seconds
+        have passed (compiling the layers for each batch bucket on the way); those left are
+        captured on first use, as without this. ``progress(done, total)`` after each graph.
+        Returns what was captured, planned and the seconds it took."""
+        plan = [(what, key, s) for what, key, s in self.capture_plan(samplings)
+                if key not in (self._graphs if what == "decode" else self._bursts)]
+        started, done = clock(), 0
+        dtype = self.decoder.norm.weight.dtype
+        for what, key, sampling in plan:
+            if clock() - started > budget_s:
+                break
+            if what == "decode":
+                self._capture(key, torch.empty(1, 1, key[3], dtype=dtype, device=k_pool.device), None, k_pool, v_pool)
+            else:
+                self._capture_burst(key, k_pool, v_pool, sampling)
+            done += 1
+            if progress is not None:
+                progress(done, len(plan))
+        return {"captured": done, "planned": len(plan), "seconds": clock() - started}
 
     # --- sleep ----------------------------------------------------------------------------------
     def release_captures(self) -> int:
