@@ -435,23 +435,25 @@ def test_decoder_graph_matches_the_torch_step(gemma4_path, onnx_engines):
     assert_graph_matches_the_torch_step(model.decoder, built.folder / DECODER_FILE, image_groups=False)
 
 
-@pytest.mark.slow
-def test_variant_decoder_graph_matches_the_torch_step(variant_path, tmp_path):
-    """Keys as values with their own head count on global layers, and the ``image_groups``
-    input of a checkpoint whose images see themselves on sliding layers."""
-    from edgeinfer.backends.onnx.export import export_decoder
-    from edgeinfer.models.loader import load_model
-
-    decoder = load_model(variant_path).decoder
-    export_decoder(decoder, tmp_path / "decoder.onnx", block_size=16)
-    assert_graph_matches_the_torch_step(decoder, tmp_path / "decoder.onnx", image_groups=True)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_onnxruntime_tokens_match_transformers(gemma4_path, reference, onnx_engines, case):
     engine = Engine.load(gemma4_path, backend="onnxruntime", config=EngineConfig(**ORT_CONFIG))
     assert engine.backend == "onnxruntime" and type(engine.vision_engine).__name__ == "OrtVisionEngine"
     assert engine.generate(QUESTION, CASES[case], FORCED).token_ids == reference(gemma4_path, case)
+
+
+@pytest.mark.slow
+def test_variant_through_onnxruntime_matches_the_torch_step_and_transformers(variant_path, reference, onnx_engines):
+    """Keys as values with their own head count on global layers, and the ``image_groups``
+    input of a checkpoint whose images see themselves on sliding layers (prompt chunks
+    stretched to the end of an image, as on torch)."""
+    from edgeinfer.backends.onnx.export import DECODER_FILE
+
+    model, built = built_engines(variant_path)
+    assert_graph_matches_the_torch_step(model.decoder, built.folder / DECODER_FILE, image_groups=True)
+    engine = Engine.load(variant_path, backend="onnxruntime", config=EngineConfig(**ORT_CONFIG))
+    assert engine.decoder_engine.image_groups
+    assert engine.generate(QUESTION, CASES["two_images"], FORCED).token_ids == reference(variant_path, "two_images")
 
 
 def test_tensorrt_refuses_gemma4_before_building(gemma4_path):
