@@ -5,7 +5,9 @@ structure: sliding windows of 8 tokens between global layers whose heads are twi
 and rotate a quarter of their angles, the last two layers reading earlier layers' K/V with
 double-wide MLPs, per-layer input embeddings, layer scalars and a logit soft-cap. The
 mutation tests show that each detail changes the 32 tokens, so the parity tests would see
-it wrong. transformers' gemma4 modules are imported inside the tests only.
+it wrong. The same parity runs through ONNX Runtime at the end (one build per checkpoint,
+its decoder graph also checked against the torch step). transformers' gemma4 modules are
+imported inside the tests only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from edgeinfer.models import gemma4
 from edgeinfer.models.gemma4 import Gemma4Adapter
 from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
 from tests.conftest import noise_image
-from tests.test_family_gemma3 import assert_static_steps_match, hf_generate, load_engine, onnx_engines  # noqa: F401
+from tests.test_family_gemma3 import assert_static_steps_match, hf_generate, load_engine
+from tests.test_family_gemma3 import onnx_engines  # noqa: F401  (the engines root of the ONNX tests, a fixture)
 
 QUESTION = "how many circle are there ?"
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
@@ -426,7 +429,8 @@ def assert_graph_matches_the_torch_step(decoder, graph_path, image_groups: bool)
             torch.testing.assert_close(torch.from_numpy(g), e, atol=1e-4, rtol=1e-4)
 
 
-def test_decoder_graph_matches_the_torch_step(gemma4_path, onnx_engines):
+@pytest.mark.usefixtures("onnx_engines")
+def test_decoder_graph_matches_the_torch_step(gemma4_path):
     from edgeinfer.backends.onnx.export import DECODER_FILE
 
     model, built = built_engines(gemma4_path)
@@ -435,15 +439,17 @@ def test_decoder_graph_matches_the_torch_step(gemma4_path, onnx_engines):
     assert_graph_matches_the_torch_step(model.decoder, built.folder / DECODER_FILE, image_groups=False)
 
 
+@pytest.mark.usefixtures("onnx_engines")
 @pytest.mark.parametrize("case", list(CASES))
-def test_onnxruntime_tokens_match_transformers(gemma4_path, reference, onnx_engines, case):
+def test_onnxruntime_tokens_match_transformers(gemma4_path, reference, case):
     engine = Engine.load(gemma4_path, backend="onnxruntime", config=EngineConfig(**ORT_CONFIG))
     assert engine.backend == "onnxruntime" and type(engine.vision_engine).__name__ == "OrtVisionEngine"
     assert engine.generate(QUESTION, CASES[case], FORCED).token_ids == reference(gemma4_path, case)
 
 
 @pytest.mark.slow
-def test_variant_through_onnxruntime_matches_the_torch_step_and_transformers(variant_path, reference, onnx_engines):
+@pytest.mark.usefixtures("onnx_engines")
+def test_variant_through_onnxruntime_matches_the_torch_step_and_transformers(variant_path, reference):
     """Keys as values with their own head count on global layers, and the ``image_groups``
     input of a checkpoint whose images see themselves on sliding layers (prompt chunks
     stretched to the end of an image, as on torch)."""

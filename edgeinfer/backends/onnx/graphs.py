@@ -40,7 +40,6 @@ images attend both ways.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.models.decoder import (
