@@ -5,7 +5,9 @@ structure: sliding windows of 8 tokens between global layers whose heads are twi
 and rotate a quarter of their angles, the last two layers reading earlier layers' K/V with
 double-wide MLPs, per-layer input embeddings, layer scalars and a logit soft-cap. The
 mutation tests show that each detail changes the 32 tokens, so the parity tests would see
-it wrong. transformers' gemma4 modules are imported inside the tests only.
+it wrong. The same parity runs through ONNX Runtime at the end (one build per checkpoint,
+its decoder graph also checked against the torch step). transformers' gemma4 modules are
+imported inside the tests only.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from edgeinfer.models.gemma4 import Gemma4Adapter
 from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
 from tests.conftest import noise_image
 from tests.test_family_gemma3 import assert_static_steps_match, hf_generate, load_engine
+from tests.test_family_gemma3 import onnx_engines  # noqa: F401  (the engines root of the ONNX tests, a fixture)
 
 QUESTION = "how many circle are there ?"
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
@@ -372,17 +375,6 @@ def test_mixture_of_experts_variants_are_refused_with_what_they_use(gemma4_path,
         load_model(folder)
 
 
-def test_onnxruntime_and_tensorrt_refuse_gemma4_before_building(gemma4_path, tmp_path, monkeypatch):
-    from edgeinfer.backends.tensorrt.build import check_decoder_supported
-    from edgeinfer.errors import EngineBuildError
-    from edgeinfer.models.loader import load_model
-
-    monkeypatch.setenv("EDGEINFER_ENGINES", str(tmp_path))
-    with pytest.raises(EngineBuildError, match="not built for Gemma 4 decoders.*fix: --backend torch"):
-        Engine.load(gemma4_path, backend="onnxruntime", config=EngineConfig(block_size=16, num_blocks=64))
-    assert not any(tmp_path.rglob("*.onnx"))
-    with pytest.raises(EngineBuildError, match="per_layer_shapes"):
-        check_decoder_supported(load_model(gemma4_path).decoder.cfg)
 
 
 def test_a_quantized_checkpoint_loads_dequantized_where_products_would_stay_packed(gemma4_path, tmp_path):
@@ -398,3 +390,84 @@ def test_a_quantized_checkpoint_loads_dequantized_where_products_would_stay_pack
     step = (torch.arange(20)[None], pool, pool.clone(), torch.arange(2)[None], torch.tensor([0]))
     with torch.no_grad():
         assert torch.equal(packed(packed.embed_tokens(ids), *step)[0], dense(dense.embed_tokens(ids), *step)[0])
+
+
+# --- ONNX Runtime ------------------------------------------------------------------------------
+
+ORT_CONFIG = dict(block_size=16, num_blocks=256, prefill_chunk=16)
+
+
+def built_engines(path):
+    """The ONNX Runtime build that ``Engine.load(path, backend="onnxruntime", ...ORT_CONFIG)``
+    opens, made once per module (the ``onnx_engines`` root) and then skipped."""
+    from edgeinfer.backends.onnx.build import BuildSpec, build_engines
+    from edgeinfer.models.loader import load_model
+
+    model = load_model(path)
+    return model, build_engines(model, BuildSpec.custom(block_size=ORT_CONFIG["block_size"]), progress=False)
+
+
+def assert_graph_matches_the_torch_step(decoder, graph_path, image_groups: bool) -> None:
+    """The decoder graph against ``Gemma4Decoder.forward`` on shapes other than the export's:
+    prompts inside and past the sliding window, a batched decode step, block sizes 4 and 8,
+    and (where the graph takes them) two image runs with text between them."""
+    from edgeinfer.backends.onnx.export import cpu_session
+    from edgeinfer.backends.onnx.graphs import decoder_example
+
+    session = cpu_session(graph_path)
+    for case in (dict(batch=1, tokens=9, context=[0], block_size=4, num_blocks=8),
+                 dict(batch=2, tokens=5, context=[13, 2], block_size=4, num_blocks=40),
+                 dict(batch=3, tokens=1, context=[17, 4, 30], block_size=8, num_blocks=40)):
+        inputs = decoder_example(decoder, **case)
+        if image_groups and case["tokens"] > 1:
+            inputs["image_groups"] = torch.tensor([-1, 0, 0, 0, -1, 1, 1, 1, -1][:case["tokens"]]).expand(
+                case["batch"], -1).contiguous()
+        with torch.no_grad():
+            expected = decoder(**inputs)
+        got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(torch.from_numpy(g), e, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("onnx_engines")
+def test_decoder_graph_matches_the_torch_step(gemma4_path):
+    from edgeinfer.backends.onnx.export import DECODER_FILE
+
+    model, built = built_engines(gemma4_path)
+    assert [name for name in built.manifest.engines if built.manifest.engine(name).runtime == "onnxruntime"] == \
+        ["vision", "decoder"]
+    assert_graph_matches_the_torch_step(model.decoder, built.folder / DECODER_FILE, image_groups=False)
+
+
+@pytest.mark.usefixtures("onnx_engines")
+@pytest.mark.parametrize("case", list(CASES))
+def test_onnxruntime_tokens_match_transformers(gemma4_path, reference, case):
+    engine = Engine.load(gemma4_path, backend="onnxruntime", config=EngineConfig(**ORT_CONFIG))
+    assert engine.backend == "onnxruntime" and type(engine.vision_engine).__name__ == "OrtVisionEngine"
+    assert engine.generate(QUESTION, CASES[case], FORCED).token_ids == reference(gemma4_path, case)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("onnx_engines")
+def test_variant_through_onnxruntime_matches_the_torch_step_and_transformers(variant_path, reference):
+    """Keys as values with their own head count on global layers, and the ``image_groups``
+    input of a checkpoint whose images see themselves on sliding layers (prompt chunks
+    stretched to the end of an image, as on torch)."""
+    from edgeinfer.backends.onnx.export import DECODER_FILE
+
+    model, built = built_engines(variant_path)
+    assert_graph_matches_the_torch_step(model.decoder, built.folder / DECODER_FILE, image_groups=True)
+    engine = Engine.load(variant_path, backend="onnxruntime", config=EngineConfig(**ORT_CONFIG))
+    assert engine.decoder_engine.image_groups
+    assert engine.generate(QUESTION, CASES["two_images"], FORCED).token_ids == reference(variant_path, "two_images")
+
+
+def test_tensorrt_refuses_gemma4_before_building(gemma4_path):
+    """TensorRT builds from the same graphs, but its runtime does not drive Gemma decoders yet:
+    refused before any export, pointing at the onnxruntime backend."""
+    from edgeinfer.backends.tensorrt.build import check_decoder_supported
+    from edgeinfer.errors import EngineBuildError
+    from edgeinfer.models.loader import load_model
+
+    with pytest.raises(EngineBuildError, match="per_layer_shapes.*fix: --backend onnxruntime"):
+        check_decoder_supported(load_model(gemma4_path).decoder.cfg)

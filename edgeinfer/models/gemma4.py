@@ -215,11 +215,12 @@ class Gemma4Layer(nn.Module):
         k = self.k_norm(k).transpose(1, 2)
         return k * cos + rotate_half(k) * sin, self.v_norm(v)
 
-    def forward(self, x, cos, sin, past, shared, mask, per_layer_input):
+    def forward(self, x, cos, sin, past, shared, mask, per_layer_input, attend=attention):
         """x [B,T,H]. A layer that owns K/V reads ``past`` (k, v) ``[B,S,kvh,hd]`` (the pool's
         slots, narrowed to its sizes); a sharing layer attends to ``shared`` (keys, values)
         ``[B,kvh,S+T,hd]``, its source layer's. Returns (x, keys, values, new_k, new_v), the new
-        K/V ``[B,T,kvh,hd]`` (None for a sharing layer)."""
+        K/V ``[B,T,kvh,hd]`` (None for a sharing layer). ``attend`` has the signature of
+        :func:`~edgeinfer.models.decoder.attention` (the ONNX graph passes one it can export)."""
         cfg, s = self.cfg, self.shape
         normed = self.input_norm(x)
         q = (normed @ self.qkv_t[:, :self.q_size]).unflatten(-1, (cfg.num_heads, s.head_dim))
@@ -233,7 +234,7 @@ class Gemma4Layer(nn.Module):
             values = torch.cat((past[1], new_v), dim=1).transpose(1, 2)
         else:
             keys, values = shared
-        attn = attention(q, keys, values, mask, cfg.num_heads // s.kv_heads, cfg.attn_scale)
+        attn = attend(q, keys, values, mask, cfg.num_heads // s.kv_heads, cfg.attn_scale)
         x = x + self.attn_out_norm(attn.transpose(1, 2).flatten(2) @ self.o_t)
         gate_up = self.post_attention_norm(x) @ self.gate_up_t
         gate, up = gate_up[..., :s.intermediate_size], gate_up[..., s.intermediate_size:]
@@ -296,16 +297,24 @@ class Gemma4Decoder(Decoder):
         ``image_groups``, an image's tokens see each other on sliding layers."""
         tokens = inputs_embeds.shape[1]
         slots, mask = past_slots_and_mask(block_tables, context_lens, k_pool.shape[2], tokens)
-        groups = image_groups if self.shape.bidirectional_images else None
-        mask, window = layer_masks(self.cfg, mask, context_lens, slots.shape[1], tokens)
-        if groups is not None:
-            _, window = layer_masks(self.cfg, mask, context_lens, slots.shape[1], tokens, groups)
+        mask, window = self.layer_masks(mask, context_lens, slots.shape[1], tokens, image_groups)
         return self.run_layers(inputs_embeds, position_ids, past_reader(k_pool, v_pool, slots), mask,
                                window_mask=window)
 
-    def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None, last=None, window_mask=None):
+    def layer_masks(self, mask, context_lens, past: int, tokens: int, image_groups=None):
+        """(global layers' mask, sliding layers' mask) from the causal ``mask`` over ``past`` +
+        ``tokens`` keys (:func:`~edgeinfer.models.decoder.layer_masks`); ``image_groups`` widen the
+        sliding layers' mask only, and only where the checkpoint's images attend both ways."""
+        mask, window = layer_masks(self.cfg, mask, context_lens, past, tokens)
+        if image_groups is not None and self.shape.bidirectional_images:
+            _, window = layer_masks(self.cfg, mask, context_lens, past, tokens, image_groups)
+        return mask, window
+
+    def run_layers(self, inputs_embeds, position_ids, read_past, mask, layer_fn=None, last=None, window_mask=None,
+                   attend=attention):
         """``Decoder.run_layers`` for Gemma 4 layers. ``layer_fn`` (a compiled
-        ``DecoderLayer.forward``) does not fit them and is not used: the layers run as they are."""
+        ``DecoderLayer.forward``) does not fit them and is not used: the layers run as they are.
+        ``attend`` replaces the layers' :func:`~edgeinfer.models.decoder.attention`."""
         cfg, shape = self.cfg, self.shape
         dtype = inputs_embeds.dtype
         rope = self.rope(position_ids, dtype)
@@ -321,7 +330,7 @@ class Gemma4Decoder(Decoder):
             if layer.owns_kv:
                 past = tuple(p[:, :, :s.kv_heads, :s.head_dim] for p in read_past(i))
             x, keys, values, k, v = layer(x, cos, sin, past, kv.get(s.kv_source), window_mask if sliding else mask,
-                                          None if per_layer is None else per_layer[:, :, i])
+                                          None if per_layer is None else per_layer[:, :, i], attend)
             if s.stores_kv:
                 kv[i] = (keys, values)
             new_k.append(self._to_pool(k, x))

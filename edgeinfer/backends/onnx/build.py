@@ -249,10 +249,6 @@ def build_engines(model, spec: BuildSpec, root: str | Path | None = None, *, for
         raise EngineBuildError(f"the graphs are exported from float32 weights on the CPU, this model is "
                                f"{model.dtype} on {model.decoder.lm_head_t.device}", artifact=str(folder),
                                fix=build_command(model_dir, spec))
-    if model.decoder.cfg.per_layer_shapes:
-        raise EngineBuildError("ONNX graphs are not built for Gemma 4 decoders yet (per-layer head sizes, K/V shared "
-                               "across layers, per-layer inputs), and its vision tower did not export",
-                               artifact=str(folder), fix="--backend torch")
     graph = vision_graph_for(model)
     steps = 3 + (graph is not None) * (2 + (spec.vision_precision == "int8")) + (spec.precision != "fp32")
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,10 @@ import torch
 from edgeinfer.backends.onnx.graphs import (
     DECODER_OUTPUTS,
     VISION_OUTPUT,
-    DecoderGraph,
     VisionGraph,
     decoder_axes,
     decoder_example,
+    decoder_graph,
     decoder_inputs,
 )
 from edgeinfer.errors import EngineBuildError
@@ -54,7 +54,7 @@ def export_decoder(decoder: Decoder, path: Path, block_size: int, opset: int = O
     example = decoder_example(decoder, batch=2, tokens=3, block_size=block_size, context=[5, 2])
     cfg = decoder.cfg
     with torch.no_grad(), _quiet_exporter():
-        torch.onnx.export(DecoderGraph(decoder).eval(), tuple(example.values()), str(path), dynamo=False,
+        torch.onnx.export(decoder_graph(decoder).eval(), tuple(example.values()), str(path), dynamo=False,
                           opset_version=opset, input_names=list(decoder_inputs(cfg)),
                           output_names=list(DECODER_OUTPUTS),
                           dynamic_axes=decoder_axes(cfg.mrope_section is not None, cfg.bidirectional_images))

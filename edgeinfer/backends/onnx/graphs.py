@@ -26,19 +26,35 @@ depends on the image grid as Python values computed on the host:
 Gemma 3's decoder graph takes one more input, ``image_groups`` [B, T] (each new token's
 image run, -1 for text; :func:`decoder_inputs`), so that an image's tokens see each other,
 and its sliding layers attend under a second mask that also bounds the past to the window.
+
+Gemma 4's layers differ in head size and K/V head count, the last ones attend to an earlier
+layer's K/V, and each adds a per-layer input looked up by token id: its graph
+(:class:`Gemma4DecoderGraph`, chosen by :func:`decoder_graph`) runs the family's own
+``Gemma4Decoder.run_layers`` over the whole blocks of the table, reading each layer's past
+with one gather of the flattened pool, with an attention the exporter can write
+(:func:`grouped_attention`). Its inputs and outputs are the contract's, with embedding rows
+that carry the token id (``models/gemma4.py``) and ``image_groups`` where the checkpoint's
+images attend both ways.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from edgeinfer.models.decoder import Decoder, _linear, _normed, reshape_tail, split_visual_additions
+from edgeinfer.models.decoder import (
+    Decoder,
+    _linear,
+    _normed,
+    reshape_tail,
+    split_visual_additions,
+    whole_block_slots_and_mask,
+)
 from edgeinfer.models.export import VISION_OUTPUT, VisionGraph
+from edgeinfer.models.gemma4 import Gemma4Decoder
 
-__all__ = ["DECODER_INPUTS", "DECODER_OUTPUTS", "VISION_OUTPUT", "DecoderGraph", "VisionGraph", "decoder_axes",
-           "decoder_example", "vision_graph_for"]
+__all__ = ["DECODER_INPUTS", "DECODER_OUTPUTS", "VISION_OUTPUT", "DecoderGraph", "Gemma4DecoderGraph", "VisionGraph",
+           "decoder_axes", "decoder_example", "decoder_graph", "vision_graph_for"]
 
 DECODER_INPUTS = ("inputs_embeds", "position_ids", "k_pool", "v_pool", "block_tables", "context_lens")
 DECODER_OUTPUTS = ("logits", "new_k", "new_v")
@@ -232,6 +248,48 @@ class DecoderGraph(nn.Module):
             new_v.append(v)
         logits = decoder.norm(x[0, :, -1]) @ decoder.lm_head_t
         return logits, torch.cat(new_k), torch.cat(new_v)
+
+
+class Gemma4DecoderGraph(nn.Module):
+    """Gemma 4's decoder engine step with value-independent shapes: ``Gemma4Decoder.forward``
+    over every slot of the table (masked past each row's context, as the CUDA graphs' static
+    steps read it), with :func:`grouped_attention`."""
+
+    def __init__(self, decoder: Gemma4Decoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
+        decoder, tokens = self.decoder, inputs_embeds.shape[1]
+        slots, mask = whole_block_slots_and_mask(block_tables, context_lens, k_pool.shape[2], tokens)
+        mask, window = decoder.layer_masks(mask, context_lens, slots.shape[1], tokens, image_groups)
+        return decoder.run_layers(inputs_embeds, position_ids, pool_reader(k_pool, v_pool, slots), mask,
+                                  window_mask=window, attend=grouped_attention)
+
+
+def pool_reader(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor):
+    """``read_past`` of ``Decoder.run_layers``: layer ``i``'s K/V ``[B, S, kvh, hd]`` at ``slots``
+    [B, S], one gather of the pool viewed as ``[layers*blocks*bs, kvh, hd]`` (not ``pool[i]``,
+    which the graph would copy whole first)."""
+    per_layer = k_pool.shape[1] * k_pool.shape[2]
+    flat_k, flat_v = k_pool.flatten(0, 2), v_pool.flatten(0, 2)
+    return lambda i: (flat_k[slots + i * per_layer], flat_v[slots + i * per_layer])
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      groups: int, scale: float | None = None) -> torch.Tensor:
+    """:func:`~edgeinfer.models.decoder.attention` as products the exporter writes (its
+    ``scaled_dot_product_attention`` takes no grouped K/V heads): q [B,heads,T,hd] as
+    [B,kvh,groups,T,hd] against keys/values [B,kvh,S,hd], under the bool ``mask`` [B,1,T,S]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q.unflatten(1, (-1, groups)) @ keys[:, :, None].transpose(-1, -2) * scale
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ values[:, :, None]).flatten(1, 2)
+
+
+def decoder_graph(decoder: Decoder) -> nn.Module:
+    """The module exported as ``decoder``'s graph: Gemma 4's own, else :class:`DecoderGraph`."""
+    return Gemma4DecoderGraph(decoder) if isinstance(decoder, Gemma4Decoder) else DecoderGraph(decoder)
 
 
 def decoder_axes(mrope: bool, image_groups: bool = False) -> dict[str, dict[int, str]]:

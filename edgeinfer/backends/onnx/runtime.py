@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from edgeinfer.artifacts import (
     Expected,
@@ -112,11 +111,12 @@ def _bind(binding, name: str, tensor: torch.Tensor, output: bool = False) -> Non
 class OrtDecoderEngine:
     """Decoder engine contract over an ORT session; every tensor bound by pointer."""
 
-    def __init__(self, session, embed_table: torch.Tensor, num_layers: int, vocab_size: int,
-                 embed_scale: float = 1.0) -> None:
+    def __init__(self, session, embed_tokens: Callable[[torch.Tensor], torch.Tensor], num_layers: int,
+                 vocab_size: int) -> None:
+        """``embed_tokens``: token ids -> embedding rows, the decoder's own lookup on the host
+        (Gemma's scaling, Gemma 4's token ids in the rows)."""
         self.session = session
-        self.embed_table = embed_table
-        self.embed_scale = embed_scale  # Gemma scales token embeddings by sqrt(hidden)
+        self.embed_tokens = embed_tokens
         self.num_layers = num_layers
         self.vocab_size = vocab_size
         names = tuple(i.name for i in session.get_inputs())
@@ -129,8 +129,7 @@ class OrtDecoderEngine:
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        embeds = F.embedding(token_ids, self.embed_table)
-        return embeds if self.embed_scale == 1.0 else embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)
+        return self.embed_tokens(token_ids)
 
     def step(self, inputs_embeds, position_ids, k_pool, v_pool, block_tables, context_lens, image_groups=None):
         b, t = inputs_embeds.shape[:2]
@@ -238,15 +237,13 @@ def open_engines(model, config, root: str | Path | None = None,
     if announce:
         print(f"onnxruntime: {folder} ({manifest.precision}) on {', '.join(chosen)}", file=sys.stderr)
     decoder = model.decoder
-    table = decoder.embed_table
     # A decode step is short and the engine's host work (torch: the K/V write, the next token)
     # runs between two steps: ORT threads spinning after a step take the cores from it and
     # from torch's own threads. Not spinning costs little in a step and, on a 2-core CPU,
     # cut the time per decoded token by about a quarter (docs/benchmarks.md). The vision
     # engine runs long graphs back to back and keeps spinning.
     session = make_session(folder / manifest.engine("decoder").file, chosen, config.threads, spin=False)
-    decoder_engine = OrtDecoderEngine(session, table.detach(), decoder.cfg.num_layers, decoder.cfg.vocab_size,
-                                      decoder.cfg.embed_scale)
+    decoder_engine = OrtDecoderEngine(session, decoder.embed_tokens, decoder.cfg.num_layers, decoder.cfg.vocab_size)
     return OrtEngines(decoder_engine, _vision_engine(model, folder, manifest, chosen, config.threads),
                       tuple(chosen), folder, manifest)
 
@@ -268,10 +265,14 @@ def release_replaced_weights(model, vision: bool) -> None:
     model they loaded; the modules stay in place on the meta device, so configs and
     attributes still read."""
     decoder = model.decoder
-    decoder.layers.to("meta")
-    decoder.norm.to("meta")
-    if decoder.embed is not None:  # untied: the head is in the graph, the table is separate
-        decoder.lm_head_t = torch.nn.Parameter(decoder.lm_head_t.to("meta"), requires_grad=False)
+    for child in decoder.children():  # the layers, the final norm (Gemma 4: the per-layer inputs' norm)
+        child.to("meta")
+    # The embedding table stays: the tied head, or the separate table of an untied one. The rest
+    # (an untied head, Gemma 4's per-layer input table and projection) is in the graph.
+    kept = "lm_head_t" if decoder.embed is None else "embed"
+    for name, param in list(decoder.named_parameters(recurse=False)):
+        if name != kept:
+            setattr(decoder, name, torch.nn.Parameter(param.to("meta"), requires_grad=False))
     if vision:
         for child in model.vision.children():
             child.to("meta")

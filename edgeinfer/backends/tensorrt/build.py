@@ -582,10 +582,11 @@ def pool_blocks_for(profile, decoder_cfg) -> int:
 
 def check_decoder_supported(cfg) -> None:
     """Refuse decoders whose graph the TensorRT runtime does not drive yet: Gemma 3's takes an
-    ``image_groups`` input and its plan has not been built or measured on a GPU."""
+    ``image_groups`` input, Gemma 4's is its own graph (``Gemma4DecoderGraph``), and neither
+    plan has been built or measured on a GPU."""
     if cfg.gemma_features():
         raise EngineBuildError(f"TensorRT engines are not built for decoders with {', '.join(cfg.gemma_features())} "
-                               "(Gemma 3) yet", fix="--backend onnxruntime (or torch)")
+                               "(Gemma 3, Gemma 4) yet", fix="--backend onnxruntime (or torch)")
 
 
 def plan_for_model(model, profile, folder: Path, target: BuildTarget, root: Path) -> TensorRTBuildPlan:
