@@ -66,7 +66,7 @@ class EngineConfig:
     def device_blocks(self, decoder_cfg) -> int:
         """The KV pool's length for a decoder of ``decoder_cfg``: the configured count, else the
         budget over one block's bytes (the one rule, in ``kv.sizing``)."""
-        bytes_per_block = block_bytes(decoder_cfg.num_layers, self.block_size, decoder_cfg.kv_size,
+        bytes_per_block = block_bytes(decoder_cfg.kv_layers, self.block_size, decoder_cfg.kv_size,
                                       self.torch_dtype.itemsize)
         return pool_blocks(self.kv_budget_mb, bytes_per_block, self.num_blocks)
 

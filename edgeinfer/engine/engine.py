@@ -88,7 +88,7 @@ class Engine:
         cfg = model.decoder.cfg
         num_blocks = config.device_blocks(cfg)
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.kv = KVCache(cfg.kv_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                           config.torch_dtype, config.device)
         self.kv_manager = KVManager(self.pool, self.kv, config.kv_manager_config(), self._fingerprint())
         self.scheduler = Scheduler(self.kv_manager, config.max_batch_size, config.prefill_chunk, config.max_context,

@@ -67,6 +67,9 @@ class DecoderConfig:
     # Gemma 4 (models/gemma4.py): layers differ in head size, K/V source and per-layer inputs,
     # which its own decoder class holds; num_kv_heads and head_dim are then the pool slot's (the widest layer's).
     per_layer_shapes: bool = False
+    # Layers of the KV pool (0: one per layer). Gemma 4's layers that attend to an earlier layer's
+    # K/V keep none: the pool holds the layers that own K/V, in order.
+    pool_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -117,9 +120,14 @@ class DecoderConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def kv_layers(self) -> int:
+        """Layers of the KV pool: those that keep K/V."""
+        return self.pool_layers or self.num_layers
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers, at 4 bytes per value (scale by dtype)."""
-        return 2 * self.num_layers * self.kv_size
+        """Bytes of K and V for one token over the pool's layers, at 4 bytes per value (scale by dtype)."""
+        return 2 * self.kv_layers * self.kv_size
 
     @classmethod
     def from_hf(cls, text_config, *, qkv_bias: bool, mrope: bool = False) -> "DecoderConfig":

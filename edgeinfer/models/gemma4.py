@@ -136,12 +136,20 @@ class Gemma4Shape:
     def owns_kv(self, i: int) -> bool:
         return self.layers[i].kv_source == i
 
+    @property
+    def kv_owners(self) -> tuple[int, ...]:
+        """The layers that keep K/V: the first ones (the sharing layers are the last, see
+        :func:`kv_sources`), so layer ``i`` of these is the pool's layer ``i``."""
+        owners = tuple(i for i in range(len(self.layers)) if self.owns_kv(i))
+        assert owners == tuple(range(len(owners))), "K/V-sharing layers come last"
+        return owners
+
     def kv_values_per_token(self) -> tuple[int, int]:
-        """K values per token (V: as many) that the layers owning K/V need, and that a pool of
-        one slot shape (the widest layer's, for every layer) holds."""
-        owned = sum(layer.kv_heads * layer.head_dim for i, layer in enumerate(self.layers) if self.owns_kv(i))
+        """K values per token (V: as many) that the layers owning K/V need, and that the pool
+        holds: one slot of the widest layer's shape for each of those layers."""
+        owned = sum(self.layers[i].kv_heads * self.layers[i].head_dim for i in self.kv_owners)
         slot = max(layer.kv_heads for layer in self.layers) * max(layer.head_dim for layer in self.layers)
-        return owned, slot * len(self.layers)
+        return owned, slot * len(self.kv_owners)
 
 
 def kv_sources(layer_types: list[str], shared_layers: int) -> list[int]:
@@ -333,18 +341,17 @@ class Gemma4Decoder(Decoder):
                                           None if per_layer is None else per_layer[:, :, i], attend)
             if s.stores_kv:
                 kv[i] = (keys, values)
-            new_k.append(self._to_pool(k, x))
-            new_v.append(self._to_pool(v, x))
+            if layer.owns_kv:
+                new_k.append(self._to_pool(k))
+                new_v.append(self._to_pool(v))
         x = x[:, -1] if last is None else x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
         logits = self.norm(x) @ self.lm_head_t
         if shape.final_softcap is not None:
             logits = torch.tanh(logits / shape.final_softcap) * shape.final_softcap
         return logits, torch.stack(new_k), torch.stack(new_v)
 
-    def _to_pool(self, kv: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        """[B,T,kvh,hd] of one layer -> the pool's slot shape, zero-padded; zeros for a sharing layer."""
-        if kv is None:
-            return x.new_zeros(x.shape[0], x.shape[1], self.cfg.num_kv_heads, self.cfg.head_dim)
+    def _to_pool(self, kv: torch.Tensor) -> torch.Tensor:
+        """[B,T,kvh,hd] of one layer -> the pool's slot shape, zero-padded."""
         return F.pad(kv, (0, self.cfg.head_dim - kv.shape[-1], 0, self.cfg.num_kv_heads - kv.shape[-2]))
 
 
@@ -472,6 +479,7 @@ class Gemma4Adapter(FamilyAdapter):
             embed_scale=float(text.hidden_size) ** 0.5, attn_scale=1.0, sliding_window=text.sliding_window,
             sliding_layers=tuple(t == SLIDING for t in text.layer_types),
             bidirectional_images=shape.bidirectional_images, per_layer_shapes=True,
+            pool_layers=len(shape.kv_owners),
         )
 
     def rope(self, layer_type: str) -> tuple[torch.Tensor, float]:

@@ -322,7 +322,7 @@ def decoder_example(decoder: Decoder, *, batch: int, tokens: int, block_size: in
         positions = positions.expand(3, batch, tokens)
     width = max(1, -(-(max(context) + tokens) // block_size))
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)])
-    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.kv_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     example = {"inputs_embeds": embeds, "position_ids": positions.contiguous(),
                "k_pool": torch.randn(shape, generator=gen), "v_pool": torch.randn(shape, generator=gen),
                "block_tables": tables.contiguous(), "context_lens": lens}

@@ -243,7 +243,7 @@ def open_engines(model, config, root: str | Path | None = None,
     # cut the time per decoded token by about a quarter (docs/benchmarks.md). The vision
     # engine runs long graphs back to back and keeps spinning.
     session = make_session(folder / manifest.engine("decoder").file, chosen, config.threads, spin=False)
-    decoder_engine = OrtDecoderEngine(session, decoder.embed_tokens, decoder.cfg.num_layers, decoder.cfg.vocab_size)
+    decoder_engine = OrtDecoderEngine(session, decoder.embed_tokens, decoder.cfg.kv_layers, decoder.cfg.vocab_size)
     return OrtEngines(decoder_engine, _vision_engine(model, folder, manifest, chosen, config.threads),
                       tuple(chosen), folder, manifest)
 

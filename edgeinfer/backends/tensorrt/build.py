@@ -575,7 +575,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def pool_blocks_for(profile, decoder_cfg) -> int:
     """The device KV blocks an engine loaded from ``profile`` allocates (the pool's length)."""
-    per_block = block_bytes(decoder_cfg.num_layers, profile.kv.block_size, decoder_cfg.kv_size,
+    per_block = block_bytes(decoder_cfg.kv_layers, profile.kv.block_size, decoder_cfg.kv_size,
                             _DTYPE_BYTES[profile.runtime.dtype])
     return pool_blocks(profile.memory.kv_device_budget_mb, per_block, profile.kv.device_blocks)
 

@@ -398,7 +398,7 @@ class TrtEngines:
 
 def engine_pool_blocks(config, decoder_cfg) -> int:
     """The device KV blocks the engine allocates for ``config`` (an engine input dim of the plan)."""
-    per_block = block_bytes(decoder_cfg.num_layers, config.block_size, decoder_cfg.kv_size,
+    per_block = block_bytes(decoder_cfg.kv_layers, config.block_size, decoder_cfg.kv_size,
                             config.torch_dtype.itemsize)
     return pool_blocks(config.kv_budget_mb, per_block, config.num_blocks)
 
