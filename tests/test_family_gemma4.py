@@ -307,14 +307,17 @@ def test_a_second_question_about_the_same_image_reuses_its_blocks(gemma4_path, r
 # --- the KV pool ----------------------------------------------------------------------------
 
 def test_the_pool_keeps_only_the_layers_that_own_k_v(gemma4_path):
-    """Layers 4 and 5 attend to layers 3's and 2's K/V: the pool has layers 0-3 only, a step
-    returns their K/V only, and each of those slices is read (large values there change the
-    logits), layer 3's and 2's also through the layers that share them."""
+    """Layers 4 and 5 attend to layers 3's and 2's K/V: the pool keeps layers 0-3 only, each in
+    pool layers of the narrowest layer's width (a global layer's wider head takes two), a step
+    returns exactly those, and every pool layer is read (large values there change the logits)."""
     from edgeinfer.models.loader import load_model
 
     decoder = load_model(gemma4_path).decoder
     cfg = decoder.cfg
-    assert (cfg.num_layers, cfg.kv_layers) == (6, 4) and decoder.shape.kv_owners == (0, 1, 2, 3)
+    shape = decoder.shape
+    assert shape.kv_owners == (0, 1, 2, 3) and cfg.num_layers == 6
+    widths = [shape.layers[i].kv_heads * shape.layers[i].head_dim for i in shape.kv_owners]
+    assert cfg.num_kv_heads * cfg.head_dim == min(widths) and cfg.kv_layers == sum(widths) // min(widths) > 4
     gen = torch.Generator().manual_seed(0)
     k_pool = torch.randn(cfg.kv_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, generator=gen)
     v_pool = torch.randn(k_pool.shape, generator=gen)
@@ -332,12 +335,13 @@ def test_the_pool_keeps_only_the_layers_that_own_k_v(gemma4_path):
 
 
 def test_the_pool_overhead_docs_state_for_an_e2b_shape():
-    """docs/families.md: one slot shape for the 15 layers that own K/V holds 1.7x the K/V the E2B
-    shape needs (3.9x when all 35 layers had a slot)."""
+    """docs/families.md: the pool holds exactly the K/V the E2B shape's 15 owning layers need
+    (3.9x that when all 35 layers had a slot of the widest layer's shape)."""
     from edgeinfer.testing.checkpoints_gemma4 import gemma4_config
 
     shape = gemma4.Gemma4Shape.from_hf(gemma4_config("gemma-4-e2b").text_config)
-    assert shape.kv_values_per_token() == (12 * 256 + 3 * 512, 15 * 512) == (4608, 7680)
+    assert shape.kv_values_per_token() == (12 * 256 + 3 * 512,) * 2 == (4608, 4608)
+    assert shape.pool_slot == 256 and sum(len(span) for span in shape.pool_spans()) == 18
 
 
 # --- the CUDA-graph engine's static shapes, run eagerly off the GPU ---------------------------

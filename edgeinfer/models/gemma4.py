@@ -35,6 +35,8 @@ tower's weights are skipped.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -144,12 +146,26 @@ class Gemma4Shape:
         assert owners == tuple(range(len(owners))), "K/V-sharing layers come last"
         return owners
 
+    @property
+    def pool_slot(self) -> int:
+        """Values per token of one pool layer (K or V): the greatest common divisor of the owning
+        layers' K/V heads x head size, so that every owner fills whole pool layers."""
+        return math.gcd(*(self.layers[i].kv_heads * self.layers[i].head_dim for i in self.kv_owners))
+
+    def pool_spans(self) -> list[range]:
+        """The pool layers each owning layer's K/V take, in order (a global layer's wider heads
+        take several)."""
+        spans, start = [], 0
+        for i in self.kv_owners:
+            width = self.layers[i].kv_heads * self.layers[i].head_dim // self.pool_slot
+            spans.append(range(start, start + width))
+            start += width
+        return spans
+
     def kv_values_per_token(self) -> tuple[int, int]:
-        """K values per token (V: as many) that the layers owning K/V need, and that the pool
-        holds: one slot of the widest layer's shape for each of those layers."""
+        """K values per token (V: as many) that the layers owning K/V need, and that the pool holds."""
         owned = sum(self.layers[i].kv_heads * self.layers[i].head_dim for i in self.kv_owners)
-        slot = max(layer.kv_heads for layer in self.layers) * max(layer.head_dim for layer in self.layers)
-        return owned, slot * len(self.kv_owners)
+        return owned, self.pool_slot * sum(len(span) for span in self.pool_spans())
 
 
 def kv_sources(layer_types: list[str], shared_layers: int) -> list[int]:
@@ -330,29 +346,32 @@ class Gemma4Decoder(Decoder):
         x, ids = inputs_embeds[..., :cfg.hidden_size], ids_from_digits(inputs_embeds[..., cfg.hidden_size:])
         per_layer = self.per_layer_inputs(x, ids) if shape.per_layer_input_size else None
         new_k, new_v, kv = [], [], {}
+        spans = shape.pool_spans()
         for i, layer in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
             cos, sin = local_rope if sliding else rope
             s = layer.shape
             past = None
-            if layer.owns_kv:
-                past = tuple(p[:, :, :s.kv_heads, :s.head_dim] for p in read_past(i))
+            if layer.owns_kv:  # its pool layers side by side are its [kv_heads, head_dim] values
+                parts = [read_past(j) for j in spans[i]]
+                past = tuple(torch.cat([part[n] for part in parts], dim=-1).unflatten(-1, (s.kv_heads, s.head_dim))
+                             .flatten(-3, -2) for n in (0, 1))
             x, keys, values, k, v = layer(x, cos, sin, past, kv.get(s.kv_source), window_mask if sliding else mask,
                                           None if per_layer is None else per_layer[:, :, i], attend)
             if s.stores_kv:
                 kv[i] = (keys, values)
             if layer.owns_kv:
-                new_k.append(self._to_pool(k))
-                new_v.append(self._to_pool(v))
+                new_k += self._to_pool(k)
+                new_v += self._to_pool(v)
         x = x[:, -1] if last is None else x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
         logits = self.norm(x) @ self.lm_head_t
         if shape.final_softcap is not None:
             logits = torch.tanh(logits / shape.final_softcap) * shape.final_softcap
         return logits, torch.stack(new_k), torch.stack(new_v)
 
-    def _to_pool(self, kv: torch.Tensor) -> torch.Tensor:
-        """[B,T,kvh,hd] of one layer -> the pool's slot shape, zero-padded."""
-        return F.pad(kv, (0, self.cfg.head_dim - kv.shape[-1], 0, self.cfg.num_kv_heads - kv.shape[-2]))
+    def _to_pool(self, kv: torch.Tensor) -> list[torch.Tensor]:
+        """[B,T,kvh,hd] of one layer -> its pool layers' [B,T,1,slot] values."""
+        return [part.unsqueeze(-2) for part in kv.flatten(-2).split(self.shape.pool_slot, dim=-1)]
 
 
 def load_gemma4_weights(decoder: Gemma4Decoder, tensors: dict[str, torch.Tensor]) -> None:
@@ -472,14 +491,14 @@ class Gemma4Adapter(FamilyAdapter):
         return DecoderConfig(
             vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
             num_layers=text.num_hidden_layers, num_heads=text.num_attention_heads,
-            num_kv_heads=max(s.kv_heads for s in shape.layers), head_dim=max(s.head_dim for s in shape.layers),
+            num_kv_heads=1, head_dim=shape.pool_slot,
             rms_norm_eps=text.rms_norm_eps, qkv_bias=False, o_bias=False, mlp_bias=False,
             tie_word_embeddings=bool(getattr(self.config, "tie_word_embeddings", True)),
             sandwich_norms=True, qk_norm=True, hidden_act=text.hidden_activation,
             embed_scale=float(text.hidden_size) ** 0.5, attn_scale=1.0, sliding_window=text.sliding_window,
             sliding_layers=tuple(t == SLIDING for t in text.layer_types),
             bidirectional_images=shape.bidirectional_images, per_layer_shapes=True,
-            pool_layers=len(shape.kv_owners),
+            pool_layers=sum(len(span) for span in shape.pool_spans()),
         )
 
     def rope(self, layer_type: str) -> tuple[torch.Tensor, float]:
