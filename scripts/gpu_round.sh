@@ -16,6 +16,9 @@
 #                           the newer families at batch 1, ours vs transformers static cache + compile
 #   sleep-cuda-qwen2-vl-2b.json
 #                           memory a level-1 / level-2 sleep frees, wake to the next first token
+#   gpu-qwen2-vl-2b-greedy-sampled.json
+#                           batch 1, every request greedy and then sampled (temperature 0.7, top-p 0.9), ours and
+#                           transformers static + compile
 #   serve-cuda-qwen2-vl-2b.json
 #                           a burst of 32 requests, first-seen batch sizes, open-loop arrivals to saturation
 #   decode-vs-batch.png     the plot of both gpu files (only where matplotlib is installed: pip install -e '.[plot]')
@@ -84,6 +87,9 @@ for shape in qwen3-vl-2b gemma-3-4b; do
         --image-size 1024x768 --batch-sizes 1 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
         --kinds ours,transformers-static
 done
+step gpu-qwen2-vl-2b-greedy-sampled bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT" \
+    --image-size 1024x768 --batch-sizes 1 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
+    --kinds ours,transformers-static --sampling greedy,sampled
 step sleep-cuda-qwen2-vl-2b bench sleep --shape qwen2-vl-2b --profile cuda --cache "$CACHE" --out "$OUT" --repeats 3
 step serve-cuda-qwen2-vl-2b bench serve --shape qwen2-vl-2b --profile cuda --cache "$CACHE" --out "$OUT"
 
