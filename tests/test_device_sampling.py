@@ -275,6 +275,7 @@ def test_sampled_rows_burst_inside_cuda_graphs_with_the_step_by_step_tokens(chec
 
 
 def test_the_chat_api_passes_the_penalties_and_min_p_to_the_sampler():
+    pytest.importorskip("fastapi", reason="the chat API needs fastapi (the daemon's dependency)")
     from edgeinfer.errors import RequestError
     from edgeinfer.server.chat import parse_chat
     from edgeinfer.server.schemas import ChatCompletionRequest
