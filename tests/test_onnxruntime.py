@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import json
 
 import numpy as np
@@ -69,6 +71,11 @@ def test_build_writes_checked_graphs_and_manifest(checkpoint, engines):
     for name in (VISION_FILE, DECODER_FILE):
         onnx.checker.check_model(str(folder / name), full_check=True)
         assert onnx.load(str(folder / name)).opset_import[0].version == OPSET
+    # The tower's attention is an additive mask and a softmax: the mask is built once, and no
+    # layer runs a Where / IsNaN over its scores.
+    layer_ops = Counter(node.op_type for node in onnx.load(str(folder / VISION_FILE)).graph.node
+                        if "/encoder/layers." in node.name)
+    assert layer_ops["Softmax"] == 2 and layer_ops["IsNaN"] == layer_ops["Where"] == 0, layer_ops
     fingerprint = manifest["fingerprint"]
     assert fingerprint["tensorrt"] is None and fingerprint["sm"] is None and fingerprint["profile"] is None
     assert set(fingerprint["onnx"]) == {VISION_FILE, DECODER_FILE}

@@ -10,6 +10,9 @@ The exported graph takes each patch's position id as an input (:class:`TiledVisi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -106,6 +109,19 @@ class TiledVisionGraph(VisionGraph):
 
     def module(self) -> nn.Module:
         return TileTower(self.vision)
+
+    @contextlib.contextmanager
+    def exporting(self) -> Iterator[None]:
+        """The tower traced with transformers' eager attention: an additive mask and a softmax.
+        Traced through SDPA, a bool mask became a Where and an IsNaN over every head's
+        [patches, patches] scores, a quarter of an int8 tile's time on a 2-core CPU."""
+        config = self.vision.vision_model.config
+        before = config._attn_implementation
+        config._attn_implementation = "eager"
+        try:
+            yield
+        finally:
+            config._attn_implementation = before
 
     def feeds(self, tensors):
         patch_mask = self.vision.patch_mask(tensors["pixel_attention_mask"])
