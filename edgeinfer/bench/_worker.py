@@ -57,7 +57,8 @@ def _offload_peer(data: dict) -> dict:
 
 TASKS: dict[str, Callable[[dict], dict]] = {
     **{f"generate-{kind}": _generate(kind) for kind in ("transformers", "ours", "onnxruntime", "onnxruntime-int8",
-                                                        "onnxruntime-int4", "onnxruntime-int4-vision-int8")},
+                                                        "onnxruntime-int4", "onnxruntime-int8-vision-int8",
+                                                        "onnxruntime-int4-vision-int8")},
     **{f"gpu-{kind}": _gpu(kind) for kind in ("ours", "transformers-static", "transformers-dynamic", "bandwidth")},
     "kv-offload-peer": _offload_peer,
 }

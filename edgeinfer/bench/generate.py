@@ -34,8 +34,8 @@ PEER = "transformers"
 # Our ONNX Runtime kinds -> the decoder precision each builds (on the cpu profile) and further
 # `edgeinfer build` flags.
 ONNX_KINDS = {"onnxruntime": "fp32", "onnxruntime-int8": "int8", "onnxruntime-int4": "int4",
-              "onnxruntime-int4-vision-int8": "int4"}
-ONNX_BUILD_FLAGS = {"onnxruntime-int4-vision-int8": ("--vision-precision", "int8")}
+              "onnxruntime-int8-vision-int8": "int8", "onnxruntime-int4-vision-int8": "int4"}
+ONNX_BUILD_FLAGS = {kind: ("--vision-precision", "int8") for kind in ONNX_KINDS if kind.endswith("-vision-int8")}
 KINDS = (PEER, "ours", *ONNX_KINDS)
 FIGURES = ("ttft_s", "decode_tok_s", "request_tok_s")
 

@@ -73,7 +73,7 @@ def generate(
     threads: ThreadsOption = 2,
     kinds: Annotated[str, typer.Option(
         help="Engines, comma-separated: transformers (always), ours, onnxruntime, onnxruntime-int8, "
-             "onnxruntime-int4, onnxruntime-int4-vision-int8.")]
+             "onnxruntime-int4, onnxruntime-int8-vision-int8, onnxruntime-int4-vision-int8.")]
     = "transformers,ours",
     max_load: MaxLoadOption = QUIET_LOAD,
     allow_noisy: AllowNoisyOption = False,
@@ -103,7 +103,7 @@ def onnxruntime(
     allow_noisy: AllowNoisyOption = False,
     kinds: Annotated[Optional[str], typer.Option(
         help="Engines, comma-separated (transformers always). Default: transformers, ours, onnxruntime, "
-             "onnxruntime-int8, onnxruntime-int4, onnxruntime-int4-vision-int8.")] = None,
+             "onnxruntime-int8, onnxruntime-int4, onnxruntime-int8-vision-int8, onnxruntime-int4-vision-int8.")] = None,
     demo_accuracy: Annotated[int, typer.Option(
         metavar="N", help="Instead of the speed run: answer N held-out demo questions with torch and ORT fp32, "
                           "int8, int4 and int4 with the int8 vision graph, and report their accuracy.")] = 0,
