@@ -55,28 +55,35 @@ if "sampler" in which:
 
 
 @triton.jit
-def _w4_gemv3d(X, Q, S, Z, Y, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
-               GS: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr):
+def _tile_products(X, Q, rn, n_ok, k0, K, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):
+    """The codes of rows ``rn`` over columns k0 .. k0+BK unpacked as [BN, words, 32/b] and
+    multiplied by x: (Σ over each word of q·x [BN, words], Σ over each word of x [words])."""
     PER: tl.constexpr = 32 // BITS
     W: tl.constexpr = BK // PER
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    rn = pid * BN + tl.arange(0, BN)
-    n_ok = rn < N
     words_per_row = K // PER
+    rw = k0 // PER + tl.arange(0, W)
+    words = tl.load(Q + rn[:, None].to(tl.int64) * words_per_row + rw[None, :],
+                    mask=n_ok[:, None] & (rw[None, :] < words_per_row), other=0)
+    x2 = tl.load(X + k0 + tl.arange(0, W)[:, None] * PER + tl.arange(0, PER)[None, :],
+                 mask=(k0 + tl.arange(0, W)[:, None] * PER) < K, other=0.0).to(tl.float32)
     sh = tl.arange(0, PER) * BITS
+    q3 = ((words[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    return tl.sum(q3 * x2[None, :, :], axis=2), tl.sum(x2, axis=1)
+
+
+@triton.jit
+def _w4_gemv3d(X, Q, S, Z, Y, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
+               GS: tl.constexpr, HAS_Z: tl.constexpr, SPLIT: tl.constexpr):
+    """One scale per word: [BN, words] partial sums, reduced at the end."""
+    PER: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BK // PER
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = rn < N
     acc = tl.zeros([BN, W], tl.float32)
     per_split = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
-    start = sp * per_split
+    start = tl.program_id(1) * per_split
     for k0 in range(start, tl.minimum(start + per_split, K), BK):
-        rw = k0 // PER + tl.arange(0, W)
-        words = tl.load(Q + rn[:, None].to(tl.int64) * words_per_row + rw[None, :],
-                        mask=n_ok[:, None] & (rw[None, :] < words_per_row), other=0)
-        x2 = tl.load(X + k0 + tl.arange(0, W)[:, None] * PER + tl.arange(0, PER)[None, :],
-                     mask=(k0 + tl.arange(0, W)[:, None] * PER) < K, other=0.0).to(tl.float32)
-        q3 = ((words[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-        qx = tl.sum(q3 * x2[None, :, :], axis=2)
-        xs = tl.sum(x2, axis=1)
+        qx, xs = _tile_products(X, Q, rn, n_ok, k0, K, BN, BK, BITS)
         g = (k0 + tl.arange(0, W) * PER) // GS
         at = rn[:, None] * G + g[None, :]
         ok = n_ok[:, None] & (g[None, :] < G)
@@ -96,28 +103,16 @@ def _w4_gemv3d(X, Q, S, Z, Y, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS:
 @triton.jit
 def _w4_gemv_grp(X, Q, S, Y, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
                  GS: tl.constexpr, SPLIT: tl.constexpr):
-    """Scale applied per group after a [BN, W] integer-ish accumulation: BK == GS."""
-    PER: tl.constexpr = 32 // BITS
-    W: tl.constexpr = BK // PER
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    rn = pid * BN + tl.arange(0, BN)
+    """Scale applied per group after a [BN] accumulation over the group: BK == GS, symmetric."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = rn < N
-    words_per_row = K // PER
-    sh = tl.arange(0, PER) * BITS
     acc = tl.zeros([BN], tl.float32)
     per_split = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
-    start = sp * per_split
+    start = tl.program_id(1) * per_split
     for k0 in range(start, tl.minimum(start + per_split, K), BK):
-        rw = k0 // PER + tl.arange(0, W)
-        words = tl.load(Q + rn[:, None].to(tl.int64) * words_per_row + rw[None, :],
-                        mask=n_ok[:, None] & (rw[None, :] < words_per_row), other=0)
-        x2 = tl.load(X + k0 + tl.arange(0, W)[:, None] * PER + tl.arange(0, PER)[None, :]).to(tl.float32)
-        q3 = ((words[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-        qx = tl.sum(tl.sum(q3 * x2[None, :, :], axis=2), axis=1)
-        xs = tl.sum(tl.sum(x2, axis=1), axis=0)
+        qx, xs = _tile_products(X, Q, rn, n_ok, k0, K, BN, BK, BITS)
         s = tl.load(S + rn * G + k0 // GS, mask=n_ok, other=0.0).to(tl.float32)
-        acc += s * (qx - (1 << (BITS - 1)) * xs)
+        acc += s * (tl.sum(qx, axis=1) - (1 << (BITS - 1)) * tl.sum(xs, axis=0))
     if SPLIT == 1:
         tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=n_ok)
     else:
