@@ -242,8 +242,8 @@ class SamplingState:
         greedy = logits.argmax(-1)
         if not self.kind.draws:
             return greedy
-        weights, order = filtered_sorted(logits, self)
-        drawn = draw_sorted(weights, order, uniforms(self.ints[1], self.counters))
+        weights, order, cdf = filtered_sorted(logits, self)
+        drawn = draw_sorted(weights, order, cdf, uniforms(self.ints[1], self.counters))
         return torch.where(self.temperature > 0, drawn, greedy)
 
     def advance(self, ids: torch.Tensor, valid: torch.Tensor) -> None:
@@ -276,15 +276,18 @@ def penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
     return logits - frequency * counts - presence * present
 
 
-def filtered_sorted(logits: torch.Tensor, state: SamplingState) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_sorted(logits: torch.Tensor, state: SamplingState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' distributions after temperature, top-k, min-p and top-p, each sorted from most
     to least likely: (weights [B, vocab], proportional to the probabilities and zero where
-    dropped, 1 for the most likely token; vocabulary ids [B, vocab]).
+    dropped, 1 for the most likely token; vocabulary ids [B, vocab]; the running sum of the
+    weights [B, vocab], the CDF of the kept tokens up to the last of them).
 
     One sort and one running sum: a token's weight ``exp(l - l_max)`` is its probability over the
     most likely token's, which is what min-p compares, and whatever top-k and min-p keep is a
-    prefix of the order, so the running sum of kept weights is the mass top-p needs. (Two
-    softmaxes over the vocabulary took longer than the sort at one row.)"""
+    prefix of the order, so the running sum of kept weights is the mass top-p needs, and what
+    top-p keeps is a prefix of that prefix, whose CDF the same sum already is. (Two softmaxes
+    over the vocabulary took longer than the sort at one row; a second running sum, 190 µs at 16
+    rows on an H200, is not taken.)"""
     temperature, top_p, min_p = (k[:, None] for k in state.knobs[:3])
     vocab = logits.shape[-1]
     scaled = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
@@ -297,15 +300,15 @@ def filtered_sorted(logits: torch.Tensor, state: SamplingState) -> tuple[torch.T
     mass = weights.cumsum(-1)
     before = mass - weights  # the mass of the more likely tokens: the one that crosses top_p is kept
     keep = keep & ((before <= top_p * mass[:, -1:]) | (top_p >= 1.0))
-    return weights.masked_fill(~keep, 0.0), order
+    return weights.masked_fill(~keep, 0.0), order, mass
 
 
-def draw_sorted(weights: torch.Tensor, order: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """[B] ids by inverse CDF: the first sorted token whose cumulative weight exceeds
-    ``uniform`` [B] times the row's total; never a token of zero weight."""
-    cdf = weights.cumsum(-1)
-    index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+def draw_sorted(weights: torch.Tensor, order: torch.Tensor, cdf: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[B] ids by inverse CDF: the first sorted token whose cumulative weight ``cdf`` exceeds
+    ``uniform`` [B] times the kept tokens' total; never a token of zero weight."""
     last = ((weights > 0).sum(-1, keepdim=True) - 1).clamp(min=0)  # the kept tokens are a prefix of the order
+    total = cdf.gather(1, last)
+    index = torch.searchsorted(cdf, uniform[:, None] * total, right=True)
     return order.gather(1, torch.minimum(index, last))[:, 0]
 
 
@@ -313,5 +316,5 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """The distribution one sampled row draws from, in vocabulary order, for float32 ``logits``
     [vocab] (penalties are left out: they need the row's tokens)."""
     state = SamplingRows((params,), (0,), ((),), ((),)).state(logits.shape[-1], logits.device)
-    weights, order = filtered_sorted(logits[None], state)
+    weights, order, _ = filtered_sorted(logits[None], state)
     return torch.zeros_like(weights).scatter(1, order, weights / weights.sum(-1, keepdim=True))[0]
