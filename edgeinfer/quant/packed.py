@@ -76,11 +76,11 @@ def dequantize_with_torch(codes, scales, zeros, layout: kernels.PackedGeometry, 
     return ((u.to(scales.dtype) - z) * scales[:, group]).to(dtype)
 
 
-# The op's library namespace: torch.compile and CUDA graphs take the op as one opaque call.
-OP_LIBRARY = "edgeinfer"
+# The op's library namespace and name: torch.compile and CUDA graphs take the op as one opaque call.
+OP_LIBRARY, OP_NAME = "edgeinfer", "packed_linear"
 
 
-@torch.library.custom_op(f"{OP_LIBRARY}::packed_linear", mutates_args=())
+@torch.library.custom_op("::".join((OP_LIBRARY, OP_NAME)), mutates_args=())
 def packed_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                   bits: int, group_size: int, groups: int) -> torch.Tensor:
     """``x @ W.T`` with W packed (see :class:`PackedMatrix`): the low-bit kernel for a few rows,
