@@ -65,10 +65,11 @@ class DecoderConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer: True attends within sliding_window (empty: none)
     bidirectional_images: bool = False  # the tokens of one image attend to each other in both directions
     # Gemma 4 (models/gemma4.py): layers differ in head size, K/V source and per-layer inputs,
-    # which its own decoder class holds; num_kv_heads and head_dim are then the pool slot's (the widest layer's).
+    # which its own decoder class holds; num_kv_heads and head_dim are then a pool layer's (one
+    # head of the narrowest owning layer's width).
     per_layer_shapes: bool = False
-    # Layers of the KV pool (0: one per layer). Gemma 4's layers that attend to an earlier layer's
-    # K/V keep none: the pool holds the layers that own K/V, in order.
+    # Layers of the KV pool (0: one per layer). Gemma 4's sharing layers keep none, and a wider
+    # layer takes several (models/gemma4.py).
     pool_layers: int = 0
 
     def __post_init__(self) -> None:

@@ -5,11 +5,12 @@ What Gemma 4's text model adds over Gemma 3, each held here (transformers 5.24's
 
 - **Per-layer shapes.** Global (full-attention) layers have their own head size
   (``global_head_dim``) and, with ``attention_k_eq_v``, their own K/V head count and no value
-  projection (values are the raw key projection). The KV pool has one shape, so it is sized
-  for the widest layer and narrower layers use the leading part of each slot.
+  projection (values are the raw key projection). A pool layer holds the narrowest owning
+  layer's K/V heads x head size; a wider layer's values lie across several pool layers side
+  by side (:meth:`Gemma4Shape.pool_spans`), so the pool holds exactly what the layers own.
 - **KV sharing.** The last ``num_kv_shared_layers`` layers compute no K/V: each attends to
-  the K/V of the last earlier layer of its own type. Their pool slices are never read (the
-  step returns zeros for them). Those layers may have double-wide MLPs.
+  the K/V of the last earlier layer of its own type, and keeps no pool layers. Those layers
+  may have double-wide MLPs.
 - **Per-layer input embeddings (PLE).** A second table gives every token a small vector per
   layer; with a projection of the layer input it gates a residual added after each layer's
   MLP. The lookup needs the token id inside the decoder step, so every embedding row carries
@@ -155,9 +156,9 @@ class Gemma4Shape:
     def pool_spans(self) -> list[range]:
         """The pool layers each owning layer's K/V take, in order (a global layer's wider heads
         take several)."""
-        spans, start = [], 0
+        spans, start, slot = [], 0, self.pool_slot
         for i in self.kv_owners:
-            width = self.layers[i].kv_heads * self.layers[i].head_dim // self.pool_slot
+            width = self.layers[i].kv_heads * self.layers[i].head_dim // slot
             spans.append(range(start, start + width))
             start += width
         return spans
@@ -241,7 +242,7 @@ class Gemma4Layer(nn.Module):
 
     def forward(self, x, cos, sin, past, shared, mask, per_layer_input, attend=attention):
         """x [B,T,H]. A layer that owns K/V reads ``past`` (k, v) ``[B,S,kvh,hd]`` (the pool's
-        slots, narrowed to its sizes); a sharing layer attends to ``shared`` (keys, values)
+        pool layers joined into its sizes); a sharing layer attends to ``shared`` (keys, values)
         ``[B,kvh,S+T,hd]``, its source layer's. Returns (x, keys, values, new_k, new_v), the new
         K/V ``[B,T,kvh,hd]`` (None for a sharing layer). ``attend`` has the signature of
         :func:`~edgeinfer.models.decoder.attention` (the ONNX graph passes one it can export)."""
@@ -290,6 +291,8 @@ class Gemma4Decoder(Decoder):
                  local_rope: tuple[torch.Tensor, float]) -> None:
         super().__init__(cfg, inv_freq, attention_scaling, local_rope)
         self.shape = shape
+        # Fixed by the shape; kept rather than derived in every step.
+        self.pool_slot, self.pool_spans = shape.pool_slot, shape.pool_spans()
         # A buffer, not a tensor made per call: a CUDA graph's capture allows no host-to-device copy.
         self.register_buffer("placeholder_ids", torch.tensor(shape.placeholder_ids, dtype=torch.long), persistent=False)
         ple = shape.per_layer_input_size
@@ -346,14 +349,13 @@ class Gemma4Decoder(Decoder):
         x, ids = inputs_embeds[..., :cfg.hidden_size], ids_from_digits(inputs_embeds[..., cfg.hidden_size:])
         per_layer = self.per_layer_inputs(x, ids) if shape.per_layer_input_size else None
         new_k, new_v, kv = [], [], {}
-        spans = shape.pool_spans()
         for i, layer in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
             cos, sin = local_rope if sliding else rope
             s = layer.shape
             past = None
             if layer.owns_kv:  # its pool layers side by side are its [kv_heads, head_dim] values
-                parts = [read_past(j) for j in spans[i]]
+                parts = [read_past(j) for j in self.pool_spans[i]]
                 past = tuple(torch.cat([part[n] for part in parts], dim=-1).unflatten(-1, (s.kv_heads, s.head_dim))
                              .flatten(-3, -2) for n in (0, 1))
             x, keys, values, k, v = layer(x, cos, sin, past, kv.get(s.kv_source), window_mask if sliding else mask,
@@ -371,7 +373,7 @@ class Gemma4Decoder(Decoder):
 
     def _to_pool(self, kv: torch.Tensor) -> list[torch.Tensor]:
         """[B,T,kvh,hd] of one layer -> its pool layers' [B,T,1,slot] values."""
-        return [part.unsqueeze(-2) for part in kv.flatten(-2).split(self.shape.pool_slot, dim=-1)]
+        return [part.unsqueeze(-2) for part in kv.flatten(-2).split(self.pool_slot, dim=-1)]
 
 
 def load_gemma4_weights(decoder: Gemma4Decoder, tensors: dict[str, torch.Tensor]) -> None:
@@ -486,7 +488,7 @@ class Gemma4Adapter(FamilyAdapter):
         return Gemma4Shape.from_hf(self.text_config, tuple(int(i) for i in placeholders if i is not None))
 
     def decoder_config(self) -> DecoderConfig:
-        """The shared fields; the KV pool's slot is as wide as the widest layer's."""
+        """The shared fields; a KV pool layer holds one K/V head of the narrowest owner's width."""
         text, shape = self.text_config, self.shape()
         return DecoderConfig(
             vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
