@@ -137,10 +137,13 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_no
             assert torch.equal(v_pool[block, slot], new_v[r])
 
 
+@pytest.mark.parametrize("contexts", [[0], [5], [23], [23, 0, 5]], ids=["ctx0", "ctx5", "ctx23", "batch3"])
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "llava", "qwen3_vl"])
-def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family):
+def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family, contexts):
     """The whole fused step (products, attention, merge, the head) against ``Decoder.forward`` on a
-    tiny checkpoint, one row, past scattered over the pool: returned K/V and K/V written in place."""
+    tiny checkpoint, past scattered over the pool: returned K/V and K/V written in place. One row
+    takes the Triton products; three rows of different contexts take the layer's own products
+    around the same attention."""
     from edgeinfer.backends.torch.cuda_graphs import _relayout
     from edgeinfer.models.loader import load_model
 
@@ -149,27 +152,38 @@ def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family):
     _relayout(decoder, out_major=True)
     fused = triton_decode.FusedDecode(decoder)
     torch.manual_seed(0)
-    blocks, bs = 16, 4
+    blocks, bs, m = 32, 4, len(contexts)
     k_pool = torch.randn(cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
     v_pool = torch.randn_like(k_pool)
-    for ctx in (0, 5, 23):
-        table = torch.randperm(blocks, device=DEVICE)[:8][None]
-        lens = torch.tensor([ctx], device=DEVICE)
-        x = torch.randn(1, 1, cfg.hidden_size, device=DEVICE)
-        positions = torch.full((3, 1, 1) if cfg.mrope_section else (1, 1), ctx, device=DEVICE)
-        with torch.no_grad():
-            want, want_k, want_v = decoder(x, positions, k_pool, v_pool, table, lens)
-            cos, sin = decoder.rope(positions, x.dtype)
-            cos, sin = cos.reshape(1, -1), sin.reshape(1, -1)
-            logits, new_k, new_v = fused.layers(x[:, 0], cos, sin, k_pool, v_pool, table, lens)
-            _close(logits, want, torch.float32)
-            _close(new_k, want_k, torch.float32)
-            _close(new_v, want_v, torch.float32)
-            pool_k, pool_v = k_pool.clone(), v_pool.clone()
-            written, none_k, none_v = fused.layers(x[:, 0], cos, sin, pool_k, pool_v, table, lens,
-                                                   valid=torch.ones(1, dtype=torch.long, device=DEVICE))
-        assert none_k is None and none_v is None and torch.equal(written, logits)
-        block, slot = int(table[0, ctx // bs]), ctx % bs
-        assert torch.equal(pool_k[:, block, slot], new_k[:, 0, 0]) and torch.equal(pool_v[:, block, slot], new_v[:, 0, 0])
+    tables = torch.randperm(blocks, device=DEVICE)[:8 * m].view(m, 8)
+    lens = torch.tensor(contexts, device=DEVICE)
+    x = torch.randn(m, 1, cfg.hidden_size, device=DEVICE)
+    positions = lens.view(1, m, 1).expand(3, m, 1) if cfg.mrope_section else lens.view(m, 1)
+    with torch.no_grad():
+        want, want_k, want_v = decoder(x, positions, k_pool, v_pool, tables, lens)
+        cos, sin = decoder.rope(positions, x.dtype)
+        cos, sin = cos.reshape(m, -1), sin.reshape(m, -1)
+        logits, new_k, new_v = fused.layers(x[:, 0], cos, sin, k_pool, v_pool, tables, lens)
+        _close(logits, want, torch.float32)
+        _close(new_k, want_k, torch.float32)
+        _close(new_v, want_v, torch.float32)
+        pool_k, pool_v = k_pool.clone(), v_pool.clone()
+        written, none_k, none_v = fused.layers(x[:, 0], cos, sin, pool_k, pool_v, tables, lens,
+                                               valid=torch.ones(m, dtype=torch.long, device=DEVICE))
+    assert none_k is None and none_v is None and torch.equal(written, logits)
+    for row, ctx in enumerate(contexts):
+        block, slot = int(tables[row, ctx // bs]), ctx % bs
+        assert torch.equal(pool_k[:, block, slot], new_k[:, row, 0])
+        assert torch.equal(pool_v[:, block, slot], new_v[:, row, 0])
         pool_k[:, block, slot] = k_pool[:, block, slot]
-        assert torch.equal(pool_k, k_pool), "only the new token's slot may change"
+    assert torch.equal(pool_k, k_pool), "only each row's new token's slot may change"
+
+
+@pytest.mark.parametrize("rows,kv_heads,positions,chunk", [
+    (1, 2, 2048, 32),   # one row: the shortest splits
+    (16, 2, 2048, 64),  # 16 rows: 32 splits of 64 fill the target
+    (64, 2, 2048, 256),
+    (1, 2, 40, 32),     # a short context: as many splits as it has chunks
+])
+def test_attention_chunk_lengthens_splits_as_rows_grow(rows, kv_heads, positions, chunk):
+    assert triton_decode.attention_chunk(rows, kv_heads, positions) == chunk

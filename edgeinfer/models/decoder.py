@@ -306,7 +306,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, past_k, past_v, mask):
         """x [B,T,H]; past_k/v [B,S,kvh,hd] gathered from the pool; returns (x, k, v) with k/v [B,T,kvh,hd]."""
         cfg = self.cfg
-        qkv = _linear(self.input_norm(x), self.qkv_t, self.qkv_bias)
+        qkv = self.qkv(x)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         q = reshape_tail(q, 2, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = reshape_tail(k, 2, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -320,11 +320,21 @@ class DecoderLayer(nn.Module):
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
         attn = attention(q, keys, values, mask, cfg.num_heads // cfg.num_kv_heads, cfg.attn_scale)
         attn = reshape_tail(attn.transpose(1, 2), 2, cfg.q_size)
+        return self.after_attention(x, attn), new_k, v
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer up to its attention: the q|k|v product of the normed input (RoPE not applied)."""
+        return _linear(self.input_norm(x), self.qkv_t, self.qkv_bias)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer from its attention's output ``attn`` [..., q_size] on: the o product, the MLP
+        and both residual adds. (Batched decode steps run the attention between this and
+        :meth:`qkv` as a kernel over the paged pool.)"""
+        cfg = self.cfg
         x = x + _normed(self.attn_out_norm, _linear(attn, self.o_t, self.o_bias))
         gate_up = _linear(self.post_attention_norm(x), self.gate_up_t, self.gate_up_bias)
         gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
-        x = x + _normed(self.mlp_out_norm, _linear(self.act(gate) * up, self.down_t, self.down_bias))
-        return x, new_k, v
+        return x + _normed(self.mlp_out_norm, _linear(self.act(gate) * up, self.down_t, self.down_bias))
 
 
 def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
@@ -420,8 +430,11 @@ class Decoder(nn.Module):
             new_k.append(k)
             new_v.append(v)
         x = x[:, -1] if last is None else x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
-        logits = _linear(self.norm(x), self.lm_head_t, None)
-        return logits, torch.stack(new_k), torch.stack(new_v)
+        return self.logits(x), torch.stack(new_k), torch.stack(new_v)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head over the last layer's output: the final norm, then the vocabulary product."""
+        return _linear(self.norm(x), self.lm_head_t, None)
 
 
 def past_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,

@@ -17,10 +17,12 @@ the host's time launching them was three times the device's running them. At mos
 ``prefill_graphs`` such graphs are kept, the least recently used dropped first; a length
 seen for the first time is captured then, which costs about three eager chunks once.
 
-Where Triton is installed, a batch-1 step's layers are the fused kernels of
-:mod:`edgeinfer.backends.torch.triton_decode` (six per layer, attention reading the pool in place);
-larger batches, and machines without Triton, run layers compiled by ``torch.compile`` over
-the past gathered into whole blocks.
+Where Triton is installed, every decode step attends with the paged attention kernel of
+:mod:`edgeinfer.backends.torch.triton_decode`, which reads the past where it lies in the pool;
+a batch-1 step's products are that module's kernels too (six per layer), a larger batch's are
+its layers' own, compiled by ``torch.compile``, on either side of the attention. Machines
+without Triton (and the Gemma layers, which the kernels do not implement) run whole layers
+compiled over the past gathered into whole blocks under a mask.
 
 Decoding can go further (``decode_burst``): a second graph takes token ids rather than
 embeddings, writes its K/V into the pool itself and chooses the next ids on the device (the
@@ -84,6 +86,11 @@ def with_variants(compiled: Callable, variants: int = COMPILED_VARIANTS) -> Call
             return compiled(*args, **kwargs)
 
     return call
+
+
+def _compiled(fn: Callable) -> Callable:
+    """``fn`` compiled for static shapes, one variant per batch and width bucket."""
+    return with_variants(torch.compile(fn, dynamic=False, fullgraph=True))
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -238,17 +245,17 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self.fused_off = "turned off" if not fused else triton_decode.available(self.device)
         self._fused = None
         self.fused_replays = 0  # decode steps replayed through the fused kernels
+        # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
+        # Every layer has the same code and shapes, so one compilation serves all of them.
+        self._layer_fn = _compiled(DecoderLayer.forward) if compile_layers else None
         if self.fused_off is None:
+            halves = (_compiled(DecoderLayer.qkv), _compiled(DecoderLayer.after_attention)) if compile_layers else None
             try:
-                self._fused = triton_decode.FusedDecode(decoder)
+                self._fused = triton_decode.FusedDecode(decoder, halves)
             except ValueError as exc:
                 self.fused_off = str(exc)
         self.weight_layout = self._lay_out(decoder, take_decoder)
         self._tune_fused()
-        # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
-        # Every layer has the same code and shapes, so one compilation serves all of them.
-        self._layer_fn = with_variants(torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True)) \
-            if compile_layers else None
 
     def _tune_fused(self) -> None:
         """Time the fused step's tiles at load. Left to its first use, the timing (a few seconds of
@@ -282,7 +289,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """The fused step's tile choices and speeds per product, or why it is off."""
         if self._fused is None:
             return {"fused": False, "reason": self.fused_off}
-        return {"fused": True, "max_batch": triton_decode.MAX_BATCH, "fused_replays": self.fused_replays,
+        return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
                 "products": self._fused.report}
 
     def capture_state(self) -> dict[str, int]:
@@ -360,13 +367,10 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             captured += 1
         return captured
 
-    def _uses_fused(self, batch: int) -> bool:
-        return self._fused is not None and batch <= triton_decode.MAX_BATCH
-
     def _static_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, valid=None):
         """One token per row on static shapes. With ``valid`` (fused step only) the new K/V are
         written into the pools at each valid row's slot ``context_lens`` and come back as None."""
-        if self._uses_fused(embeds.shape[0]) and embeds.shape[-1] == self.decoder.cfg.hidden_size:  # no deepstack additions
+        if self._fused is not None and embeds.shape[-1] == self.decoder.cfg.hidden_size:  # no deepstack additions
             cos, sin = self.decoder.rope(positions, embeds.dtype)
             b = embeds.shape[0]
             return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
@@ -395,7 +399,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         g.embeds[:b].copy_(inputs_embeds)
         self._load(g, position_ids, block_tables, context_lens)
         g.graph.replay()
-        self.fused_replays += self._uses_fused(batch) and key[3] == self.decoder.cfg.hidden_size
+        self.fused_replays += self._fused is not None and key[3] == self.decoder.cfg.hidden_size
         return g.logits[:b], g.new_k[:, :b], g.new_v[:, :b]
 
     def _load(self, g: _Graph | _BurstGraph | _PrefillGraph, positions, tables, context_lens) -> None:
@@ -569,7 +573,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         for i in range(steps):
             g.replay()
             out[:, i].copy_(g.tokens[:b])
-        self.fused_replays += steps * self._uses_fused(key[0])
+        self.fused_replays += steps * (self._fused is not None)
         self._last_burst = (key, b)
         return BurstTokens(out)
 
@@ -580,7 +584,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         ``write=False`` (the warm-up before capture) leaves the pools and every buffer alone.
         """
         embeds = self.decoder.embed_tokens(tokens)[:, None]
-        if self._uses_fused(tokens.shape[0]):  # the attention kernel writes the new K/V itself
+        if self._fused is not None:  # the attention kernel writes the new K/V itself
             logits, _, _ = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens,
                                              valid if write else torch.zeros_like(valid))
         else:

@@ -1,4 +1,4 @@
-"""A batch-1 decode step in six Triton kernels per layer.
+"""A decode step over the paged pool: at batch 1 in six Triton kernels per layer.
 
 At batch 1 a decode step reads every weight once and does almost no arithmetic, so it
 runs as fast as its matrix-vector products stream memory and as slowly as the small
@@ -21,6 +21,10 @@ and keeps the rounding points of the eager layer (bf16 after each product, norm 
 product-sum), so it gives the eager layer's tokens within the dtype's tolerance. The
 tile sizes are chosen once per matrix shape by timing a few candidates on the device.
 
+Larger batches keep the attention kernel (step 2, the past read in place rather than gathered
+into a copy per layer, each row only as far as its own context) between cuBLAS products:
+the layer's own ``qkv`` and ``after_attention``, compiled by the caller.
+
 Triton is optional: on a machine without it (CPUs, most Jetson wheels) the compiled or
 eager layers run instead.
 """
@@ -28,10 +32,12 @@ eager layers run instead.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this path exists at all
@@ -57,9 +63,14 @@ def available(device: torch.device) -> str | None:
     return None
 
 
-# The batches the fused step serves: its products stream each weight once per row tile and
-# beat cuBLAS at one row; at four rows and more cuBLAS's tensor-core tiles win by far.
-MAX_BATCH = 1
+# The rows the Triton products serve: they stream each weight once per row tile and beat
+# cuBLAS at one row; at four rows and more cuBLAS's tensor-core tiles win by far, so larger
+# batches take the layer's own products (compiled by the caller) around the paged attention.
+MAX_GEMV_ROWS = 1
+# Programs the attention aims to launch: one row and KV head over a whole context is far too
+# little work to fill a GPU, so the context is split; with many rows, fewer and longer splits
+# fill it as well and write fewer partial results to merge.
+ATTENTION_PROGRAMS = 1024
 
 NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
 
@@ -347,8 +358,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor | PackedMatrix, *, bias: torch.Tensor 
     return y[:m]
 
 
-ATTENTION_CHUNK = 32  # context positions per split: ~1k positions give 32 splits per KV head
+ATTENTION_CHUNK = 32  # fewest context positions per split: ~1k positions give 32 splits per KV head
 ATTENTION_TILE = 32
+
+
+def attention_chunk(rows: int, kv_heads: int, positions: int) -> int:
+    """Context positions per split: :data:`ATTENTION_CHUNK` (one row: as many splits as that
+    gives), longer, in whole tiles, where ``rows`` × ``kv_heads`` × splits would pass
+    :data:`ATTENTION_PROGRAMS`."""
+    splits = max(1, min(-(-ATTENTION_PROGRAMS // (rows * kv_heads)), -(-positions // ATTENTION_CHUNK)))
+    per_split = -(-positions // splits)
+    return max(ATTENTION_CHUNK, -(-per_split // ATTENTION_TILE) * ATTENTION_TILE)
 
 
 def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
@@ -374,7 +394,8 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     m = qkv.shape[0]
     groups = heads // kv_heads
     block_size = k_pool.shape[1]
-    splits = triton.cdiv(tables.shape[1] * block_size, ATTENTION_CHUNK)
+    chunk = attention_chunk(m, kv_heads, tables.shape[1] * block_size)
+    splits = triton.cdiv(tables.shape[1] * block_size, chunk)
     parts_o = torch.empty(m, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     parts_m = torch.empty(m, heads, splits, dtype=torch.float32, device=qkv.device)
     parts_l = torch.empty_like(parts_m)
@@ -386,7 +407,7 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
         k_out, v_out, parts_o, parts_m, parts_l, q_weight, k_weight,
         qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), head_dim ** -0.5, eps,
         KVH=kv_heads, G=groups, GP=max(16, _pow2(groups)), HD=head_dim, HDP=max(16, _pow2(head_dim)), BS=block_size,
-        CHUNK=ATTENTION_CHUNK, TILE=ATTENTION_TILE, SPLITS=splits, WRITE_POOL=valid is not None, IEEE=ieee,
+        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, WRITE_POOL=valid is not None, IEEE=ieee,
         QK_NORM=qk_norm is not None, num_warps=4, num_stages=2)
     out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge_kernel[(m, heads)](parts_o, parts_m, parts_l, out, out.stride(0), H=heads, HD=head_dim,
@@ -420,10 +441,14 @@ def graph_time_us(calls: list, repeats: int = 5) -> float:
 
 
 class FusedDecode:
-    """The decoder's layers as the six kernels above, for ``MAX_BATCH`` rows or fewer; weights must
-    be stored ``[out, in]`` row-major (``cuda_graphs._relayout(decoder, out_major=True)``)."""
+    """The decoder's layers around the paged attention kernel: the six kernels above for
+    ``MAX_GEMV_ROWS`` rows or fewer; for more rows, the layer's own :meth:`DecoderLayer.qkv`
+    and :meth:`DecoderLayer.after_attention` (cuBLAS products; ``halves`` may give them
+    compiled) on either side of the same attention, which reads the past where it lies in the
+    pool rather than gathered into a copy. Weights must be stored ``[out, in]`` row-major
+    (``cuda_graphs._relayout(decoder, out_major=True)``)."""
 
-    def __init__(self, decoder) -> None:
+    def __init__(self, decoder, halves: tuple[Callable, Callable] | None = None) -> None:
         cfg = decoder.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 256:
             raise ValueError(f"head_dim={cfg.head_dim} is odd or over 256")
@@ -434,6 +459,8 @@ class FusedDecode:
             raise ValueError(f"the fused step does not implement {', '.join(missing)}")
         self.decoder = decoder
         self.cfg = cfg
+        # (qkv, after_attention) as functions of (layer, ...): the rows past MAX_GEMV_ROWS
+        self.halves = halves or (DecoderLayer.qkv, DecoderLayer.after_attention)
         self.configs: dict[str, GemvConfig] = {}
         self.report: dict[str, dict] = {}
 
@@ -510,24 +537,33 @@ class FusedDecode:
         (None when ``valid`` is given: then they were written into the pools)."""
         cfg = self.cfg
         m = x.shape[0]
+        gemv_rows = m <= MAX_GEMV_ROWS
         new_k = new_v = None
         if valid is None:
             new_k = torch.empty(cfg.num_layers, m, 1, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
             new_v = torch.empty_like(new_k)
         for i, layer in enumerate(self.decoder.layers):
-            qkv = self._gemv("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias,
-                             norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
+            if gemv_rows:
+                qkv = self._gemv("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias,
+                                 norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
+            else:
+                qkv = self.halves[0](layer, x)
             attn = paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, context_lens, heads=cfg.num_heads,
                                    kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, valid=valid,
                                    new_kv=None if valid is not None else (new_k[i], new_v[i]),
                                    qk_norm=None if layer.q_norm is None else
                                    (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps))
+            if not gemv_rows:
+                x = self.halves[1](layer, x, attn)
+                continue
             x = self._gemv("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
             gate_up = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
                                  norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps)
             x = self._gemv("down", gate_up, self.weight(layer.down_t), bias=layer.down_bias, residual=x,
                            silu_mul=True)
         norm = self.decoder.norm
+        if not gemv_rows:
+            return self.decoder.logits(x), new_k, new_v
         logits = self._gemv("lm_head", x, self.weight(self.decoder.lm_head_t), norm_weight=norm.weight, eps=norm.eps)
         return logits, new_k, new_v
 
