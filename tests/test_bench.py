@@ -305,3 +305,11 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the optional extra is not installed
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[plot\]'"):
         plot.main([str(tmp_path / "gpu-x.json"), "--out", str(tmp_path / "x.png")])
+
+
+def test_a_worker_past_its_time_limit_is_stopped_with_the_limit_named():
+    """A fresh interpreter cannot start, let alone measure, in 10 ms: the limit stops it and says so."""
+    from edgeinfer.bench.common import call_worker
+
+    with pytest.raises(RuntimeError, match="did not finish within 0.01 s"):
+        call_worker("gpu-bandwidth", {}, timeout_s=0.01)

@@ -148,12 +148,19 @@ def bench_checkpoint(shape: str, cache: Path) -> Path:
     return path
 
 
-def call_worker(task: str, payload: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+def call_worker(task: str, payload: dict[str, Any], env: dict[str, str] | None = None,
+                timeout_s: float | None = None) -> dict[str, Any]:
     """Run ``task`` in a fresh process (``python -m edgeinfer.bench._worker``, which imports nothing of ours
-    beyond the task's side); its JSON answer, or ``RuntimeError`` with its stderr's tail."""
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.bench._worker", task], input=json.dumps(payload),
-                          capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    beyond the task's side); its JSON answer, or ``RuntimeError`` with its stderr's tail, or saying that
+    it did not finish within ``timeout_s`` (then it is killed)."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgeinfer.bench._worker", task], input=json.dumps(payload),
+                              capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-2000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise RuntimeError(f"worker {task} did not finish within {timeout_s:g} s (killed):\n{tail}") from None
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         raise RuntimeError(f"worker {task} exited with {done.returncode}:\n{done.stderr[-4000:]}")

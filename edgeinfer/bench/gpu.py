@@ -90,6 +90,9 @@ class GpuBenchSpec:
     weights: tuple[str, ...] = ()
     group_size: int = 128  # input columns per scale of the quantized formats
     sampling: tuple[str, ...] = (GREEDY,)  # every engine runs once per entry
+    # Seconds each engine's worker may take, load and compilation included (None: no limit); one
+    # that takes longer is killed and recorded under ``errors``, and the others' figures are kept.
+    engine_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(KINDS)
@@ -102,6 +105,8 @@ class GpuBenchSpec:
             raise ValueError(f"group_size must be >= 1, not {self.group_size}")
         if not self.sampling or set(self.sampling) - {GREEDY, SAMPLED}:
             raise ValueError(f"sampling must name {GREEDY} and/or {SAMPLED}, not {list(self.sampling)}")
+        if self.engine_timeout_s is not None and self.engine_timeout_s <= 0:
+            raise ValueError(f"engine_timeout_s must be > 0, not {self.engine_timeout_s}")
 
     @property
     def sampled(self) -> bool:
@@ -264,8 +269,10 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
     cuda = spec.device.startswith("cuda")
     # The picture's size is named as a profile names its cameras' (runtime.vision_compile_sizes),
     # so the tower is ready for it at load. No prefix cache: every request pays for its prefill.
+    # 64 MB of KV per row (with 1 GB at least): a 1024x768 picture's prompt and its answer in
+    # a 2B model's pool at every batch size, so that no row is preempted while timed.
     config = EngineConfig(dtype=spec.dtype, device=spec.device, max_batch_size=max(spec.batch_sizes), block_size=16,
-                          kv_budget_mb=1024, max_context=4096, prefill_chunk=4096, vision_cache_entries=1,
+                          kv_budget_mb=max(1024, 64 * max(spec.batch_sizes)), max_context=4096, prefill_chunk=4096, vision_cache_entries=1,
                           cuda_graphs=cuda, prefix_cache=False, vision_compile_sizes=(spec.image_size,) if cuda else ())
     engine = Engine.load(spec.model, config=config)
     prompts: list[list[int]] = []
@@ -388,7 +395,8 @@ def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
         started = time.perf_counter()
         checkpoint = checkpoints[fmt]
         try:
-            out = call_worker(task, replace(spec, model=checkpoint, weights=(fmt,), sampling=(mode,)).to_json())
+            out = call_worker(task, replace(spec, model=checkpoint, weights=(fmt,), sampling=(mode,)).to_json(),
+                              timeout_s=spec.engine_timeout_s)
         except RuntimeError as error:
             report.errors[name] = str(error)
             log(f"[bench gpu] {name} failed:\n{str(error)[-2000:]}")

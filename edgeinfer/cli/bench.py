@@ -151,6 +151,9 @@ def gpu(
     sampling: Annotated[str, typer.Option(
         help="Comma-separated: greedy, sampled (temperature 0.7, top-p 0.9, a seed per request); every engine "
              "runs once per mode, in the same run.")] = "greedy",
+    engine_timeout: Annotated[Optional[float], typer.Option(
+        min=1, help="Seconds each engine may take, load and compilation included; one that takes longer is "
+                    "stopped and named under errors in the raw file, the others' figures are kept.")] = None,
     max_load: MaxLoadOption = QUIET_LOAD,
     allow_noisy: AllowNoisyOption = False,
 ) -> None:
@@ -163,7 +166,8 @@ def gpu(
         spec = _spec(GpuBenchSpec, _model(model, shape, cache), image_size=parse_size(image_size),
                      batch_sizes=_batch_sizes(batch_sizes), new_tokens=new_tokens, repeats=repeats, warmup=warmup,
                      dtype=dtype, device=device, kinds=_kinds(kinds), bandwidth_mib=bandwidth_mib,
-                     weights=_spec(_weights, weights, dtype), group_size=group_size, sampling=_kinds(sampling))
+                     weights=_spec(_weights, weights, dtype), group_size=group_size, sampling=_kinds(sampling),
+                     engine_timeout_s=engine_timeout)
         checkpoints = _quantized_checkpoints(spec, cache)
         _done(bench(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo, checkpoints=checkpoints))
 
