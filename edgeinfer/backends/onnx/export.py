@@ -147,7 +147,8 @@ def _column_slices(weight: np.ndarray, matrices: dict[str, np.ndarray]) -> Itera
     for name, matrix in matrices.items():
         if matrix.shape[0] != rows or matrix.shape[1] < cols:
             continue
-        starts = np.flatnonzero((matrix[:, :matrix.shape[1] - cols + 1] == weight[:, :1]).all(axis=0))
+        # Candidates by the first row (one pass over a vocabulary-wide head), then whole columns.
+        starts = np.flatnonzero(matrix[0, :matrix.shape[1] - cols + 1] == weight[0, 0])
         yield from (weight_slice_name(name, int(c), int(c) + cols) for c in starts
                     if np.array_equal(matrix[:, c:c + cols], weight))
 
