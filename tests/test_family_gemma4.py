@@ -467,6 +467,97 @@ def test_variant_through_onnxruntime_matches_the_torch_step_and_transformers(var
     assert engine.generate(QUESTION, CASES["two_images"], FORCED).token_ids == reference(variant_path, "two_images")
 
 
+# The tiny checkpoint's weight matrices, each a MatMul weight of the decoder graph (q and k|v as two slices of
+# qkv_t in the layers that own K/V, joined back by dequantized_weights; the sharing layers 4 and 5 have q only).
+GEMMA4_WEIGHTS = {f"decoder.layers.{i}.{name}" for i in range(6)
+                  for name in ("qkv_t", "o_t", "gate_up_t", "down_t", "ple_gate_t", "ple_proj_t")} | \
+                 {"decoder.ple_model_proj_t", "decoder.lm_head_t"}
+
+
+@pytest.fixture(scope="module")
+def quantized_build(gemma4_path, tmp_path_factory):
+    """quantized_build(precision) -> (engines root, folder) of the tiny checkpoint's int4 (accuracy
+    level 0: float32 activations) or int8 ONNX Runtime build, made once per precision."""
+    from edgeinfer.backends.onnx.build import BuildSpec, build_engines
+    from edgeinfer.backends.onnx.quantize import Int4Options
+    from edgeinfer.models.loader import load_model
+
+    root, built = tmp_path_factory.mktemp("quantized"), {}
+
+    def get(precision: str):
+        if precision not in built:
+            int4 = Int4Options(accuracy_level=0) if precision == "int4" else None
+            spec = BuildSpec.custom(precision, ORT_CONFIG["block_size"], precision, int4=int4)
+            built[precision] = build_engines(load_model(gemma4_path), spec, root, progress=False).folder
+        return root, built[precision]
+
+    return get
+
+
+def quantized_engine(path, root, precision: str) -> Engine:
+    engine = Engine.load(path, backend="onnxruntime", config=EngineConfig(profile_name=precision, **ORT_CONFIG),
+                         engines_root=root)
+    assert (engine.engines.backend, engine.engines.precision) == ("onnxruntime", precision)
+    return engine
+
+
+def torch_tokens(engine: Engine) -> dict[str, list[int]]:
+    return {case: engine.generate(QUESTION, images, FORCED).token_ids for case, images in CASES.items()}
+
+
+def test_int4_engine_gives_the_tokens_of_torch_on_the_dequantized_weights(gemma4_path, quantized_build):
+    """Accuracy level 0: the ORT int4 engine and the torch engine running the very weights the
+    graph holds (``dequantized_weights``, every one mapped onto the torch parameter it is) give
+    the same 32 tokens for text, one image and two images. The torch engine on the checkpoint's
+    float weights gives other tokens: that is where 4 bits show, and what this comparison sees."""
+    from edgeinfer.backends.onnx.export import DECODER_FILE
+    from tests.test_onnx_int4 import first_divergence, load_dequantized
+
+    root, folder = quantized_build("int4")
+    got = torch_tokens(quantized_engine(gemma4_path, root, "int4"))
+    assert all(len(set(tokens)) >= MIN_DISTINCT for tokens in got.values())
+    reference = Engine.load(gemma4_path, backend="torch", config=EngineConfig(**ORT_CONFIG))
+    weights = load_dequantized(reference.engines.decoder.decoder, folder / DECODER_FILE, len(GEMMA4_WEIGHTS))
+    assert set(weights) == GEMMA4_WEIGHTS
+    assert got == torch_tokens(reference)
+    fp32 = torch_tokens(Engine.load(gemma4_path, backend="torch", config=EngineConfig(**ORT_CONFIG)))
+    divergence = {case: first_divergence(got[case], fp32[case]) for case in CASES}
+    print("int4 vs fp32 weights, first divergence per question:", divergence)
+    assert any(at is not None for at in divergence.values())
+
+
+def test_int8_graph_holds_the_float_weights_rounded_per_column(gemma4_path, quantized_build):
+    """The int8 build (``quantize_dynamic``) also quantizes each product's activations per step,
+    to uint8 with one scale per tensor, which the torch engine does not: its tokens legitimately
+    differ from torch's on the same weights (on this tiny checkpoint from the first token or
+    two; the first divergence is printed, not asserted). What is checked is the weights: every
+    weight MatMul of the graph is a MatMulInteger, each maps by name onto the torch parameter it
+    is (the q and k|v slices joined), and each is that parameter rounded to the nearest step of
+    its column's scale (``max |w| / 127``), exactly what the torch reference is given."""
+    import onnx
+
+    from edgeinfer.backends.onnx.export import DECODER_FILE
+    from edgeinfer.models.loader import load_model
+    from tests.test_onnx_int4 import first_divergence, load_dequantized
+
+    root, folder = quantized_build("int8")
+    nodes = onnx.load(str(folder / DECODER_FILE)).graph.node
+    assert sum(n.op_type == "MatMulInteger" for n in nodes) == len(GEMMA4_WEIGHTS) + 4  # 4 layers' k|v slices
+    floats = load_model(gemma4_path).decoder
+    reference = Engine.load(gemma4_path, backend="torch", config=EngineConfig(**ORT_CONFIG))
+    weights = load_dequantized(reference.engines.decoder.decoder, folder / DECODER_FILE, len(GEMMA4_WEIGHTS))
+    assert set(weights) == GEMMA4_WEIGHTS
+    for name, weight in weights.items():
+        original = floats.get_parameter(name.removeprefix("decoder.")).detach()
+        step = original.abs().amax(dim=0) / 127
+        error = (torch.from_numpy(weight) - original).abs()
+        assert bool((error <= 0.5 * step * (1 + 1e-5)).all()) and float(error.max()) > 0, name
+    got = torch_tokens(quantized_engine(gemma4_path, root, "int8"))
+    want = torch_tokens(reference)
+    print("int8 vs torch on its weights, first divergence per question:",
+          {case: first_divergence(got[case], want[case]) for case in CASES})
+
+
 def test_tensorrt_refuses_gemma4_before_building(gemma4_path):
     """TensorRT builds from the same graphs, but its runtime does not drive Gemma decoders yet:
     refused before any export, pointing at the onnxruntime backend."""

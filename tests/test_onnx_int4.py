@@ -53,16 +53,20 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def load_dequantized(decoder, graph) -> None:
-    """Give the torch decoder the weights the quantized graph multiplies by; token embeddings
-    keep the checkpoint's table (the engine looks them up on the host, unquantized)."""
+def load_dequantized(decoder, graph, weight_matmuls: int = WEIGHT_MATMULS) -> dict[str, np.ndarray]:
+    """Give the torch decoder the weights the quantized graph multiplies by (``weight_matmuls`` of
+    them, each the shape of the parameter it names) and return them; token embeddings keep the
+    checkpoint's table (the engine looks them up on the host, unquantized)."""
     weights = dequantized_weights(graph)
-    assert len(weights) == WEIGHT_MATMULS
+    assert len(weights) == weight_matmuls
     if decoder.embed is None:  # tied: the table is the head's, which is about to change
         decoder.embed = torch.nn.Parameter(decoder.embed_table.detach().clone())
     with torch.no_grad():
         for name, value in weights.items():
-            decoder.get_parameter(name.removeprefix("decoder.")).data = torch.from_numpy(value)
+            parameter = decoder.get_parameter(name.removeprefix("decoder."))
+            assert tuple(parameter.shape) == value.shape, name
+            parameter.data = torch.from_numpy(value)
+    return weights
 
 
 def test_int4_graph_holds_matmulnbits_and_equals_torch_on_dequantized_weights(exported_graphs, tmp_path):

@@ -7,6 +7,7 @@ no sequence ops and stay at opset 18.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ DECODER_FILE = "decoder.onnx"
 VISION_FILE = "vision.onnx"
 # protobuf refuses messages over 2 GiB: larger graphs keep their weights beside them.
 EXTERNAL_DATA_BYTES = 1_800_000_000
+# The name of a MatMul weight that is columns ``start:stop`` of a parameter (weight_slice_name).
+WEIGHT_SLICE = re.compile(r"^(?P<parameter>.+)\[:,(?P<start>\d+):(?P<stop>\d+)\]$")
 
 
 def sample_images(seed: int = 0) -> list:
@@ -53,12 +56,13 @@ def export_vision(graph: VisionGraph, example: dict[str, torch.Tensor], path: Pa
 def export_decoder(decoder: Decoder, path: Path, block_size: int, opset: int = OPSET) -> None:
     example = decoder_example(decoder, batch=2, tokens=3, block_size=block_size, context=[5, 2])
     cfg = decoder.cfg
+    module = decoder_graph(decoder).eval()
     with torch.no_grad(), _quiet_exporter():
-        torch.onnx.export(decoder_graph(decoder).eval(), tuple(example.values()), str(path), dynamo=False,
+        torch.onnx.export(module, tuple(example.values()), str(path), dynamo=False,
                           opset_version=opset, input_names=list(decoder_inputs(cfg)),
                           output_names=list(DECODER_OUTPUTS),
                           dynamic_axes=decoder_axes(cfg.mrope_section is not None, cfg.bidirectional_images))
-    finalize_graph(path)
+    finalize_graph(path, parameters=dict(module.named_parameters()))
 
 
 # --------------------------------------------------------------------------- graph hygiene
@@ -75,8 +79,10 @@ def _quiet_exporter() -> Iterator[None]:
         yield
 
 
-def finalize_graph(path: Path) -> None:
-    """Fix what the TorchScript exporter gets wrong and move large weights beside the graph.
+def finalize_graph(path: Path, parameters: dict[str, torch.Tensor] | None = None) -> None:
+    """Fix what the TorchScript exporter gets wrong, name the weights it folded out of a
+    parameter's columns (:func:`name_weight_slices`, given the exported module's ``parameters``)
+    and move large weights beside the graph.
 
     Some torch versions type an integer tensor float (a ``torch.full`` without a dtype). Two
     places then break: a Gather whose indices are float (it takes integers only) gets an
@@ -90,7 +96,61 @@ def finalize_graph(path: Path) -> None:
     # A repaired node can make the type of a later value known, hence a new pass until none repairs.
     while _repair_element_types(model, value_types(model)):
         pass
+    if parameters:
+        name_weight_slices(model, parameters)
     save_graph(model, path)
+
+
+def weight_slice_name(parameter: str, start: int, stop: int) -> str:
+    """The graph's name for columns ``start:stop`` of ``parameter`` (an ``[in, out]`` matrix):
+    ``decoder.layers.0.qkv_t[:,0:64]``, the expression that slices it (:data:`WEIGHT_SLICE`)."""
+    return f"{parameter}[:,{start}:{stop}]"
+
+
+def name_weight_slices(model, parameters: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Rename each MatMul weight that the exporter folded out of columns of a parameter after
+    those columns (:func:`weight_slice_name`); returns ``{old: new}``.
+
+    Gemma 4's layers multiply by ``qkv_t[:, :q]`` and ``qkv_t[:, q:]`` (a layer sharing K/V
+    has the q columns only); the exporter writes each slice as its own initializer named
+    ``onnx::MatMul_<n>``, which says nothing of where it came from. A slice is found by value,
+    the parameter's columns equal to the initializer bit for bit (the export is float32, so
+    the folded slice holds the parameter's very values); where two parameters hold equal
+    columns, each initializer takes a slice no other took. Every other weight already carries
+    its parameter's name; the arithmetic of the graph does not change.
+    """
+    from onnx import numpy_helper
+
+    weights = {t.name: t for t in model.graph.initializer}
+    matrices = {name: p.detach().cpu().float().numpy() for name, p in parameters.items() if p.dim() == 2}
+    renamed: dict[str, str] = {}
+    for node in model.graph.node:
+        source = node.input[1] if node.op_type == "MatMul" else None
+        if source not in weights or source in matrices or source in renamed:
+            continue
+        found = [name for name in _column_slices(numpy_helper.to_array(weights[source]), matrices)
+                 if name not in renamed.values()]
+        if found:
+            renamed[source] = found[0]
+    for tensor in model.graph.initializer:
+        tensor.name = renamed.get(tensor.name, tensor.name)
+    for node in model.graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    return renamed
+
+
+def _column_slices(weight: np.ndarray, matrices: dict[str, np.ndarray]) -> Iterator[str]:
+    """Names (:func:`weight_slice_name`) of the column ranges of ``matrices`` equal to ``weight``."""
+    if weight.ndim != 2 or weight.dtype != np.float32:
+        return
+    rows, cols = weight.shape
+    for name, matrix in matrices.items():
+        if matrix.shape[0] != rows or matrix.shape[1] < cols:
+            continue
+        # Candidates by the first row (one pass over a vocabulary-wide head), then whole columns.
+        starts = np.flatnonzero(matrix[0, :matrix.shape[1] - cols + 1] == weight[0, 0])
+        yield from (weight_slice_name(name, int(c), int(c) + cols) for c in starts
+                    if np.array_equal(matrix[:, c:c + cols], weight))
 
 
 SCATTERS = ("ScatterND", "ScatterElements")

@@ -25,6 +25,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from edgeinfer.backends.onnx.export import WEIGHT_SLICE
 from edgeinfer.backends.onnx.graphs import DECODER_OUTPUTS
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
 
@@ -40,6 +41,8 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 QDQ_INT4_OPSET = 21
 # Weight name suffixes the quantizer gives the packed weights of a MatMul (MatMulNBits, then Q/DQ).
 _PACKED_SUFFIX = re.compile(r"(_DQ)?_Q(2|4|8)$")
+# quantize_dynamic's names for a MatMul weight's int8 values and their scale (a Mul after MatMulInteger applies it).
+_INT8_SUFFIX, _INT8_SCALE = re.compile(r"_quantized$"), "_scale"
 
 
 # --------------------------------------------------------------------------- int8
@@ -230,8 +233,12 @@ def _quantized_ops(model) -> dict[str, int]:
 
 def dequantized_weights(path: Path) -> dict[str, np.ndarray]:
     """The float32 weights ``[K, N]`` a quantized decoder graph multiplies by, under the names
-    its float graph gave them (``decoder.layers.0.qkv_t``): every MatMulNBits and every
-    block-quantized DequantizeLinear, dequantized as ONNX Runtime does, ``(q - zero) * scale``."""
+    of the torch parameters they are (``decoder.layers.0.qkv_t``): every MatMulNBits, every
+    block-quantized DequantizeLinear and every MatMulInteger weight (the int8 build's, one scale
+    per output column), dequantized as ONNX Runtime does, ``(q - zero) * scale``.
+    Weights that are column slices of one parameter (``decoder.layers.0.qkv_t[:,0:64]`` and
+    ``[:,64:96]``, see :func:`~edgeinfer.backends.onnx.export.name_weight_slices`) are joined
+    back into that parameter."""
     import onnx
     from onnx import numpy_helper
 
@@ -249,6 +256,33 @@ def dequantized_weights(path: Path) -> dict[str, np.ndarray]:
             arrays = [numpy_helper.to_array(weights[n]) if n else None for n in node.input]
             out[_PACKED_SUFFIX.sub("", node.input[0])] = _dequantize_blocked(*(arrays + [None] * (3 - len(arrays))),
                                                                              **attrs)
+        elif node.op_type == "MatMulInteger" and node.input[1] in weights:
+            name = _INT8_SUFFIX.sub("", node.input[1])
+            zero = weights.get(node.input[3]) if len(node.input) > 3 else None
+            q = numpy_helper.to_array(weights[node.input[1]]).astype(np.float32)
+            scale = numpy_helper.to_array(weights[name + _INT8_SCALE]).astype(np.float32)
+            out[name] = (q - (0.0 if zero is None else numpy_helper.to_array(zero).astype(np.float32))) * scale
+    return _joined_slices(out)
+
+
+def _joined_slices(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``weights`` with the column slices of each parameter joined into it, in column order;
+    slices that leave a gap or overlap are an error naming the columns they cover."""
+    out: dict[str, np.ndarray] = {}
+    slices: dict[str, list[tuple[int, int, np.ndarray]]] = {}
+    for name, weight in weights.items():
+        match = WEIGHT_SLICE.match(name)
+        if match is None:
+            out[name] = weight
+        else:
+            slices.setdefault(match["parameter"], []).append((int(match["start"]), int(match["stop"]), weight))
+    for parameter, parts in slices.items():
+        parts.sort(key=lambda part: part[0])
+        if [start for start, _, _ in parts] != [0] + [stop for _, stop, _ in parts[:-1]]:
+            covered = ", ".join(f"{start}:{stop}" for start, stop, _ in parts)
+            raise EngineBuildError(f"the graph's weights cover columns {covered} of {parameter}, "
+                                   f"not 0:{parts[-1][1]} without a gap")
+        out[parameter] = np.concatenate([weight for _, _, weight in parts], axis=1)
     return out
 
 
