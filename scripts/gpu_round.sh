@@ -21,7 +21,13 @@
 #                           transformers static + compile
 #   serve-cuda-qwen2-vl-2b.json
 #                           a burst of 32 requests, first-seen batch sizes, open-loop arrivals to saturation
-#   decode-vs-batch.png     the plot of both gpu files (only where matplotlib is installed: pip install -e '.[plot]')
+#   gpu-qwen2-vl-2b-b16-b64.json, gpu-qwen2-vl-2b-b16-256tok.json
+#                           batched decode: 16 and 64 rows, ours vs transformers static cache + compile
+#   serve-cuda-qwen2-vl-2b-batch32.json
+#                           the serving benchmark with 32 requests decoding at once
+#   decode-vs-batch.png, open-loop.png
+#                           plots of the batch sizes and of the open loop (only where matplotlib is installed:
+#                           pip install -e '.[plot]')
 #   round.log               everything the commands printed
 # Checkpoints (random weights, published shapes) are built under $EDGEINFER_BENCH_CACHE (default
 # OUT/checkpoints), about 9 GB for Qwen2-VL-2B (its W8A16, W4A16 and W4A16-with-int8-head copies, written on the CPU
@@ -82,20 +88,49 @@ step gpu-qwen2-vl-2b-weights bench gpu --shape qwen2-vl-2b --cache "$CACHE" --ou
     --weights bf16,w8a16,w4a16,w4a16-h8 --group-size 128 --kinds ours
 step kv-cuda bench kv --device cuda --dtype bfloat16 --shape smolvlm-256m --cache "$CACHE" --out "$OUT" \
     --parts resume,overhead,round_robin,peer,drift --repeats 3 --sessions 8 --rounds 3 --new-tokens 16
-for shape in qwen3-vl-2b gemma-3-4b; do
-    step "gpu-$shape" bench gpu --shape "$shape" --cache "$CACHE" --out "$OUT" \
-        --image-size 1024x768 --batch-sizes 1 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
-        --kinds ours,transformers-static
-done
+# A step whose file name another step also writes goes into a folder named after the step and is
+# moved up under that name: publish STEP FILE_STEM.
+publish() {
+    local ext
+    for ext in json md; do
+        [[ -f "$OUT/$1/$2.$ext" ]] || continue
+        sed "s/\`$2.json\`/\`$1.json\`/" "$OUT/$1/$2.$ext" > "$OUT/$1.$ext" && rm "$OUT/$1/$2.$ext"
+    done
+}
+# Batched decode: 16 and 64 rows beside transformers, then 16 rows over a longer decode (256
+# tokens, 5 repeats), where the prefill's variance weighs less on the decode-only figure.
+step gpu-qwen2-vl-2b-b16-b64 bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT/gpu-qwen2-vl-2b-b16-b64" \
+    --image-size 1024x768 --batch-sizes 16,64 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
+    --kinds ours,transformers-static --engine-timeout 300
+publish gpu-qwen2-vl-2b-b16-b64 gpu-qwen2-vl-2b
+step gpu-qwen2-vl-2b-b16-256tok bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT/gpu-qwen2-vl-2b-b16-256tok" \
+    --image-size 1024x768 --batch-sizes 16 --new-tokens 256 --repeats 5 --warmup 1 --dtype bfloat16 \
+    --kinds ours,transformers-static --engine-timeout 300
+publish gpu-qwen2-vl-2b-b16-256tok gpu-qwen2-vl-2b
+step gpu-qwen3-vl-2b bench gpu --shape qwen3-vl-2b --cache "$CACHE" --out "$OUT" \
+    --image-size 1024x768 --batch-sizes 1 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
+    --kinds ours,transformers-static
+# transformers' compilation of Gemma 3 takes minutes: the limit keeps our figures if it never ends.
+step gpu-gemma-3-4b bench gpu --shape gemma-3-4b --cache "$CACHE" --out "$OUT" \
+    --image-size 1024x768 --batch-sizes 1 --new-tokens 128 --repeats 3 --warmup 1 --dtype bfloat16 \
+    --kinds ours,transformers-static --engine-timeout 600
 step gpu-qwen2-vl-2b-greedy-sampled bench gpu --shape qwen2-vl-2b --cache "$CACHE" --out "$OUT" \
     --image-size 1024x768 --batch-sizes 1 --new-tokens 64 --repeats 3 --warmup 1 --dtype bfloat16 \
     --kinds ours,transformers-static --sampling greedy,sampled
 step sleep-cuda-qwen2-vl-2b bench sleep --shape qwen2-vl-2b --profile cuda --cache "$CACHE" --out "$OUT" --repeats 3
 step serve-cuda-qwen2-vl-2b bench serve --shape qwen2-vl-2b --profile cuda --cache "$CACHE" --out "$OUT"
+# The same with 32 requests decoding at once (the profile as shipped serves 8).
+step serve-cuda-qwen2-vl-2b-batch32 bench serve --shape qwen2-vl-2b --profile cuda --cache "$CACHE" \
+    --out "$OUT/serve-cuda-qwen2-vl-2b-batch32" --set runtime.max_batch_size=32 --set build.decoder_batch.max=32 \
+    --set server.max_concurrent=32 --set server.max_queue=64 --set runtime.max_context_tokens=2048 \
+    --first-seen 0 --rates 8,16,32,64 --requests 32
+publish serve-cuda-qwen2-vl-2b-batch32 serve-cuda-qwen2-vl-2b
 
 if python -c "import matplotlib" 2>/dev/null; then
-    python scripts/plot_bench.py "$OUT"/gpu-qwen2-vl-2b.json "$OUT"/gpu-smolvlm-256m.json \
+    python scripts/plot_bench.py "$OUT"/gpu-qwen2-vl-2b.json "$OUT"/gpu-qwen2-vl-2b-b16-b64.json \
         --out "$OUT/decode-vs-batch.png" 2>&1 | tee -a "$OUT/round.log"
+    python scripts/plot_bench.py "$OUT"/serve-cuda-qwen2-vl-2b.json "$OUT"/serve-cuda-qwen2-vl-2b-batch32.json \
+        --out "$OUT/open-loop.png" 2>&1 | tee -a "$OUT/round.log"
 else
     echo "gpu_round: no matplotlib here; plot later with: python scripts/plot_bench.py $OUT/gpu-*.json --out $OUT/decode-vs-batch.png" | tee -a "$OUT/round.log"
 fi
