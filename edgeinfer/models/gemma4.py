@@ -366,10 +366,13 @@ class Gemma4Decoder(Decoder):
                 new_k += self._to_pool(k)
                 new_v += self._to_pool(v)
         x = x[:, -1] if last is None else x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
+        return self.logits(x), torch.stack(new_k), torch.stack(new_v)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head, soft-capped where the config caps the logits."""
         logits = self.norm(x) @ self.lm_head_t
-        if shape.final_softcap is not None:
-            logits = torch.tanh(logits / shape.final_softcap) * shape.final_softcap
-        return logits, torch.stack(new_k), torch.stack(new_v)
+        cap = self.shape.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _to_pool(self, kv: torch.Tensor) -> list[torch.Tensor]:
         """[B,T,kvh,hd] of one layer -> its pool layers' [B,T,1,slot] values."""
