@@ -177,13 +177,3 @@ def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family, contexts):
         assert torch.equal(pool_v[:, block, slot], new_v[:, row, 0])
         pool_k[:, block, slot] = k_pool[:, block, slot]
     assert torch.equal(pool_k, k_pool), "only each row's new token's slot may change"
-
-
-@pytest.mark.parametrize("rows,kv_heads,positions,chunk", [
-    (1, 2, 2048, 32),   # one row: the shortest splits
-    (16, 2, 2048, 64),  # 16 rows: 32 splits of 64 fill the target
-    (64, 2, 2048, 256),
-    (1, 2, 40, 32),     # a short context: as many splits as it has chunks
-])
-def test_attention_chunk_lengthens_splits_as_rows_grow(rows, kv_heads, positions, chunk):
-    assert triton_decode.attention_chunk(rows, kv_heads, positions) == chunk
