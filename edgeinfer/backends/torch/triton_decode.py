@@ -537,33 +537,34 @@ class FusedDecode:
         (None when ``valid`` is given: then they were written into the pools)."""
         cfg = self.cfg
         m = x.shape[0]
-        gemv_rows = m <= MAX_GEMV_ROWS
+        # The products on either side of the attention: Triton's at a row, the layer's own above.
+        before, after, head = (self._qkv_gemv, self._after_gemv, self._head_gemv) if m <= MAX_GEMV_ROWS else \
+            (*self.halves, self.decoder.logits)
         new_k = new_v = None
         if valid is None:
             new_k = torch.empty(cfg.num_layers, m, 1, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
             new_v = torch.empty_like(new_k)
         for i, layer in enumerate(self.decoder.layers):
-            if gemv_rows:
-                qkv = self._gemv("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias,
-                                 norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
-            else:
-                qkv = self.halves[0](layer, x)
-            attn = paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, context_lens, heads=cfg.num_heads,
-                                   kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, valid=valid,
+            attn = paged_attention(before(layer, x), cos, sin, k_pool[i], v_pool[i], tables, context_lens,
+                                   heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, valid=valid,
                                    new_kv=None if valid is not None else (new_k[i], new_v[i]),
                                    qk_norm=None if layer.q_norm is None else
                                    (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps))
-            if not gemv_rows:
-                x = self.halves[1](layer, x, attn)
-                continue
-            x = self._gemv("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
-            gate_up = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
-                                 norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps)
-            x = self._gemv("down", gate_up, self.weight(layer.down_t), bias=layer.down_bias, residual=x,
-                           silu_mul=True)
+            x = after(layer, x, attn)
+        return head(x), new_k, new_v
+
+    def _qkv_gemv(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return self._gemv("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias,
+                          norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
+
+    def _after_gemv(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = self._gemv("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
+        gate_up = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
+                             norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps)
+        return self._gemv("down", gate_up, self.weight(layer.down_t), bias=layer.down_bias, residual=x,
+                          silu_mul=True)
+
+    def _head_gemv(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.decoder.norm
-        if not gemv_rows:
-            return self.decoder.logits(x), new_k, new_v
-        logits = self._gemv("lm_head", x, self.weight(self.decoder.lm_head_t), norm_weight=norm.weight, eps=norm.eps)
-        return logits, new_k, new_v
+        return self._gemv("lm_head", x, self.weight(self.decoder.lm_head_t), norm_weight=norm.weight, eps=norm.eps)
 
