@@ -76,13 +76,16 @@ def dequantize_with_torch(codes, scales, zeros, layout: kernels.PackedGeometry, 
     return ((u.to(scales.dtype) - z) * scales[:, group]).to(dtype)
 
 
-# The op's library namespace and name: torch.compile and CUDA graphs take the op as one opaque call.
+# The product is an op of its own library, so torch.compile and CUDA graphs take it as one
+# opaque call; its fake implementation gives compiled graphs the output's shape.
 OP_LIBRARY, OP_NAME = "edgeinfer", "packed_linear"
+_LIBRARY = torch.library.Library(OP_LIBRARY, "FRAGMENT")
+_LIBRARY.define(f"{OP_NAME}(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int bits, int group_size, "
+                "int groups) -> Tensor")
 
 
-@torch.library.custom_op("::".join((OP_LIBRARY, OP_NAME)), mutates_args=())
-def packed_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                  bits: int, group_size: int, groups: int) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   bits: int, group_size: int, groups: int) -> torch.Tensor:
     """``x @ W.T`` with W packed (see :class:`PackedMatrix`): the low-bit kernel for a few rows,
     dequantize + GEMM for a prompt's many."""
     k = x.shape[-1]
@@ -95,7 +98,11 @@ def packed_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ze
     return y.reshape(*x.shape[:-1], layout.n)
 
 
-@packed_linear.register_fake
+_LIBRARY.impl(OP_NAME, _packed_linear, "CompositeExplicitAutograd")
+packed_linear = getattr(getattr(torch.ops, OP_LIBRARY), OP_NAME).default
+
+
+@torch.library.register_fake(packed_linear)
 def _(x, codes, scales, zeros, bits, group_size, groups):
     return x.new_empty(*x.shape[:-1], codes.shape[0])
 
