@@ -144,7 +144,9 @@ class Gemma4Shape:
         """The layers that keep K/V: the first ones (the sharing layers are the last, see
         :func:`kv_sources`), so layer ``i`` of these is the pool's layer ``i``."""
         owners = tuple(i for i in range(len(self.layers)) if self.owns_kv(i))
-        assert owners == tuple(range(len(owners))), "K/V-sharing layers come last"
+        if owners != tuple(range(len(owners))):
+            raise ValueError(f"the layers keeping K/V are {list(owners)}; the pool takes them only before the "
+                             "layers that share K/V")
         return owners
 
     @property
