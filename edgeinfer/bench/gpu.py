@@ -321,6 +321,7 @@ def _diagnostics(engine) -> dict[str, Any]:
             "vision_captured": bool(getattr(vision, "captured_signatures", None)),
             "vision_compiled": bool(getattr(vision, "compiled_signatures", None)),
             "vision_capture_error": getattr(vision, "capture_error", None),
+            "vision_graph_compile_error": getattr(vision, "compile_error", None),
             "vision_compile_error": getattr(engine, "vision_compile_error", None),
             # The fused step's tile per product with its timed speed, and the packed kernels' tiles.
             "kernels": getattr(decoder, "kernel_report", None), "packed_tiles": _packed_tiles()}
