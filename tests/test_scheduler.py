@@ -95,6 +95,43 @@ def test_admission_checks_first_and_changes_nothing_when_the_chunk_does_not_fit(
     assert newer.status is Status.RUNNING and len(newer.block_table.blocks) == 2
 
 
+# --------------------------------------------------------------------------- prompts beside decoding
+
+
+def test_running_rows_decode_a_step_after_each_chunk_of_a_new_prompt():
+    manager = KVManager(BlockPool(8, BLOCK), KVCache(num_layers=1, num_blocks=8, block_size=BLOCK, kv_heads=1,
+                                                     head_dim=2, dtype=torch.float32), KVManagerConfig())
+    scheduler = Scheduler(manager, 4, prefill_chunk=4, max_context=64)
+    old, new, newer = sequence(4), sequence(8), sequence(4)
+    scheduler.add(old)
+    first = scheduler.schedule()
+    assert isinstance(first, PrefillWork) and first.seq is old
+    run(first)
+    scheduler.add(new)
+    scheduler.add(newer)
+    order = []
+    for _ in range(6):
+        work = scheduler.schedule()
+        order.append((work.seq, work.start) if isinstance(work, PrefillWork) else work.seqs)
+        run(work)
+    # Each chunk of a prompt (4 tokens) is followed by a step of the rows past their prompts;
+    # the chunks themselves go oldest first, and a row joins the step once its prompt is done.
+    assert order == [(new, 0), (old,), (new, 4), (old, new), (newer, 0), (old, new, newer)]
+    manager.close()
+
+
+def test_a_prompt_chunk_that_ran_beside_no_decoding_row_is_not_followed_by_a_step(kv):
+    scheduler = scheduler_for(kv)
+    a, b = sequence(4), sequence(4)
+    scheduler.add(a)
+    scheduler.add(b)
+    works = [scheduler.schedule()]
+    run(works[0])
+    works.append(scheduler.schedule())
+    assert [(w.seq, type(w)) for w in works] == [(a, PrefillWork), (b, PrefillWork)]
+    kv.close()
+
+
 # --------------------------------------------------------------------------- preemption
 
 

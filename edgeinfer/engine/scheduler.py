@@ -1,5 +1,10 @@
 """The scheduler decides what runs next: a prefill chunk of one sequence, or a decode batch.
 
+Prompts go first, a chunk (``prefill_chunk`` tokens) at a time, and one decode step of the
+rows past their prompts follows each chunk while both wait: a new picture's prompt never
+stalls the running rows for more than a chunk, and its first token is not held behind their
+decoding (chunked prefill, the chunk being the budget of a step).
+
 Control only: it asks the KV manager for blocks through check-then-do calls
 (``can_admit``/``admit``, ``can_allocate``/``allocate_for``) and never touches tensors.
 Sequences are served first come, first served: when a running sequence needs a block and
@@ -51,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self._decode_due = False  # a prompt chunk ran while rows were decoding: they step next
 
     def add(self, seq: Sequence) -> None:
         need = self.kv.blocks_for(seq.prompt_len + 1)
@@ -65,12 +71,16 @@ class Scheduler:
 
     def schedule(self) -> PrefillWork | DecodeWork | None:
         self.kv.poll()
+        if self._decode_due:
+            self._decode_due = False
+            if (work := self._decode()).seqs:
+                return work
         for seq in list(self.running):
             if seq.in_prefill and seq in self.running and (work := self._prefill(seq)) is not None:
-                return work
+                return self._prefilling(work)
         admitted = self._admit()
         if admitted is not None and admitted.in_prefill and (work := self._prefill(admitted)) is not None:
-            return work
+            return self._prefilling(work)
         if self.running:
             work = self._decode()
             if work.seqs:
@@ -111,17 +121,23 @@ class Scheduler:
             return None
         return PrefillWork(seq, seq.num_cached, self._chunk_end(seq))
 
+    def _prefilling(self, work: PrefillWork) -> PrefillWork:
+        """``work``, noting that the rows past their prompts decode a step after it."""
+        self._decode_due = any(not s.in_prefill for s in self.running if s is not work.seq)
+        return work
+
     def _decode(self) -> DecodeWork:
+        """A step of every running row past its prompt, oldest first."""
         for seq in list(self.running):  # oldest first: it gets blocks before anyone else
-            if seq not in self.running:
-                continue  # preempted while making room for an older one
+            if seq not in self.running or seq.in_prefill:
+                continue  # preempted while making room for an older one, or still in its prompt
             self.kv.note_progress(seq)
             need = seq.block_table.blocks_needed(1)
             if need:
                 self._make_room(seq, need)
             if self.lookahead > 1 and seq in self.running:
                 self.reserve(seq, min(self.lookahead, seq.sampling.max_new_tokens - len(seq.generated)))
-        return DecodeWork(tuple(self.running))
+        return DecodeWork(tuple(s for s in self.running if not s.in_prefill))
 
     def reserve(self, seq: Sequence, tokens: int) -> None:
         """Blank blocks so that ``seq`` holds room for ``tokens`` more tokens, where they are
