@@ -264,6 +264,20 @@ def test_prompt_chunks_padded_to_their_bucket_give_the_exact_tokens(checkpoint, 
     assert {width > 0 for _, width, _, _ in graphs._prefills} == {False, True}, list(graphs._prefills)
 
 
+def test_rows_decode_step_by_step_while_a_caller_has_requests_about_to_join(checkpoint):
+    path = checkpoint("smolvlm")
+    question, images = QUESTIONS[0]
+    engine = bursting_engine(path)
+    seq = engine.submit(question, images, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.step()  # the prompt
+    for _ in range(5):
+        assert len(engine.step(joining=1)) == 1  # one token a step, no burst queued
+    assert engine.counters["decode_bursts"] == 0 and not engine.runner.burst_in_flight
+    engine.step()
+    assert engine.counters["decode_bursts"] >= 1 and len(seq.generated) > 7  # bursts again once nobody joins
+    engine.cancel(seq)
+
+
 def test_a_request_cancelled_with_a_burst_in_flight_leaves_no_trace(checkpoint):
     path = checkpoint("smolvlm")
     question, images = QUESTIONS[0]

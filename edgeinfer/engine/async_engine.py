@@ -552,7 +552,11 @@ class AsyncEngine:
             return False
 
     def _admit(self) -> None:
-        if self._controls or not self._pending or not self._wake_for(list(self._pending)):
+        """Submit the next waiting request to the engine once every request inside has its prompt
+        prefilled: its pictures are encoded, and its prompt is prefilled in the steps that follow,
+        before the next request's pictures. A burst of requests so gets its first tokens one after
+        another, not all of them after every picture of the burst is encoded."""
+        if self._controls or not self._pending or self._prompts_inside() or not self._wake_for(list(self._pending)):
             return
         while self._pending and len(self._active) < self.max_concurrent:
             handle = self._pending.popleft()
@@ -570,12 +574,18 @@ class AsyncEngine:
             with self._cond:
                 self._running += 1
             handle.emit(_Admitted(seq.prompt_len))
+            return
+
+    def _prompts_inside(self) -> bool:
+        """Whether a request inside the engine still waits for its prompt to be prefilled."""
+        return any(h.seq is not None and h.seq.in_prefill and h.seq.status is not Status.FINISHED
+                   for h in self._active.values())
 
     def _step(self) -> None:
         if not self._active or not self.engine.has_work():
             return
         try:
-            stepped = self.engine.step()
+            stepped = self.engine.step(joining=len(self._pending))
         except Exception as exc:
             log.exception("engine step failed; failing the %d requests in it", len(self._active))
             self._fail_all(_typed(exc))

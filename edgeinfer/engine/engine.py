@@ -434,9 +434,10 @@ class Engine:
         return self.scheduler.has_work() or self.runner.burst_in_flight
 
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:
-        """Run one unit of work; returns the sequences that got a new token."""
-        return self.runner.step()
+    def step(self, joining: int = 0) -> list[Sequence]:
+        """Run one unit of work; returns the sequences that got a new token. ``joining``: requests
+        a caller will submit before the next step (decoding goes step by step until they join)."""
+        return self.runner.step(joining)
 
     def text_delta(self, seq: Sequence) -> str:
         """New text of ``seq`` since the last call, holding back what a stop string could still cut."""

@@ -77,13 +77,17 @@ class Runner:
         self.block_size = config.block_size
         self.counters = {"prefill_tokens": 0, "decode_steps": 0, "decode_bursts": 0, "decode_bursts_ahead": 0}
         self._in_flight: _Burst | None = None  # a burst whose tokens are not read yet
+        self._joining = 0  # requests outside the scheduler about to join (``step``'s argument)
 
     @property
     def burst_in_flight(self) -> bool:
         return self._in_flight is not None
 
-    def step(self) -> list[Sequence]:
-        """Run one unit of work; returns the sequences that got a new token."""
+    def step(self, joining: int = 0) -> list[Sequence]:
+        """Run one unit of work; returns the sequences that got a new token. ``joining``: requests
+        that will be submitted before the next step (a server's admitted queue), so decoding runs
+        step by step meanwhile, as it does while the scheduler has a sequence waiting."""
+        self._joining = joining
         if self._in_flight is not None:
             return self._collect_burst()
         work = self.scheduler.schedule()
@@ -171,11 +175,11 @@ class Runner:
         ``ahead`` steps already queued on the device whose tokens the host has not read.
 
         Only where the decoder engine can burst, no row's thinking is capped, every row is past its
-        ``min_new_tokens``, no request waits to join, and within the blocks each sequence
+        ``min_new_tokens``, no request waits to join (in the scheduler or ``joining``), and within the blocks each sequence
         holds (the scheduler gives rows room for a whole burst where it can), so the
         scheduler's accounting never runs behind.
         """
-        if self.burst <= 1 or self.bursts is None or self.scheduler.waiting:
+        if self.burst <= 1 or self.bursts is None or self.scheduler.waiting or self._joining:
             return 1
         if any(s.thinking is not None and s.thinking.limit is not None for s in seqs):
             return 1  # a capped thinking span may need its end token forced at any step
