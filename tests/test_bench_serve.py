@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from edgeinfer.bench.serve import ServeBenchSpec, arrivals, bench, markdown, percentile
+from edgeinfer.bench.serve import ServeBenchSpec, arrivals, bench, camera_overrides, markdown, percentile
 from edgeinfer.demo import DEMO_MODEL_DIR
 
 
@@ -26,6 +26,15 @@ def test_arrivals_are_poisson_at_the_rate_and_fixed_by_the_seed():
     gaps = [b - a for a, b in zip([0.0, *times], times)]
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.05)  # mean gap 1/rate
     assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.08)  # exponential: sd equals the mean
+
+
+def test_the_pictures_size_is_the_cameras_size_unless_overridden():
+    from edgeinfer.profiles import load_profile
+
+    spec = ServeBenchSpec(DEMO_MODEL_DIR, overrides=("server.max_queue=3",), image_size=(640, 480))
+    assert load_profile("cuda", camera_overrides(spec)).runtime.vision_compile_sizes == ("640x480",)
+    own = ServeBenchSpec(DEMO_MODEL_DIR, overrides=("runtime.vision_compile_sizes=[]",), image_size=(640, 480))
+    assert load_profile("cuda", camera_overrides(own)).runtime.vision_compile_sizes == ()
 
 
 def test_a_tiny_run_answers_every_request_and_records_refusals():
