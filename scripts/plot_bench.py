@@ -49,7 +49,7 @@ def serve_label(report: dict) -> str:
 
 def plot_serve(plt, reports: list[tuple[Path, dict]]):
     """Open-loop throughput and first-token p50 / p99 against the arrival rate."""
-    fig, (rate_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (rate_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4 + 0.3 * len(reports)))
     for i, (path, report) in enumerate(reports):
         rows = sorted((r["rate"], r["summary"]) for r in report.get("open_loop", []))
         if not rows:
@@ -65,7 +65,8 @@ def plot_serve(plt, reports: list[tuple[Path, dict]]):
     ttft_ax.set(xlabel="arrivals / s (Poisson)", ylabel="first token (ms)", yscale="log", title="first token")
     for ax in (rate_ax, ttft_ax):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below: the lines fill the axes
+    fig.tight_layout()
     return fig
 
 
