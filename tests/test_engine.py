@@ -298,12 +298,22 @@ def test_a_request_cancelled_with_a_burst_in_flight_leaves_no_trace(checkpoint):
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # 1-D positions and M-RoPE
 def test_the_start_up_capture_plan_holds_every_burst_live_traffic_asks_for(checkpoint, family):
     """What ``capture_graphs`` captures at load must be what decode looks up later: run greedy,
-    sampled and penalized rows in batches of 1 to 3 and find each burst's key in the plan."""
+    sampled and penalized rows in batches of 1 to 3 and find each burst's key in the plan; run
+    prompts of several lengths and find each first chunk's key there too."""
+    from edgeinfer.backends.torch.cuda_graphs import prefill_bucket
+
     engine = bursting_engine(checkpoint(family), max_context=256)
     decoder = engine.decoder_engine
     samplings = [None] + [SamplingRows((p,), (0,), ((),), ((),)) for p in Engine._CAPTURED_SAMPLING]
     plan = decoder.capture_plan(samplings)
     assert len(plan) == len(decoder.batch_buckets) * len(decoder.width_buckets) * 5
+    # With the profile's prompt chunk, the first chunk of a prompt of any length is in the plan too.
+    with_prompts = decoder.capture_plan(samplings, prompt_chunk=engine.config.prefill_chunk)  # 512 tokens
+    first_chunks = {key for what, key, _ in with_prompts if what == "prefill"}
+    assert with_prompts[len(first_chunks):] == plan
+    assert sorted(key[0] for key in first_chunks) == [16, 32, 64, 128, 256, 512]
+    long_chunks = [key[0] for what, key, _ in decoder.capture_plan(samplings, prompt_chunk=4096) if what == "prefill"]
+    assert long_chunks == [2304 + 256 * i for i in range(decoder.prefill_graphs)]  # as many as are kept, the longest
     params = [SamplingParams(max_new_tokens=20, ignore_eos=True),
               SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3),
               SamplingParams(max_new_tokens=20, ignore_eos=True, frequency_penalty=0.4)]
@@ -312,4 +322,12 @@ def test_the_start_up_capture_plan_holds_every_burst_live_traffic_asks_for(check
         engine.run_until_done(seqs)
     used = set(decoder._bursts)
     assert len(used) >= 3 and used <= {key for what, key, _ in plan if what == "burst"}
+    fresh = bursting_engine(checkpoint(family), max_context=256, prefix_cache=False)  # every prompt from its start
+    lengths = set()
+    for words in (1, 20, 50, 150):  # prompts of several length buckets
+        seq = fresh.submit(" ".join(["image"] * words), [], params[0])
+        fresh.run_until_done([seq])
+        lengths.add(prefill_bucket(seq.prompt_len))
+    started = set(fresh.decoder_engine._prefills)
+    assert len(lengths) >= 3 and {key[0] for key in started} == lengths and started <= first_chunks
     assert engine.capture_graphs() is None  # no CUDA: nothing to capture at load

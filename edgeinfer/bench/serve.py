@@ -219,7 +219,7 @@ def bench(spec: ServeBenchSpec, say=print) -> dict[str, Any]:
     engine = Engine.load(spec.model, profile=profile)
     startup = {"load_s": time.perf_counter() - started, "capture": engine.startup_capture,
                "capture_budget_s": profile.runtime.capture_budget_s}
-    say(f"[bench serve] ready after {startup['load_s']:.1f} s (decode graphs captured at start-up: "
+    say(f"[bench serve] ready after {startup['load_s']:.1f} s (graphs captured at start-up: "
         f"{engine.startup_capture})")
     server = profile.server
     aengine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue).start()
@@ -248,7 +248,7 @@ def markdown(report: dict[str, Any]) -> str:
         s = report["startup"]
         captured = s["capture"] or {"captured": 0, "planned": 0}
         lines += [f"Start-up to ready: {s['load_s']:.1f} s, of which {captured.get('seconds', 0.0):.1f} s captured "
-                  f"{captured['captured']} of {captured['planned']} decode graphs (budget {s['capture_budget_s']:g} s).",
+                  f"{captured['captured']} of {captured['planned']} graphs (budget {s['capture_budget_s']:g} s).",
                   ""]
     if "burst" in report:
         s = report["burst"]["summary"]

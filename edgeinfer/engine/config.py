@@ -36,7 +36,8 @@ class EngineConfig:
     fused_decode: bool = True
     # CUDA graphs: prompt-length buckets whose batch-1 prefill graphs are kept (0: prefill eagerly).
     prefill_graphs: int = 8
-    # CUDA graphs: seconds of load spent capturing every decode graph the buckets allow (0: on first use).
+    # CUDA graphs: seconds of load spent capturing every decode graph the buckets allow, and a prompt's
+    # first chunk per length bucket (0: on first use).
     capture_budget_s: float = 0.0
     # Image sizes (width, height) the torch vision tower is compiled for at load (CUDA only).
     vision_compile_sizes: tuple[tuple[int, int], ...] = ()

@@ -360,10 +360,11 @@ class Engine:
                           SamplingParams(temperature=1.0, presence_penalty=0.5))
 
     def capture_graphs(self, progress: bool = True) -> dict[str, float] | None:
-        """Capture every decode graph the profile's buckets allow, within ``capture_budget_s``
+        """Capture every decode graph the profile's buckets allow, and the graph of a prompt's
+        first chunk for each length bucket up to ``prefill_chunk``, within ``capture_budget_s``
         (a rich bar on stderr meanwhile): after it, live traffic compiles and captures nothing
-        new in decode. None where the profile asks for none or the engines capture no graphs.
-        What it did is kept in :attr:`startup_capture`."""
+        new in decode nor for a prompt's first chunk. None where the profile asks for none or the
+        engines capture no graphs. What it did is kept in :attr:`startup_capture`."""
         capture_all = getattr(self.engines.bursts, "capture_all", None)
         if self.config.capture_budget_s <= 0 or capture_all is None or not self.kv.k.is_cuda:
             return None
@@ -371,13 +372,14 @@ class Engine:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         samplings = [None] + [SamplingRows((p,), (0,), ((),), ((),)) for p in self._CAPTURED_SAMPLING]
-        columns = (TextColumn("capturing decode graphs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        columns = (TextColumn("capturing graphs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
             task = bar.add_task("capture", total=None)
             report = capture_all(self.kv.k, self.kv.v, samplings, self.config.capture_budget_s,
-                                 lambda done, total: bar.update(task, completed=done, total=total))
+                                 lambda done, total: bar.update(task, completed=done, total=total),
+                                 prompt_chunk=self.config.prefill_chunk if self.config.prefill_graphs else 0)
         if report["captured"] < report["planned"]:
-            warnings.warn(f"captured {report['captured']} of {report['planned']} decode graphs in the profile's "
+            warnings.warn(f"captured {report['captured']} of {report['planned']} graphs in the profile's "
                           f"capture_budget_s ({self.config.capture_budget_s:g} s); the rest are captured on "
                           "first use")
         self.startup_capture = report

@@ -300,13 +300,20 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 "fused_tuned": int(self._fused is not None and bool(self._fused.configs))}
 
     # --- start-up -------------------------------------------------------------------------------
-    def capture_plan(self, samplings: Seq[BurstSampling | None]) -> list[tuple[str, tuple, BurstSampling | None]]:
-        """Every decode graph live traffic can ask for, in the order :meth:`capture_all` takes
-        them: for each batch bucket (smallest first) and each table width, the single step and a
-        burst of each sampler kind in ``samplings`` (None: greedy)."""
+    def capture_plan(self, samplings: Seq[BurstSampling | None],
+                     prompt_chunk: int = 0) -> list[tuple[str, tuple, BurstSampling | None]]:
+        """Every graph live traffic can ask for, in the order :meth:`capture_all` takes them: the
+        prompt chunks that start a prompt (no past), one per length bucket up to ``prompt_chunk``
+        tokens (the largest ``prefill_graphs`` of them where there are more: only that many are
+        kept); then for each batch bucket (smallest first) and each table width, the single decode
+        step and a burst of each sampler kind in ``samplings`` (None: greedy). Chunks after a
+        cached prefix or an earlier chunk (a past to read) are captured on first use."""
         cfg = self.decoder.cfg
         rank = 3 if cfg.mrope_section is not None else 2
         plan = []
+        if self.prefill_graphs > 0 and prompt_chunk > 1:
+            lengths = sorted({prefill_bucket(t) for t in range(2, prompt_chunk + 1)})[-self.prefill_graphs:]
+            plan += [("prefill", (t, 0, rank, cfg.hidden_size), None) for t in lengths]
         for batch in self.batch_buckets:
             for width in self.width_buckets:
                 plan.append(("decode", (batch, width, rank, cfg.hidden_size), None))
@@ -316,22 +323,26 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
     @torch.inference_mode()
     def capture_all(self, k_pool: torch.Tensor, v_pool: torch.Tensor, samplings: Seq[BurstSampling | None],
                     budget_s: float, progress: Callable[[int, int], None] | None = None,
-                    clock: Callable[[], float] = time.monotonic) -> dict[str, float]:
+                    clock: Callable[[], float] = time.monotonic, prompt_chunk: int = 0) -> dict[str, float]:
         """Capture the graphs of :meth:`capture_plan` not captured yet, until ``budget_s`` seconds
         have passed (compiling the layers for each batch bucket on the way); those left are
         captured on first use, as without this. ``progress(done, total)`` after each graph.
         Returns what was captured, planned and the seconds it took."""
-        plan = [(what, key, s) for what, key, s in self.capture_plan(samplings)
-                if key not in (self._graphs if what == "decode" else self._bursts)]
+        held = {"decode": self._graphs, "burst": self._bursts, "prefill": self._prefills}
+        plan = [(what, key, s) for what, key, s in self.capture_plan(samplings, prompt_chunk) if key not in held[what]]
         started, done = clock(), 0
         dtype = self.decoder.norm.weight.dtype
         for what, key, sampling in plan:
             if clock() - started > budget_s:
                 break
-            if what == "decode":
-                self._capture(key, torch.empty(1, 1, key[3], dtype=dtype, device=k_pool.device), None, k_pool, v_pool)
-            else:
+            if what == "burst":
                 self._capture_burst(key, k_pool, v_pool, sampling)
+            else:  # the width of a row's embeddings is the key's last part
+                embeds = torch.empty(1, 1, key[3], dtype=dtype, device=k_pool.device)
+                if what == "decode":
+                    self._capture(key, embeds, None, k_pool, v_pool)
+                elif (graph := self._capture_prefill(key, embeds, k_pool, v_pool)) is not None:
+                    self._prefills[key] = graph
             done += 1
             if progress is not None:
                 progress(done, len(plan))
