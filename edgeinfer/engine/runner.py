@@ -77,7 +77,6 @@ class Runner:
         self.block_size = config.block_size
         self.counters = {"prefill_tokens": 0, "decode_steps": 0, "decode_bursts": 0, "decode_bursts_ahead": 0}
         self._in_flight: _Burst | None = None  # a burst whose tokens are not read yet
-        self._joining = 0  # requests outside the scheduler about to join (``step``'s argument)
 
     @property
     def burst_in_flight(self) -> bool:
@@ -87,14 +86,13 @@ class Runner:
         """Run one unit of work; returns the sequences that got a new token. ``joining``: requests
         that will be submitted before the next step (a server's admitted queue), so decoding runs
         step by step meanwhile, as it does while the scheduler has a sequence waiting."""
-        self._joining = joining
         if self._in_flight is not None:
-            return self._collect_burst()
+            return self._collect_burst(joining)
         work = self.scheduler.schedule()
         if isinstance(work, PrefillWork):
             return self._run_prefill(work)
         if isinstance(work, DecodeWork):
-            return self._run_decode(work)
+            return self._run_decode(work, joining)
         return []
 
     def _run_prefill(self, work: PrefillWork) -> list[Sequence]:
@@ -111,12 +109,12 @@ class Runner:
         self._accept(seq, self.choose_tokens([seq], logits)[0])
         return [seq]
 
-    def _run_decode(self, work: DecodeWork) -> list[Sequence]:
+    def _run_decode(self, work: DecodeWork, joining: int) -> list[Sequence]:
         seqs = work.seqs
-        steps = self._burst_length(seqs)
+        steps = self._burst_length(seqs, joining)
         if steps > 1 and (ids := self._start_burst(seqs, steps)) is not None:
             self._in_flight = _Burst(seqs, ids, steps)
-            return self._collect_burst()
+            return self._collect_burst(joining)
         last, positions = decode_inputs(seqs)
         embeds = self.decoder.embed(last)[:, None]
         logits = self._forward(embeds, positions, list(seqs), [s.num_cached for s in seqs])
@@ -170,16 +168,16 @@ class Runner:
             seq.timings.finished = time.perf_counter()
 
     # --- bursts ----------------------------------------------------------------------------
-    def _burst_length(self, seqs: Seq[Sequence], ahead: int = 0) -> int:
+    def _burst_length(self, seqs: Seq[Sequence], joining: int, ahead: int = 0) -> int:
         """How many steps may run before the host looks again (1: step by step), after
         ``ahead`` steps already queued on the device whose tokens the host has not read.
 
         Only where the decoder engine can burst, no row's thinking is capped, every row is past its
-        ``min_new_tokens``, no request waits to join (in the scheduler or ``joining``), and within the blocks each sequence
-        holds (the scheduler gives rows room for a whole burst where it can), so the
-        scheduler's accounting never runs behind.
+        ``min_new_tokens``, no request waits to join (in the scheduler, nor ``joining`` outside it),
+        and within the blocks each sequence holds (the scheduler gives rows room for a whole burst
+        where it can), so the scheduler's accounting never runs behind.
         """
-        if self.burst <= 1 or self.bursts is None or self.scheduler.waiting or self._joining:
+        if self.burst <= 1 or self.bursts is None or self.scheduler.waiting or joining:
             return 1
         if any(s.thinking is not None and s.thinking.limit is not None for s in seqs):
             return 1  # a capped thinking span may need its end token forced at any step
@@ -205,13 +203,13 @@ class Runner:
         self.counters["decode_steps"] += steps
         self.counters["decode_bursts"] += 1
 
-    def _collect_burst(self) -> list[Sequence]:
+    def _collect_burst(self, joining: int) -> list[Sequence]:
         """Accept the tokens of the burst in flight, one by one as steps would, dropping those
         after a finish; the next burst of the same rows is queued first where it may be, so the
         device is not idle while the host reads these."""
         done, self._in_flight = self._in_flight, None
         assert done is not None
-        self._in_flight = self._follow(done)
+        self._in_flight = self._follow(done, joining)
         got: list[Sequence] = []
         for seq, row in zip(done.seqs, done.ids.rows()):
             for token in row:
@@ -223,7 +221,7 @@ class Runner:
                     got.append(seq)
         return got
 
-    def _follow(self, done: _Burst) -> _Burst | None:
+    def _follow(self, done: _Burst, joining: int) -> _Burst | None:
         """The next burst of ``done``'s rows, queued before ``done``'s tokens are read.
 
         Only where those tokens can change nothing but a stop: the same rows run and nobody
@@ -239,7 +237,7 @@ class Runner:
             return None
         for seq in seqs:
             self.scheduler.reserve(seq, min(done.steps + self.burst, seq.sampling.max_new_tokens - len(seq.generated)))
-        steps = self._burst_length(seqs, ahead=done.steps)
+        steps = self._burst_length(seqs, joining, ahead=done.steps)
         if steps < 2 or (ids := self.bursts.continue_burst(self.kv.k, self.kv.v, block_tables(seqs), steps)) is None:
             return None
         self._count_burst(steps)
