@@ -124,7 +124,7 @@ async def _client(aengine, request, sampled: bool, start_at: float) -> dict[str,
         async for _ in handle.deltas():
             stamps.append(time.perf_counter())
         tokens = len(handle.completion.result.token_ids)
-        timings = handle.seq.timings  # the engine's own: where the first token's time went
+        timings = handle.seq.timings  # the engine thread's own (host) times: where the first token's time went
         record.update(vision_s=timings.vision_s, prefill_s=timings.prefill_s)
     except CapacityError as error:
         return {**record, "refused": error.code}
@@ -252,10 +252,12 @@ def markdown(report: dict[str, Any]) -> str:
                   ""]
     if "burst" in report:
         s = report["burst"]["summary"]
+        times = ("" if s.get("vision_p50_s") is None else
+                 f"; the engine thread's time on each request's picture {_ms(s['vision_p50_s'])} ms and prompt "
+                 f"{_ms(s['prefill_p50_s'])} ms (p50; on a GPU the picture's device work ends inside the prompt's time)")
         lines += [f"Burst: {s['requests']} requests at once, {report['spec']['new_tokens']} tokens each: "
                   f"{_rate(s['tokens_per_s'])} tok/s whole requests, first token p50 {_ms(s['ttft_p50_s'])} ms, "
-                  f"max {_ms(s['ttft_max_s'])} ms, refused {s['refused']}, failed {s['failed']}; each request's "
-                  f"picture {_ms(s.get('vision_p50_s'))} ms and prompt {_ms(s.get('prefill_p50_s'))} ms (p50).", ""]
+                  f"max {_ms(s['ttft_max_s'])} ms, refused {s['refused']}, failed {s['failed']}{times}.", ""]
     if "first_seen" in report:
         f = report["first_seen"]
         ratio = "–" if f["ratio"] is None else f"{f['ratio']:.2f}×"
