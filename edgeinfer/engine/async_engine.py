@@ -567,14 +567,14 @@ class AsyncEngine:
                                                                                     request.sampling))
             except Exception as exc:  # the request's fault (typed) or a bug (EngineFailure)
                 self._finish(handle, _Failed(_typed(exc)))
-                continue
+                continue  # a refused request takes no turn: the next one may enter
             handle.seq, handle.submitted_at = seq, time.perf_counter()
             seq.timings.wake_s = handle.wake_s
             self._active[seq.seq_id] = handle
             with self._cond:
                 self._running += 1
             handle.emit(_Admitted(seq.prompt_len))
-            return
+            return  # one request a round
 
     def _prompts_inside(self) -> bool:
         """Whether a request inside the engine still waits for its prompt to be prefilled."""
