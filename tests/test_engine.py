@@ -278,6 +278,26 @@ def test_rows_decode_step_by_step_while_a_caller_has_requests_about_to_join(chec
     engine.cancel(seq)
 
 
+def test_rows_decode_single_steps_between_the_chunks_of_a_new_prompt(checkpoint):
+    path = checkpoint("smolvlm")
+    chunk = 16  # the new prompt runs in several chunks
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    (short, no_images), (long_question, images) = QUESTIONS[1], QUESTIONS[0]
+    plain = engine_for(path, prefill_chunk=chunk)
+    expected = [plain.generate(q, im, params).token_ids for q, im in ((short, no_images), (long_question, images))]
+    engine = bursting_engine(path, prefill_chunk=chunk)
+    first = engine.submit(short, no_images, params)
+    engine.step()  # its prompt, one chunk
+    second = engine.submit(long_question, images, params)
+    chunks = -(-second.prompt_len // chunk)
+    assert chunks >= 3
+    while not second.generated:
+        assert len(engine.step()) <= 1 and engine.counters["decode_bursts"] == 0, "a burst ran beside a prompt"
+    assert len(first.generated) == chunks  # its first token, then one step after each chunk but the last
+    assert [r.token_ids for r in engine.run_until_done([first, second])] == expected
+    assert engine.counters["decode_bursts"] > 0  # and bursts again once no prompt is in progress
+
+
 def test_a_request_cancelled_with_a_burst_in_flight_leaves_no_trace(checkpoint):
     path = checkpoint("smolvlm")
     question, images = QUESTIONS[0]

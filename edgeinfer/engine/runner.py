@@ -173,11 +173,12 @@ class Runner:
         ``ahead`` steps already queued on the device whose tokens the host has not read.
 
         Only where the decoder engine can burst, no row's thinking is capped, every row is past its
-        ``min_new_tokens``, no request waits to join (in the scheduler, nor ``joining`` outside it),
-        and within the blocks each sequence holds (the scheduler gives rows room for a whole burst
-        where it can), so the scheduler's accounting never runs behind.
+        ``min_new_tokens``, no request waits to join (in the scheduler, nor ``joining`` outside it)
+        nor is still in its prompt, and within the blocks each sequence holds (the scheduler gives
+        rows room for a whole burst where it can), so the scheduler's accounting never runs behind.
         """
-        if self.burst <= 1 or self.bursts is None or self.scheduler.waiting or joining:
+        if self.burst <= 1 or self.bursts is None or self.scheduler.waiting or joining or \
+                self.scheduler.prompt_in_progress:
             return 1
         if any(s.thinking is not None and s.thinking.limit is not None for s in seqs):
             return 1  # a capped thinking span may need its end token forced at any step

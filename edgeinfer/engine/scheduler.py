@@ -69,6 +69,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def prompt_in_progress(self) -> bool:
+        """Whether a running sequence has prompt chunks still to run: the decode steps between
+        them are single steps, so its first token waits for no multi-step burst."""
+        return any(s.in_prefill for s in self.running)
+
     def schedule(self) -> PrefillWork | DecodeWork | None:
         self.kv.poll()
         if self._decode_due:
