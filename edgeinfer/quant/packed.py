@@ -13,6 +13,7 @@ scales and (asymmetric schemes only) zero points. Products whose parts cannot ta
 from __future__ import annotations
 
 import torch
+from torch import library as op_registry
 from torch import nn
 
 from edgeinfer.quant import kernels
@@ -79,7 +80,7 @@ def dequantize_with_torch(codes, scales, zeros, layout: kernels.PackedGeometry, 
 # The product is an op of its own library, so torch.compile and CUDA graphs take it as one
 # opaque call; its fake implementation gives compiled graphs the output's shape.
 OP_LIBRARY, OP_NAME = "edgeinfer", "packed_linear"
-_LIBRARY = torch.library.Library(OP_LIBRARY, "FRAGMENT")
+_LIBRARY = op_registry.Library(OP_LIBRARY, "FRAGMENT")
 _LIBRARY.define(f"{OP_NAME}(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int bits, int group_size, "
                 "int groups) -> Tensor")
 
@@ -102,7 +103,7 @@ _LIBRARY.impl(OP_NAME, _packed_linear, "CompositeExplicitAutograd")
 packed_linear = getattr(getattr(torch.ops, OP_LIBRARY), OP_NAME).default
 
 
-@torch.library.register_fake(packed_linear)
+@op_registry.register_fake(packed_linear)
 def _(x, codes, scales, zeros, bits, group_size, groups):
     return x.new_empty(*x.shape[:-1], codes.shape[0])
 
