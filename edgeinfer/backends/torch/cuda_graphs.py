@@ -15,7 +15,9 @@ result; their K/V are dropped and the logits are those of the last real token. E
 a chunk of a thousand tokens through a 2B decoder is a thousand kernel launches, and
 the host's time launching them was three times the device's running them. At most
 ``prefill_graphs`` such graphs are kept, the least recently used dropped first; a length
-seen for the first time is captured then, which costs about three eager chunks once.
+seen for the first time is captured then, which costs about three eager chunks once (a
+prompt's first chunk of each length is captured at start-up where a budget allows, see
+:meth:`CudaGraphDecoderEngine.capture_all`).
 
 Where Triton is installed, every decode step attends with the paged attention kernel of
 :mod:`edgeinfer.backends.torch.triton_decode`, which reads the past where it lies in the pool;
@@ -378,10 +380,15 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             captured += 1
         return captured
 
+    def _runs_fused(self, width: int) -> bool:
+        """Whether rows of embeddings ``width`` wide take the fused step (rows carrying deepstack
+        additions are wider, and run the compiled layers)."""
+        return self._fused is not None and width == self.decoder.cfg.hidden_size
+
     def _static_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, valid=None):
         """One token per row on static shapes. With ``valid`` (fused step only) the new K/V are
         written into the pools at each valid row's slot ``context_lens`` and come back as None."""
-        if self._fused is not None and embeds.shape[-1] == self.decoder.cfg.hidden_size:  # no deepstack additions
+        if self._runs_fused(embeds.shape[-1]):
             cos, sin = self.decoder.rope(positions, embeds.dtype)
             b = embeds.shape[0]
             return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
@@ -410,7 +417,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         g.embeds[:b].copy_(inputs_embeds)
         self._load(g, position_ids, block_tables, context_lens)
         g.graph.replay()
-        self.fused_replays += self._fused is not None and key[3] == self.decoder.cfg.hidden_size
+        self.fused_replays += self._runs_fused(key[3])
         return g.logits[:b], g.new_k[:, :b], g.new_v[:, :b]
 
     def _load(self, g: _Graph | _BurstGraph | _PrefillGraph, positions, tables, context_lens) -> None:
