@@ -556,7 +556,7 @@ class AsyncEngine:
         prefilled: its pictures are encoded, and its prompt is prefilled in the steps that follow,
         before the next request's pictures. A burst of requests so gets its first tokens one after
         another, not all of them after every picture of the burst is encoded."""
-        if self._controls or not self._pending or self._prompts_inside() or not self._wake_for(list(self._pending)):
+        if self._controls or not self._pending or self.engine.prompt_pending or not self._wake_for(list(self._pending)):
             return
         while self._pending and len(self._active) < self.max_concurrent:
             handle = self._pending.popleft()
@@ -575,11 +575,6 @@ class AsyncEngine:
                 self._running += 1
             handle.emit(_Admitted(seq.prompt_len))
             return  # one request a round
-
-    def _prompts_inside(self) -> bool:
-        """Whether a request inside the engine still waits for its prompt to be prefilled."""
-        return any(h.seq is not None and h.seq.in_prefill and h.seq.status is not Status.FINISHED
-                   for h in self._active.values())
 
     def _step(self) -> None:
         if not self._active or not self.engine.has_work():

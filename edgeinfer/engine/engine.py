@@ -435,6 +435,11 @@ class Engine:
             return False
         return self.scheduler.has_work() or self.runner.burst_in_flight
 
+    @property
+    def prompt_pending(self) -> bool:
+        """Whether a submitted request still waits for its prompt to be prefilled."""
+        return not self.is_sleeping and self.scheduler.prompt_pending
+
     @torch.inference_mode()
     def step(self, joining: int = 0) -> list[Sequence]:
         """Run one unit of work; returns the sequences that got a new token. ``joining``: requests

@@ -70,10 +70,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
-    def prompt_in_progress(self) -> bool:
-        """Whether a running sequence has prompt chunks still to run: the decode steps between
-        them are single steps, so its first token waits for no multi-step burst."""
-        return any(s.in_prefill for s in self.running)
+    def prompt_pending(self) -> bool:
+        """Whether a sequence here, waiting or running, has prompt chunks still to run: the decode
+        steps before its first token are single steps, not bursts, and a server admits no new
+        request meanwhile."""
+        return any(s.in_prefill for s in (*self.waiting, *self.running))
 
     def schedule(self) -> PrefillWork | DecodeWork | None:
         self.kv.poll()
