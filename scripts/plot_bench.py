@@ -66,7 +66,6 @@ def plot_serve(plt, reports: list[tuple[Path, dict]]):
     for ax in (rate_ax, ttft_ax):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below: the lines fill the axes
-    fig.tight_layout()
     return fig
 
 
