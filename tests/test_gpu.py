@@ -79,6 +79,25 @@ def test_qwen2_vl_tower_replays_from_a_cuda_graph(checkpoint):
             != replayed.data_ptr()  # each replay's output is the caller's own
 
 
+def test_a_prompt_waits_on_the_device_for_its_picture_stream(checkpoint):
+    """``submit`` queues the tower and the embeddings' merge on the picture stream and returns without
+    waiting for them; the prompt's first chunk waits for them on the device. The picture stream is
+    held busy first, so a chunk that did not wait would read the embeddings before they are made."""
+    path = checkpoint("qwen2_vl")
+    cpu, _ = tokens(path)
+    engine = Engine.load(path, config=EngineConfig(num_blocks=512, max_batch_size=4, device="cuda", cuda_graphs=True,
+                                                   vision_compile_sizes=((128, 96), (80, 128))))
+    stream = engine.picture_stream
+    assert stream is not None and stream != torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of the stream's time
+    seqs = [engine.submit(q, images, FORCED) for q, images in REQUESTS]
+    assert not stream.query(), "submit waited for the picture stream"
+    assert all(s.embeds_ready is not None for s in seqs)
+    assert [r.token_ids for r in engine.run_until_done(seqs)] == cpu
+    assert all(s.embeds_ready is None for s in seqs)
+
+
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])
 def test_bursts_equal_single_graph_steps(checkpoint, family):
     path = checkpoint(family)

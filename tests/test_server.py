@@ -542,7 +542,11 @@ def test_new_requests_join_the_running_batch(tiny_engine):
     assert tiny_engine.counters["decode_steps"] - steps_before < 2 * 39
 
 
-def test_a_burst_gets_first_tokens_one_after_another_with_the_tokens_of_each_alone(tiny_engine):
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_burst_gets_first_tokens_one_after_another_with_the_tokens_of_each_alone(tiny_engine, ahead):
+    """``ahead`` 1 is what an engine with a picture stream (on a GPU) allows: the next request enters
+    while one prompt is pending, so its picture is encoded meanwhile; never two."""
+    tiny_engine.prompts_ahead = ahead
     forced = SamplingParams(max_new_tokens=12, ignore_eos=True)
     pictures = [Image.new("RGB", (64, 48), color) for color in ("red", "green", "blue", "white", "black")]
     alone = [tiny_engine.generate("what is this?", [p], forced).token_ids for p in pictures]
@@ -558,10 +562,12 @@ def test_a_burst_gets_first_tokens_one_after_another_with_the_tokens_of_each_alo
 
     done, timings = asyncio.run(burst())
     assert [c.result.token_ids for c in done] == alone
-    # Each request's picture is encoded and its prompt prefilled before the next one's picture,
-    # also when a decode step of the others runs between them.
-    for done_first, next_one in zip(timings, timings[1:]):
-        assert done_first.first_token < next_one.created
+    # Each request's prompt is prefilled before the picture of the one after the next (ahead 1) or
+    # of the next (ahead 0), also when a decode step of the others runs between them.
+    for done_first, later in zip(timings, timings[1 + ahead:]):
+        assert done_first.first_token < later.created
+    entered_early = [b.created < a.first_token for a, b in zip(timings, timings[1:])]
+    assert any(entered_early) == bool(ahead), entered_early
 
 
 def test_deadline_cancels_and_frees_blocks(tiny_engine):

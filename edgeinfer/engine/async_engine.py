@@ -552,11 +552,13 @@ class AsyncEngine:
             return False
 
     def _admit(self) -> None:
-        """Submit the next waiting request to the engine once every request inside has its prompt
-        prefilled: its pictures are encoded, and its prompt is prefilled in the steps that follow,
-        before the next request's pictures. A burst of requests so gets its first tokens one after
-        another, not all of them after every picture of the burst is encoded."""
-        if self._controls or not self._pending or self.engine.prompt_pending or not self._wake_for(list(self._pending)):
+        """Submit the next waiting request to the engine once it is ready for one
+        (:attr:`Engine.ready_for_request`: when the prompts inside are prefilled, or on a GPU while
+        one is): its pictures are encoded, and its prompt is prefilled in the steps that follow.
+        A burst of requests so gets its first tokens one after another, not all of them after every
+        picture of the burst is encoded."""
+        if self._controls or not self._pending or not self.engine.ready_for_request or \
+                not self._wake_for(list(self._pending)):
             return
         while self._pending and len(self._active) < self.max_concurrent:
             handle = self._pending.popleft()

@@ -75,6 +75,12 @@ class Engine:
         self.startup_capture: dict[str, float] | None = None  # what capture_graphs did at load
         self._stash: PinnedHostStash | FileStash | DroppedWeights | None = None
         self._carried: Counter[str] = Counter()  # counters of the parts a sleep dropped
+        # On a GPU, pictures are encoded (and prompts' embeddings made) on a stream of their own:
+        # ``submit`` queues the vision engine and returns, and the tower runs beside the decode steps.
+        self.picture_stream = torch.cuda.Stream(config.device) if config.device.startswith("cuda") else None
+        # Requests a server submits while prompts are pending: with a picture stream, the next
+        # picture is encoded while a prompt is prefilled.
+        self.prompts_ahead = 1 if self.picture_stream is not None else 0
         self._assemble(model, engines)
 
     def _assemble(self, model: LoadedModel, engines: Engines) -> None:
@@ -186,6 +192,8 @@ class Engine:
             return self._deepen(started)
         self._require_idle()
         self._require_reloadable(level)
+        if self.picture_stream is not None:  # a cancelled request's picture may still be encoding
+            self.picture_stream.synchronize()
         persisted_before = self.kv_manager.stats.persisted_blocks
         freed = self.kv.k.nbytes + self.kv.v.nbytes
         self.kv_manager.close()  # flushes the prefix cache to disk and releases the cache folder
@@ -410,13 +418,22 @@ class Engine:
     @torch.inference_mode()
     def submit_prepared(self, prompt_in: PreparedPrompt, sampling: SamplingParams = SamplingParams()) -> Sequence:
         """Encode the images of a prepared request and hand its sequence to the scheduler; an engine
-        asleep wakes first (the wake is in the sequence's timings)."""
+        asleep wakes first (the wake is in the sequence's timings). On a GPU the encoding is queued
+        on the picture stream and this returns: the prompt's first chunk waits for it on the device."""
         started = time.perf_counter()
         wake_s = self.wake_up()
-        embeds = [self.vision_cache.embeddings(key, image) for key, image in zip(prompt_in.keys, prompt_in.images)]
-        vision_s = time.perf_counter() - started
-        seq = self.inputs.sequence(prompt_in, [e for e, _ in embeds], sampling, self.engines.decoder.embed,
-                                   vision_reused=sum(reused for _, reused in embeds))
+        stream = self.picture_stream
+        main = None if stream is None else torch.cuda.current_stream(stream.device)
+        with torch.cuda.stream(stream):  # (no stream: a no-op)
+            embeds = [self.vision_cache.embeddings(key, image)
+                      for key, image in zip(prompt_in.keys, prompt_in.images)]
+            vision_s = time.perf_counter() - started
+            seq = self.inputs.sequence(prompt_in, [e for e, _ in embeds], sampling, self.engines.decoder.embed,
+                                       vision_reused=sum(reused for _, reused in embeds))
+            if main is not None:
+                seq.prompt_embeds.record_stream(main)  # read there: not reused before that is done
+                seq.embeds_ready = torch.cuda.Event()
+                seq.embeds_ready.record(stream)
         seq.timings.created = started
         seq.timings.wake_s = wake_s
         seq.timings.wake_capture_s = self.sleep_stats.last_wake_capture_s if wake_s else 0.0
@@ -436,9 +453,12 @@ class Engine:
         return self.scheduler.has_work() or self.runner.burst_in_flight
 
     @property
-    def prompt_pending(self) -> bool:
-        """Whether a submitted request still waits for its prompt to be prefilled."""
-        return not self.is_sleeping and self.scheduler.prompt_pending
+    def ready_for_request(self) -> bool:
+        """Whether a server should submit its next request now: once no submitted request waits for
+        its prompt to be prefilled, or, with a picture stream, while one does (its picture is then
+        encoded while that prompt is prefilled). A burst of requests so gets its first tokens one
+        after another, never after every picture of the burst. Asleep: ready (a submit wakes it)."""
+        return self.is_sleeping or self.scheduler.prompts_pending <= self.prompts_ahead
 
     @torch.inference_mode()
     def step(self, joining: int = 0) -> list[Sequence]:

@@ -9,7 +9,7 @@ the text embeddings and builds the :class:`Sequence` the scheduler takes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -87,17 +87,25 @@ def tokenize(adapter: FamilyAdapter, text: str, images: list[ImageInputs]) -> Pr
     return adapter.layout(ids, images)
 
 
+def host_tensor(values: list[int], device: str) -> torch.Tensor:
+    """``values`` as a host tensor a copy to ``device`` need not wait for: in page-locked memory
+    where ``device`` is a GPU (a copy from pageable memory may wait for the stream's queued work)."""
+    tensor = torch.tensor(values)
+    return tensor.pin_memory() if device.startswith("cuda") and torch.cuda.is_available() else tensor
+
+
 def merge_embeddings(text_embeds: torch.Tensor, token_ids: list[int], image_token_id: int,
                      image_embeds: list[torch.Tensor]) -> torch.Tensor:
     """Put image embeddings, in order, at the image-token positions of the text embeddings.
 
     Image rows wider than the text's carry deepstack additions; the text rows are widened
-    with zeros to match (``models.decoder.split_visual_additions``)."""
+    with zeros to match (``models.decoder.split_visual_additions``). The positions are found
+    on the host, so that nothing here waits for the device (the vision engine may still be at work)."""
     if not image_embeds:
         return text_embeds
-    mask = (torch.tensor(token_ids) == image_token_id).to(text_embeds.device)
+    where = host_tensor([i for i, token in enumerate(token_ids) if token == image_token_id], str(text_embeds.device))
     merged = widen_embeds(text_embeds, image_embeds[0].shape[-1]).clone()
-    merged[mask] = torch.cat(image_embeds).to(merged.dtype)
+    merged.index_copy_(0, where.to(merged.device, non_blocking=True), torch.cat(image_embeds).to(merged.dtype))
     return merged
 
 
@@ -154,7 +162,14 @@ class Inputs:
         text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
         layout = tokenize(self.adapter, text, processed)
         self.check(layout, processed, sampling)
-        return PreparedPrompt(layout, tuple(processed), tuple(key for _, key in keyed))
+        return PreparedPrompt(layout, tuple(map(self.staged, processed)), tuple(key for _, key in keyed))
+
+    def staged(self, image: ImageInputs) -> ImageInputs:
+        """``image`` with its tensors in page-locked memory where the engine runs on a GPU: the vision
+        engine's copies of them then wait for nothing (done here, off the engine thread in a server)."""
+        if not (self.config.device.startswith("cuda") and torch.cuda.is_available()):
+            return image
+        return replace(image, tensors={name: t.pin_memory() for name, t in image.tensors.items()})
 
     def check_thinking(self, sampling: SamplingParams) -> None:
         """A thinking cap needs a model whose tokenizer opens and closes thinking spans."""
@@ -191,8 +206,8 @@ class Inputs:
         """The sequence of ``prompt``: text embeddings (``embed``: the decoder engine's, [N] ids ->
         [N, hidden]) with ``image_embeds`` merged at the image tokens."""
         layout = prompt.layout
-        embeds = merge_embeddings(embed(torch.tensor(layout.token_ids)), layout.token_ids,
-                                  layout.image_token_id, image_embeds)
+        ids = host_tensor(layout.token_ids, self.config.device)
+        embeds = merge_embeddings(embed(ids), layout.token_ids, layout.image_token_id, image_embeds)
         stop = self.stop_ids if sampling.stop_token_ids is None else frozenset(sampling.stop_token_ids)
         return Sequence(
             prompt_ids=layout.token_ids, prompt_embeds=embeds, prompt_positions=layout.position_ids,

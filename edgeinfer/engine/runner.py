@@ -124,6 +124,9 @@ class Runner:
         return list(seqs)
 
     def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        if seq.embeds_ready is not None:  # the device waits for the picture stream, not the host
+            torch.cuda.current_stream(seq.prompt_embeds.device).wait_event(seq.embeds_ready)
+            seq.embeds_ready = None
         if end <= seq.prompt_len:
             return seq.prompt_embeds[start:end]
         tail = torch.tensor(seq.generated[max(0, start - seq.prompt_len):end - seq.prompt_len])

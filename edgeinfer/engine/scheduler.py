@@ -72,9 +72,13 @@ class Scheduler:
     @property
     def prompt_pending(self) -> bool:
         """Whether a sequence here, waiting or running, has prompt chunks still to run: the decode
-        steps before its first token are single steps, not bursts, and a server admits no new
-        request meanwhile."""
+        steps before its first token are single steps, not bursts."""
         return any(s.in_prefill for s in (*self.waiting, *self.running))
+
+    @property
+    def prompts_pending(self) -> int:
+        """How many sequences here have prompt chunks still to run (a server admits by it)."""
+        return sum(s.in_prefill for s in (*self.waiting, *self.running))
 
     def schedule(self) -> PrefillWork | DecodeWork | None:
         self.kv.poll()

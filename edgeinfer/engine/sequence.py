@@ -79,6 +79,9 @@ class Sequence:
     restored_blocks: int = 0  # blocks brought back from the host or disk tier for it
     recomputed_blocks: int = 0  # blocks it was to reuse but recomputes (a failed checksum or read)
     thinking: Thinking | None = None  # None: the family has no thinking tokens
+    # Where the prompt's embeddings were made on a stream of their own (pictures are encoded beside
+    # the decode steps): the CUDA event they are ready at, which a prompt chunk waits for; else None
+    embeds_ready: torch.cuda.Event | None = None
 
     @property
     def prompt_len(self) -> int:
