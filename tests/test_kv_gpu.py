@@ -65,3 +65,17 @@ def test_codecs_on_the_device_keep_their_error_bound(name, bound):
     for x, y in ((k.float(), k2.float().cpu()), (v.float(), v2.float().cpu())):
         amax = x.abs().amax(dim=(2, 4), keepdim=True)
         assert ((x - y).abs() <= amax * bound + amax * 2**-8).all()  # + one bf16 rounding of the output
+
+
+def test_to_host_gives_the_values_a_busy_stream_makes():
+    """A copy to the host (a picture's embeddings for the disk tier, blocks spilled to disk) waits on an
+    event for the copy queued behind the stream's work, never reading the host buffer before it lands."""
+    from edgeinfer.kv.worker import to_host
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # the stream is busy well past the copy's queuing
+        made = torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 3
+        host = to_host(made)
+    assert host.device.type == "cpu" and host.is_pinned()
+    assert torch.equal(host, torch.arange(1 << 20, dtype=torch.float32) * 3)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from edgeinfer.kv.disk import FULL_ERRNOS, FreeSpace
-from edgeinfer.kv.worker import Job, SpillWorker
+from edgeinfer.kv.worker import Job, SpillWorker, to_host
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def decode_entry(raw: bytes, key: str, owner: str) -> torch.Tensor:
 
 def encode_entry(key: str, owner: str, embeds: torch.Tensor) -> bytes:
     """The bytes of a file holding ``embeds`` for ``key`` (and ``owner``)."""
-    x = embeds.detach().contiguous().cpu()
+    x = to_host(embeds.detach().contiguous())
     dtype_name = str(x.dtype).removeprefix("torch.")
     if dtype_name not in DTYPES:
         raise ValueError(f"embeddings of dtype {dtype_name} cannot be stored")

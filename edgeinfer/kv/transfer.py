@@ -18,6 +18,7 @@ from edgeinfer.kv.disk import ChecksumError, DiskStore
 from edgeinfer.kv.entry import Move, Tier
 from edgeinfer.kv.host import HostStore
 from edgeinfer.kv.pool import KVCache
+from edgeinfer.kv.worker import to_host
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Mover:
             for i, slot in enumerate(move.dst_slots):
                 self.host.view(slot).copy_(payload[i], non_blocking=True)
         else:
-            rows = payload.cpu().numpy()
+            rows = to_host(payload).numpy()
             for i, slot in enumerate(move.dst_slots):
                 entry = move.entries[i]
                 self.disk.write(slot, entry.key, entry.valid, entry.aliases, rows[i])

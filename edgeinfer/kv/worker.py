@@ -31,6 +31,20 @@ class JobState(enum.Enum):
     DONE = "done"
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory. From a GPU it is copied into page-locked memory and waited for on an
+    event: a copy into pageable memory waits for the stream's queued work inside the copy call, and
+    the engine thread's CUDA calls wait behind it (a stalled decode step for every picture stored)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
+
+
 class Job:
     __slots__ = ("after", "done", "error", "fn", "seconds", "state", "urgent")
 
