@@ -87,10 +87,9 @@ def tokenize(adapter: FamilyAdapter, text: str, images: list[ImageInputs]) -> Pr
     return adapter.layout(ids, images)
 
 
-def host_tensor(values: list[int], device: str) -> torch.Tensor:
-    """``values`` as a host tensor a copy to ``device`` need not wait for: in page-locked memory
-    where ``device`` is a GPU (a copy from pageable memory may wait for the stream's queued work)."""
-    tensor = torch.tensor(values)
+def staged(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """Host ``tensor`` as a copy to ``device`` need not wait for: in page-locked memory where
+    ``device`` is a GPU (a copy from pageable memory may wait for the stream's queued work)."""
     return tensor.pin_memory() if device.startswith("cuda") and torch.cuda.is_available() else tensor
 
 
@@ -103,7 +102,8 @@ def merge_embeddings(text_embeds: torch.Tensor, token_ids: list[int], image_toke
     on the host, so that nothing here waits for the device (the vision engine may still be at work)."""
     if not image_embeds:
         return text_embeds
-    where = host_tensor([i for i, token in enumerate(token_ids) if token == image_token_id], str(text_embeds.device))
+    where = staged(torch.tensor([i for i, token in enumerate(token_ids) if token == image_token_id]),
+                   str(text_embeds.device))
     merged = widen_embeds(text_embeds, image_embeds[0].shape[-1]).clone()
     merged.index_copy_(0, where.to(merged.device, non_blocking=True), torch.cat(image_embeds).to(merged.dtype))
     return merged
@@ -162,14 +162,10 @@ class Inputs:
         text = expand_images(render_chat(self.adapter, messages), self.adapter.image_marker, processed)
         layout = tokenize(self.adapter, text, processed)
         self.check(layout, processed, sampling)
-        return PreparedPrompt(layout, tuple(map(self.staged, processed)), tuple(key for _, key in keyed))
-
-    def staged(self, image: ImageInputs) -> ImageInputs:
-        """``image`` with its tensors in page-locked memory where the engine runs on a GPU: the vision
-        engine's copies of them then wait for nothing (done here, off the engine thread in a server)."""
-        if not (self.config.device.startswith("cuda") and torch.cuda.is_available()):
-            return image
-        return replace(image, tensors={name: t.pin_memory() for name, t in image.tensors.items()})
+        # The pictures' tensors staged for the vision engine's copies here, off the engine thread in a server.
+        device = self.config.device
+        processed = [replace(p, tensors={name: staged(t, device) for name, t in p.tensors.items()}) for p in processed]
+        return PreparedPrompt(layout, tuple(processed), tuple(key for _, key in keyed))
 
     def check_thinking(self, sampling: SamplingParams) -> None:
         """A thinking cap needs a model whose tokenizer opens and closes thinking spans."""
@@ -206,7 +202,7 @@ class Inputs:
         """The sequence of ``prompt``: text embeddings (``embed``: the decoder engine's, [N] ids ->
         [N, hidden]) with ``image_embeds`` merged at the image tokens."""
         layout = prompt.layout
-        ids = host_tensor(layout.token_ids, self.config.device)
+        ids = staged(torch.tensor(layout.token_ids), self.config.device)
         embeds = merge_embeddings(embed(ids), layout.token_ids, layout.image_token_id, image_embeds)
         stop = self.stop_ids if sampling.stop_token_ids is None else frozenset(sampling.stop_token_ids)
         return Sequence(

@@ -181,7 +181,7 @@ class Runner:
         rows room for a whole burst where it can), so the scheduler's accounting never runs behind.
         """
         if self.burst <= 1 or self.bursts is None or self.scheduler.waiting or joining or \
-                self.scheduler.prompt_pending:
+                self.scheduler.prompts_pending:
             return 1
         if any(s.thinking is not None and s.thinking.limit is not None for s in seqs):
             return 1  # a capped thinking span may need its end token forced at any step

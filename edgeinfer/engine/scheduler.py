@@ -70,14 +70,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
-    def prompt_pending(self) -> bool:
-        """Whether a sequence here, waiting or running, has prompt chunks still to run: the decode
-        steps before its first token are single steps, not bursts."""
-        return any(s.in_prefill for s in (*self.waiting, *self.running))
-
-    @property
     def prompts_pending(self) -> int:
-        """How many sequences here have prompt chunks still to run (a server admits by it)."""
+        """How many sequences here, waiting or running, have prompt chunks still to run: while any
+        has, the decode steps are single steps, not bursts; a server admits by the count."""
         return sum(s.in_prefill for s in (*self.waiting, *self.running))
 
     def schedule(self) -> PrefillWork | DecodeWork | None:
