@@ -41,6 +41,7 @@ def test_cuda_fp32_with_graphs_matches_cpu(checkpoint, family, tmp_path):
     assert engine.decoder_engine.captures > 0, "decode steps must run from CUDA graphs"
     assert engine.counters["decode_bursts"] > 0, "greedy rows must decode in bursts"
     assert engine.decoder_engine.prefill_replays > 0, engine.decoder_engine.prefill_error
+    assert engine.decoder_engine.capture_state()["compiled_prompt_layers"], engine.decoder_engine.prompt_compile_error
     if triton_decode.triton is not None and not engine.decoder_engine.decoder.cfg.gemma_features():
         assert engine.decoder_engine.kernel_report["fused"], engine.decoder_engine.kernel_report
     assert cuda == cpu

@@ -318,6 +318,7 @@ def _diagnostics(engine) -> dict[str, Any]:
             "cuda_graph_captures": getattr(decoder, "captures", None),
             "prefill_replays": getattr(decoder, "prefill_replays", None),
             "compile_error": getattr(decoder, "compile_error", None),
+            "prompt_compile_error": getattr(decoder, "prompt_compile_error", None),
             "vision_captured": bool(getattr(vision, "captured_signatures", None)),
             "vision_compiled": bool(getattr(vision, "compiled_signatures", None)),
             "vision_capture_error": getattr(vision, "capture_error", None),

@@ -90,9 +90,16 @@ def with_variants(compiled: Callable, variants: int = COMPILED_VARIANTS) -> Call
     return call
 
 
-def _compiled(fn: Callable) -> Callable:
-    """``fn`` compiled for static shapes, one variant per batch and width bucket."""
-    return with_variants(torch.compile(fn, dynamic=False, fullgraph=True))
+def _compiled(fn: Callable, dynamic: bool = False) -> Callable:
+    """``fn`` compiled for static shapes, one variant per batch and width bucket; ``dynamic``:
+    one variant for every length (a prompt chunk's token count)."""
+    return with_variants(torch.compile(fn, dynamic=dynamic, fullgraph=True))
+
+
+def _prompt_layer(layer: DecoderLayer, *inputs):
+    """A layer over a prompt chunk: its own frame, so that the compiled variants for any length are
+    kept apart from the decode steps' static ones (torch keeps them per frame)."""
+    return DecoderLayer.forward(layer, *inputs)
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -243,6 +250,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self.captures = 0
         self._released: list[tuple[str, tuple, torch.dtype | None]] = []  # graphs dropped by a sleep
         self.compile_error: str | None = None
+        self.prompt_compile_error: str | None = None  # why prompt chunks capture their layers as written
         # Why the fused Triton step is not used (None: it is).
         self.fused_off = "turned off" if not fused else triton_decode.available(self.device)
         self._fused = None
@@ -250,6 +258,11 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
         # Every layer has the same code and shapes, so one compilation serves all of them.
         self._layer_fn = _compiled(DecoderLayer.forward) if compile_layers else None
+        # A prompt's first chunk's layers too: uncompiled, their norms, RoPE and SiLU took as long
+        # on the device as the products of a thousand-token chunk. Compiled once for any length
+        # (at start-up, with the first chunks' graphs). Chunks after a past run their layers as
+        # written: they are captured on first use, and a compilation there would be on live traffic.
+        self._prompt_layer_fn = _compiled(_prompt_layer, dynamic=True) if compile_layers else None
         if self.fused_off is None:
             halves = (_compiled(DecoderLayer.qkv), _compiled(DecoderLayer.after_attention)) if compile_layers else None
             try:
@@ -299,6 +312,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         whether the fused step's tiles are chosen (a benchmark reads the changes per request)."""
         return {"captures": self.captures, "decode_graphs": len(self._graphs), "prefill_graphs": len(self._prefills),
                 "burst_graphs": len(self._bursts), "prefill_replays": self.prefill_replays,
+                "compiled_prompt_layers": int(self._prompt_layer_fn is not None),
                 "fused_tuned": int(self._fused is not None and bool(self._fused.configs))}
 
     # --- start-up -------------------------------------------------------------------------------
@@ -468,18 +482,20 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return g
 
     # --- prompt chunks -------------------------------------------------------------------------
-    def _prefill_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, last, past: bool):
-        """A batch-1 chunk on static shapes: no past (causal, no mask) or whole blocks under a mask."""
+    def _prefill_step(self, embeds, positions, k_pool, v_pool, tables, context_lens, last, past: bool,
+                      layer_fn: Callable | None = None):
+        """A batch-1 chunk on static shapes: no past (causal, no mask) or whole blocks under a mask;
+        ``layer_fn`` replaces each layer's call (the compiled layer)."""
         cfg, tokens = self.decoder.cfg, embeds.shape[1]
         if not past:
             empty = k_pool.new_empty(1, 0, *k_pool.shape[3:])
             mask, window = layer_masks(cfg, None, context_lens, 0, tokens)
-            return self.decoder.run_layers(embeds, positions, lambda i: (empty, empty), mask, last=last,
+            return self.decoder.run_layers(embeds, positions, lambda i: (empty, empty), mask, layer_fn, last=last,
                                            window_mask=window)
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], tokens)
         mask, window = layer_masks(cfg, mask, context_lens, slots.shape[1], tokens)
-        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, last=last,
-                                       window_mask=window)
+        return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, layer_fn,
+                                       last=last, window_mask=window)
 
     def _prefill(self, embeds, positions, k_pool, v_pool, tables, context_lens, width):
         """Replay (capturing first if new) the graph of this chunk's bucket; None when capture failed."""
@@ -516,19 +532,28 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             context_lens=torch.zeros(1, dtype=torch.long, device=device),
             last=torch.zeros(1, dtype=torch.long, device=device))
 
-        def run():
+        def run(layer_fn=None):
             return self._prefill_step(buffers["embeds"], buffers["positions"], k_pool, v_pool, buffers["tables"],
-                                      buffers["context_lens"], buffers["last"], past=width > 0)
+                                      buffers["context_lens"], buffers["last"], past=width > 0, layer_fn=layer_fn)
 
         if not k_pool.is_cuda:  # no graphs off the GPU: the same padded step, run eagerly (tests run it there)
             return _PrefillGraph(run, **buffers)
-        try:
-            warm_up(run, device)  # reads block 0 of the pool and writes nothing
-            graph, outputs = capture_graph(run, self._pool)
-        except Exception as exc:  # noqa: BLE001 - a chunk that cannot be captured runs eagerly
-            self.prefill_error = f"{type(exc).__name__}: {exc}"[:500]
-            warnings.warn(f"prompt chunks run eagerly, capturing one failed: {self.prefill_error}")
-            return None
+        while True:
+            layer_fn = None if width else self._prompt_layer_fn
+            try:
+                warm_up(lambda: run(layer_fn), device)  # reads block 0 of the pool and writes nothing
+                graph, outputs = capture_graph(lambda: run(layer_fn), self._pool)
+                break
+            except Exception as exc:  # noqa: BLE001 - a chunk that cannot be captured runs eagerly
+                reason = f"{type(exc).__name__}: {exc}"[:500]
+                if layer_fn is not None:  # the compiled layers failed: capture the layers as written
+                    self._prompt_layer_fn = None
+                    self.prompt_compile_error = reason
+                    warnings.warn(f"compiled prompt layers failed, capturing eager layers: {reason}")
+                    continue
+                self.prefill_error = reason
+                warnings.warn(f"prompt chunks run eagerly, capturing one failed: {self.prefill_error}")
+                return None
         self._pool = graph.pool()
         self.captures += 1
         return _PrefillGraph(lambda: (graph.replay(), outputs)[1], **buffers)
