@@ -4,10 +4,11 @@ the demo model (structure and counts only: no figure is asserted)."""
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 
 import pytest
 
-from edgeinfer.bench.serve import ServeBenchSpec, arrivals, bench, camera_overrides, markdown, percentile
+from edgeinfer.bench.serve import ServeBenchSpec, arrivals, bench, camera_overrides, counting, markdown, percentile
 from edgeinfer.demo import DEMO_MODEL_DIR
 
 
@@ -52,6 +53,19 @@ def test_a_tiny_run_answers_every_request_and_records_refusals():
     assert all(len(run["load"]["before"]) == 3 for run in report["runs"])  # the load average beside each part
     assert report["open_loop"][0]["summary"]["requests"] == 2
     assert "| 50 |" in markdown(report)
+    # The CPU profile compiles and captures nothing on live traffic.
+    assert report["burst"]["summary"]["during"] == {"compiled_graphs": 0, "decoder_captures": 0, "tower_graphs": 0}
+
+
+def test_a_part_counts_what_was_compiled_during_it():
+    import torch
+
+    engine = SimpleNamespace(decoder_engine=None, vision_engine=SimpleNamespace(captured_signatures={("a",)}))
+    counted = {}
+    with counting(engine, counted):
+        torch.compile(lambda x: x * 3 + 1, backend="eager", fullgraph=True)(torch.ones(2))
+        engine.vision_engine.captured_signatures = {("a",), ("b",)}
+    assert counted["during"] == {"compiled_graphs": 1, "decoder_captures": 0, "tower_graphs": 1}
 
 
 def test_spec_refuses_what_cannot_run():

@@ -24,6 +24,7 @@ over all the requests of its part (percentiles of all of them, no best run).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -168,6 +169,27 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             "sampled": sum(r["sampled"] for r in records)}
 
 
+def compile_state(engine) -> dict[str, int]:
+    """What the engine has compiled and captured so far: torch's compiled graphs in this process,
+    the decoder's CUDA graphs and the tower's graphs. A part that changes these compiled or
+    captured on live traffic."""
+    from torch._dynamo.utils import counters
+
+    decoder = engine.decoder_engine
+    state = getattr(decoder, "capture_state", None)
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "decoder_captures": state()["captures"] if state is not None else 0,
+            "tower_graphs": len(getattr(engine.vision_engine, "captured_signatures", ()))}
+
+
+@contextlib.contextmanager
+def counting(engine, into: dict[str, Any]):
+    """``into["during"]``: how much of :func:`compile_state` the block added."""
+    before = compile_state(engine)
+    yield
+    into["during"] = {k: v - before[k] for k, v in compile_state(engine).items()}
+
+
 async def _bench(aengine, spec: ServeBenchSpec, say, log: RunLog) -> dict[str, Any]:
     """The three parts; each is one run of ``log`` (its load average before and after)."""
     make = _Requests(spec).next
@@ -176,22 +198,27 @@ async def _bench(aengine, spec: ServeBenchSpec, say, log: RunLog) -> dict[str, A
     await _run_part(aengine, make, [0.0])
     if spec.first_seen:
         say(f"[bench serve] first seen: {spec.first_seen} at once, twice")
+        first, second = {}, {}
         with log.run("first seen"):
-            first = summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True))
-            second = summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True))
+            with counting(aengine.engine, first):
+                first.update(summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True)))
+            with counting(aengine.engine, second):
+                second.update(summarize(*await _run_part(aengine, make, [0.0] * spec.first_seen, prepared=True)))
         parts["first_seen"] = {"first": first, "second": second,
                                "ratio": first["wall_s"] / second["wall_s"] if second["wall_s"] else None}
     if spec.burst:
         say(f"[bench serve] burst: {spec.burst} at once")
-        with log.run("burst"):
+        counted: dict[str, Any] = {}
+        with log.run("burst"), counting(aengine.engine, counted):
             records, wall = await _run_part(aengine, make, [0.0] * spec.burst, prepared=True)
-        parts["burst"] = {"summary": summarize(records, wall), "records": records}
+        parts["burst"] = {"summary": {**summarize(records, wall), **counted}, "records": records}
     open_loop = []
     for i, rate in enumerate(spec.rates):
         say(f"[bench serve] open loop: {rate:g} requests/s, {spec.requests} requests")
-        with log.run(f"open loop {rate:g}/s"):
+        counted = {}
+        with log.run(f"open loop {rate:g}/s"), counting(aengine.engine, counted):
             records, wall = await _run_part(aengine, make, arrivals(rate, spec.requests, spec.seed + i))
-        summary = summarize(records, wall)
+        summary = {**summarize(records, wall), **counted}
         open_loop.append({"rate": rate, "summary": summary, "records": records})
         p99 = summary["ttft_p99_s"]
         if summary["refused"] or summary["failed"] or p99 is None or p99 > spec.ttft_slo_s:
@@ -242,6 +269,14 @@ def _rate(value: float | None) -> str:
     return "–" if value is None else f"{value:,.0f}"
 
 
+def _during(summary: dict[str, Any]) -> str:
+    """Compilations and captures inside a part (the raw files of older runs have none)."""
+    d = summary.get("during")
+    if d is None:
+        return "–"
+    return f"{d['compiled_graphs']} / {d['decoder_captures'] + d['tower_graphs']}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = []
     if "startup" in report:
@@ -257,19 +292,21 @@ def markdown(report: dict[str, Any]) -> str:
                  f"{_ms(s['prefill_p50_s'])} ms (p50; on a GPU the picture's device work ends inside the prompt's time)")
         lines += [f"Burst: {s['requests']} requests at once, {report['spec']['new_tokens']} tokens each: "
                   f"{_rate(s['tokens_per_s'])} tok/s whole requests, first token p50 {_ms(s['ttft_p50_s'])} ms, "
-                  f"max {_ms(s['ttft_max_s'])} ms, refused {s['refused']}, failed {s['failed']}{times}.", ""]
+                  f"max {_ms(s['ttft_max_s'])} ms, refused {s['refused']}, failed {s['failed']}{times}; "
+                  f"compiled / captured during it: {_during(s)}.", ""]
     if "first_seen" in report:
         f = report["first_seen"]
         ratio = "–" if f["ratio"] is None else f"{f['ratio']:.2f}×"
         lines += [f"First seen: {f['first']['requests']} at once, first time {f['first']['wall_s']:.2f} s, "
-                  f"second {f['second']['wall_s']:.2f} s ({ratio}).", ""]
-    lines += ["| arrivals/s | answered | refused | tok/s | first token p50 / p99 (ms) | piece gap p50 / p99 (ms) |",
-              "|---|---|---|---|---|---|"]
+                  f"second {f['second']['wall_s']:.2f} s ({ratio}); compiled / captured during each: "
+                  f"{_during(f['first'])} and {_during(f['second'])}.", ""]
+    lines += ["| arrivals/s | answered | refused | tok/s | first token p50 / p99 (ms) | piece gap p50 / p99 (ms) "
+              "| compiled / captured during it |", "|---|---|---|---|---|---|---|"]
     for step in report.get("open_loop", []):
         s = step["summary"]
         lines.append(f"| {step['rate']:g} | {s['answered']}/{s['requests']} | {s['refused']} | "
                      f"{_rate(s['tokens_per_s'])} | {_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])} | "
-                     f"{_ms(s['gap_p50_s'])} / {_ms(s['gap_p99_s'])} |")
+                     f"{_ms(s['gap_p50_s'])} / {_ms(s['gap_p99_s'])} | {_during(s)} |")
     loads = [run["load"]["after"][0] for run in report.get("runs", [])]
     if loads:
         lines += ["", f"1-minute load average after each part: {', '.join(f'{x:.2f}' for x in loads)}."]
