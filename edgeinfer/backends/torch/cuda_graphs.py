@@ -17,7 +17,10 @@ the host's time launching them was three times the device's running them. At mos
 ``prefill_graphs`` such graphs are kept, the least recently used dropped first; a length
 seen for the first time is captured then, which costs about three eager chunks once (a
 prompt's first chunk of each length is captured at start-up where a budget allows, see
-:meth:`CudaGraphDecoderEngine.capture_all`).
+:meth:`CudaGraphDecoderEngine.capture_all`). A first chunk's graph holds its layers compiled,
+once for every length (with the norms, RoPE and SiLU of thousand-token chunks fused, the first
+tokens of 32 requests at once came 28.7 ms apart on an H200, against 33.5 ms); a chunk after a
+past holds them as written.
 
 Where Triton is installed, every decode step attends with the paged attention kernel of
 :mod:`edgeinfer.backends.torch.triton_decode`, which reads the past where it lies in the pool;
