@@ -3,6 +3,7 @@ the demo model (structure and counts only: no figure is asserted)."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 from types import SimpleNamespace
 
@@ -43,7 +44,9 @@ def test_a_tiny_run_answers_every_request_and_records_refusals():
                           overrides=("server.max_concurrent=1", "server.max_queue=1"),  # room for 2 of 3
                           image_size=(64, 64), new_tokens=3, burst=3, first_seen=2, rates=(50.0,), requests=2,
                           sampled_share=0.5)
+    gc.unfreeze()
     report = bench(spec, say=lambda _: None)
+    assert gc.get_freeze_count() > 0, "as in the daemon, start-up's objects are out of the collector's sight"
     burst = report["burst"]["summary"]
     assert burst["requests"] == 3 and burst["refused"] == 1 and burst["answered"] == 2 and burst["failed"] == 0
     assert all(r["tokens"] == 3 for r in report["burst"]["records"] if "tokens" in r)

@@ -238,7 +238,7 @@ def camera_overrides(spec: ServeBenchSpec) -> tuple[str, ...]:
 
 def bench(spec: ServeBenchSpec, say=print) -> dict[str, Any]:
     from edgeinfer.engine import Engine
-    from edgeinfer.engine.async_engine import AsyncEngine
+    from edgeinfer.engine.async_engine import AsyncEngine, freeze_start_up_objects
     from edgeinfer.profiles import load_profile
 
     profile = load_profile(spec.profile, camera_overrides(spec))
@@ -250,6 +250,7 @@ def bench(spec: ServeBenchSpec, say=print) -> dict[str, Any]:
         f"{engine.startup_capture})")
     server = profile.server
     aengine = AsyncEngine(engine, max_concurrent=server.max_concurrent, max_queue=server.max_queue).start()
+    freeze_start_up_objects()  # as the daemon does once ready
     log = RunLog()
     try:
         parts = asyncio.run(_bench(aengine, spec, say, log))

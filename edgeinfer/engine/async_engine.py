@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import math
 import threading
@@ -230,6 +231,16 @@ class RequestHandle:
 
 # --------------------------------------------------------------------------- the engine
 
+
+
+def freeze_start_up_objects() -> None:
+    """Move every object alive now out of the garbage collector's sight, once a serving process
+    is ready. The model, its compiled graphs and the compiler's caches are millions of Python
+    objects that live as long as the process; left in view, each full collection walks all of them,
+    stopping every thread (the engine's and the event loop's) for a second or more, and
+    a burst of requests or large bodies triggers one."""
+    gc.collect()
+    gc.freeze()
 
 class AsyncEngine:
     """An Engine driven by one background thread; see the module docstring."""

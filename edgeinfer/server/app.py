@@ -22,7 +22,6 @@ profile's ``shutdown_grace_s`` to finish; then queued ones are answered 503 + Re
 from __future__ import annotations
 
 import asyncio
-import gc
 import dataclasses
 import hmac
 import logging
@@ -39,7 +38,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import edgeinfer
-from edgeinfer.engine.async_engine import AsyncEngine, Completion, GenerationRequest, RequestHandle
+from edgeinfer.engine.async_engine import (AsyncEngine, Completion, GenerationRequest, RequestHandle,
+                                           freeze_start_up_objects)
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.errors import (
     EdgeInferError, PreflightError, RequestCancelled, RequestError, http_status_for, mapping_for,
@@ -126,11 +126,7 @@ class Runtime:
         if self.state == "draining":  # shut down while loading: nobody will use it
             self.engine.close()
             return
-        # The model's millions of Python objects live as long as the process: moved out of the
-        # collector's sight, a full collection (which a burst of large JSON bodies triggers)
-        # takes milliseconds instead of stopping every thread for a second or more.
-        gc.collect()
-        gc.freeze()
+        freeze_start_up_objects()
         self.state = "ready"
 
     def require_engine(self) -> AsyncEngine:
