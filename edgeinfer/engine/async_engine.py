@@ -232,7 +232,6 @@ class RequestHandle:
 # --------------------------------------------------------------------------- the engine
 
 
-
 def freeze_start_up_objects() -> None:
     """Move every object alive now out of the garbage collector's sight, once a serving process
     is ready. The model, its compiled graphs and the compiler's caches are millions of Python
@@ -241,6 +240,7 @@ def freeze_start_up_objects() -> None:
     a burst of requests or large bodies triggers one."""
     gc.collect()
     gc.freeze()
+
 
 class AsyncEngine:
     """An Engine driven by one background thread; see the module docstring."""
