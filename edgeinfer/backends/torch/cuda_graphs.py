@@ -261,8 +261,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
         # Every layer has the same code and shapes, so one compilation serves all of them.
         self._layer_fn = _compiled(DecoderLayer.forward) if compile_layers else None
-        # A prompt's first chunk's layers too: uncompiled, their norms, RoPE and SiLU took as long
-        # on the device as the products of a thousand-token chunk. Compiled once for any length
+        # A prompt's first chunk's layers too: uncompiled, a thousand-token chunk's norms, RoPE and
+        # SiLU are dozens of separate passes over its activations a layer. Compiled once for any length
         # (at start-up, with the first chunks' graphs). Chunks after a past run their layers as
         # written: they are captured on first use, and a compilation there would be on live traffic.
         self._prompt_layer_fn = _compiled(_prompt_layer, dynamic=True) if compile_layers else None
