@@ -234,10 +234,10 @@ class RequestHandle:
 
 def freeze_start_up_objects() -> None:
     """Move every object alive now out of the garbage collector's sight, once a serving process
-    is ready. The model, its compiled graphs and the compiler's caches are millions of Python
-    objects that live as long as the process; left in view, each full collection walks all of them,
-    stopping every thread (the engine's and the event loop's) for a second or more, and
-    a burst of requests or large bodies triggers one."""
+    is ready. The model, its compiled graphs and the compiler's caches are Python objects that
+    live as long as the process (one compiled layer leaves about half a million); left in view,
+    each full collection walks all of them while every thread (the engine's and the event loop's)
+    waits, and a burst of requests or large bodies triggers one."""
     gc.collect()
     gc.freeze()
 

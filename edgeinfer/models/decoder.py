@@ -276,8 +276,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     attend causally, which takes the fused (flash) kernels where an explicit mask would not.
     ``scale`` replaces ``head_dim ** -0.5``.
     """
+    # A branch, not the comparison's value: compiled for any length the comparison is symbolic, and
+    # the attention takes only a plain bool.
     causal = False
-    if mask is None and q.shape[2] > 1 and keys.shape[2] == q.shape[2]:  # a branch: compiled for any length, a guard
+    if mask is None and q.shape[2] > 1 and keys.shape[2] == q.shape[2]:
         causal = True
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1, is_causal=causal,
                                           scale=scale)
