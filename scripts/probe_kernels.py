@@ -134,12 +134,14 @@ if "gemv" in which:
             mb4 = ws[0].nbytes / 1e6
             mb16 = n * k * 2 / 1e6
             x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+            split_ws = td.SplitWorkspace(dev)
             res = {}
             cub = graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in dense])
             res["cublas bf16"] = (cub, mb16)
             t = {c: graph_time_us([lambda w=w, c=c: td.gemv(x, w, config=c) for w in dense]) for c in td.GEMV_CANDIDATES}
             c = min(t, key=t.get); res[f"ours bf16 {c.bn}x{c.bk}/{c.warps}"] = (t[c], mb16)
-            t = {c: graph_time_us([lambda w=w, c=c: td.gemv(x, w, config=c) for w in ws]) for c in td.PACKED_GEMV_CANDIDATES}
+            t = {c: graph_time_us([lambda w=w, c=c: td.packed_gemv(x, w, c, workspace=split_ws) for w in ws])
+                 for c in td.PACKED_GEMV_CANDIDATES}
             c = min(t, key=t.get); res[f"ours w4 now {c.bn}x{c.bk}/{c.warps}"] = (t[c], mb4)
             y16 = torch.empty(n, dtype=torch.bfloat16, device=dev)
             y32 = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -207,11 +209,17 @@ if "prod" in which:
                     ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(count)]
                     mb = n * k * 2 / 1e6
                     cands = td.GEMV_CANDIDATES
+                    def product(x, w, c, **kw):
+                        return td.gemv(x, w, config=c, **kw)
                 else:
                     bits, gs = (4, 128) if fmt.startswith("w4") else (8, k)
                     ws = [packed_q(n, k, bits, gs, zeros=fmt.endswith("z")) for _ in range(count)]
                     mb = ws[0].nbytes / 1e6
                     cands = td.PACKED_GEMV_CANDIDATES
+                    split_ws = td.SplitWorkspace(dev)
+
+                    def product(x, w, c, **kw):
+                        return td.packed_gemv(x, w, c, workspace=split_ws, **kw)
                 kin = 2 * k if pro == "silu" else k
                 x = torch.randn(1, kin, dtype=torch.bfloat16, device=dev)
                 kw = {}
@@ -221,7 +229,7 @@ if "prod" in which:
                     kw = dict(residual=torch.randn(1, n, dtype=torch.bfloat16, device=dev))
                 else:
                     kw = dict(silu_mul=True, residual=torch.randn(1, n, dtype=torch.bfloat16, device=dev))
-                t = {c: graph_time_us([lambda w=w, c=c: td.gemv(x, w, config=c, **kw) for w in ws]) for c in cands}
+                t = {c: graph_time_us([lambda w=w, c=c: product(x, w, c, **kw) for w in ws]) for c in cands}
                 c = min(t, key=t.get)
                 total[fmt] = total.get(fmt, 0) + t[c] * count
                 line.append(f"{fmt} {c.bn}x{c.bk}/{c.warps}w {t[c]:.1f}us {mb * 1e3 / t[c]:.0f}GB/s")

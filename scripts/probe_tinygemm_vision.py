@@ -112,9 +112,10 @@ def _():
         r["bf16_triton_cfg"] = str(c)
         del dense
         x16 = torch.randn(16, k, dtype=bf, device=dev)
+        split_ws = td.SplitWorkspace(dev)
         for bits in (4, 8):
             ws = [packed(n, k, bits, 128) for _ in range(COPIES)]
-            c, r[f"w{bits}_triton_m1"] = fastest(td.PACKED_GEMV_CANDIDATES, lambda w, c: td.gemv(x1, w, config=c), ws)
+            c, r[f"w{bits}_triton_m1"] = fastest(td.PACKED_GEMV_CANDIDATES, lambda w, c: td.packed_gemv(x1, w, c, workspace=split_ws), ws)
             r[f"w{bits}_triton_cfg"] = str(c)
             r[f"w{bits}_packed_mm_m16"] = gtime(cycled(lambda w: w.matmul(x16), ws))
             del ws

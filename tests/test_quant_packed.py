@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from edgeinfer.backends.registry import torch_engines
+from edgeinfer.backends.torch.triton_decode import PackedGemvConfig
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.models.loader import load_model
 from edgeinfer.quant import kernels
@@ -101,10 +102,42 @@ def test_kernels_read_the_packed_form_as_torch_does(quantized, kind):
     zeros = None if packed.zeros is None else packed.zeros.float()
     unrounded = dequantize_with_torch(packed.codes, packed.scales.float(), zeros, layout, torch.float32)
     norm, residual = torch.rand(layout.k, device=DEVICE) + 0.5, torch.randn(1, layout.n, device=DEVICE)
-    for config in triton_decode.GEMV_CANDIDATES[:2]:
-        got = triton_decode.gemv(x[:1], packed, norm_weight=norm, eps=1e-6, residual=residual, config=config)
-        want = triton_decode.gemv(x[:1], unrounded, norm_weight=norm, eps=1e-6, residual=residual, config=config)
+    want = triton_decode.gemv(x[:1], unrounded, norm_weight=norm, eps=1e-6, residual=residual)
+    for config in SPLIT_CONFIGS:
+        got = triton_decode.packed_gemv(x[:1], packed, config, norm_weight=norm, eps=1e-6, residual=residual)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # summed per word, then per tile
+
+
+# Both ways of unpacking a tile, whole rows and K split three ways (short tiles: the tiny rows are
+# split too, the last split partial).
+SPLIT_CONFIGS = [PackedGemvConfig(8, 32, 4, split, words) for split in (1, 3) for words in (False, True)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
+def test_a_split_product_equals_the_whole_row_and_leaves_its_counts_at_zero(quantized, prologue):
+    """The last of a tile's splits to arrive adds the partials and writes the row; every count is
+    back to zero after, so the next product (or graph replay) starts clean."""
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(3)
+    packed = pack_product(qkv_parts(quantized("w4_g32_asym"))).to(DEVICE)
+    n, k = packed.shape
+    x = torch.randn(1, 2 * k if prologue == "silu_mul" else k, device=DEVICE)
+    kw = {"bias": torch.randn(n, device=DEVICE), "residual": torch.randn(1, n, device=DEVICE)}
+    if prologue == "rmsnorm":
+        kw.update(norm_weight=torch.rand(k, device=DEVICE) + 0.5, eps=1e-6)
+    if prologue == "silu_mul":
+        kw["silu_mul"] = True
+    dense = dequantize_with_torch(packed.codes, packed.scales, packed.zeros, packed.layout, torch.float32)
+    want = triton_decode.gemv(x, dense, **kw)
+    workspace = triton_decode.SplitWorkspace(torch.device(DEVICE))
+    for config in SPLIT_CONFIGS:
+        for _ in range(2):  # a second call through the same counts
+            got = triton_decode.packed_gemv(x, packed, config, workspace=workspace, **kw)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert int(workspace.arrivals.abs().sum()) == 0
+    assert workspace.arrivals.numel() > 0, "no product was split"
 
 
 @needs_kernels
@@ -118,8 +151,8 @@ def test_kernels_in_bfloat16_read_what_they_dequantize(quantized):
     layout = packed.layout
     dense = kernels.dequantize(packed.codes, packed.scales, packed.zeros, layout, torch.bfloat16)
     x = torch.randn(1, layout.k, device=DEVICE, dtype=torch.bfloat16)
-    config = triton_decode.GEMV_CANDIDATES[0]
-    got, want = triton_decode.gemv(x, packed, config=config).float(), triton_decode.gemv(x, dense, config=config).float()
+    got = triton_decode.packed_gemv(x, packed, triton_decode.PACKED_GEMV_CANDIDATES[0]).float()
+    want = triton_decode.gemv(x, dense).float()
     assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-2  # a bfloat16 step of the largest output
 
 

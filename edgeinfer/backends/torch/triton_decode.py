@@ -21,6 +21,12 @@ and keeps the rounding points of the eager layer (bf16 after each product, norm 
 product-sum), so it gives the eager layer's tokens within the dtype's tolerance. The
 tile sizes are chosen once per matrix shape by timing a few candidates on the device.
 
+Packed 4-bit and 8-bit weights (:class:`~edgeinfer.quant.packed.PackedMatrix`) take
+:func:`packed_gemv`, with the same prologues and epilogues: a tile of x is read once, contiguous,
+and its columns taken apart in registers to meet each value of the packed words; long rows are
+split along K, and the last split of a tile to finish adds the partial sums in a fixed order and
+writes the row, so a product stays one kernel and gives the same bits on every run.
+
 Larger batches keep the attention kernel (step 2, the past read in place rather than gathered
 into a copy per layer, each row only as far as its own context) between cuBLAS products:
 the layer's own ``qkv`` and ``after_attention``, compiled by the caller.
@@ -77,33 +83,35 @@ NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
 if triton is not None:
 
     @triton.jit
-    def _input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr):
-        """f(X)[rm, rk] in ``dt``, rounded as the eager layer rounds (RMSNorm or SiLU(gate)·up first)."""
-        k_ok = rk[None, :] < K
+    def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr):
+        """f(X)[rk] in ``dt`` for column indices ``rk`` of any shape (``X`` a row, or rows broadcast
+        against ``rk``; ``rstd`` 1 / rms of those rows), rounded as the eager layer rounds: RMSNorm
+        or SiLU(gate)·up first."""
+        k_ok = rk < K
         if PROLOGUE == 2:  # X holds gate | up, each K wide
-            g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=k_ok, other=0.0).to(tl.float32)
+            g = tl.load(X + rk, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(X + K + rk, mask=k_ok, other=0.0).to(tl.float32)
             act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
             xv = (act * u).to(dt)
         else:
-            xv = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=k_ok, other=0.0)
+            xv = tl.load(X + rk, mask=k_ok, other=0.0)
             if PROLOGUE == 1:
-                nw = tl.load(NORM_W + rk, mask=rk < K, other=0.0).to(tl.float32)
-                xn = (xv.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
-                xv = (xn * nw[None, :]).to(dt)
+                nw = tl.load(NORM_W + rk, mask=k_ok, other=0.0).to(tl.float32)
+                xn = (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)
+                xv = (xn * nw).to(dt)
         return xv
 
     @triton.jit
-    def _gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, N, K, G, stride_x, stride_r, stride_y, eps,
-                     MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
-                     BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr):
-        """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs.
+    def _input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr):
+        """f(X)[rm, rk] in ``dt``: :func:`_input_values` of rows ``rm``."""
+        return _input_values(X + rm[:, None] * stride_x, NORM_W, rk[None, :], K, rstd[:, None], PROLOGUE, dt)
 
-        ``BITS`` 16: W is the dense matrix. 4 or 8 (one row only): W holds packed codes and S/Z
-        their scales and zero points; per word, ``sum_i (q_i - z)·s·x_i`` is taken as
-        ``s·(sum_i q_i·x_i - z·sum_i x_i)``, so each weight costs a shift, a mask, a conversion
-        and one multiply-add."""
+    @triton.jit
+    def _gemv_kernel(X, W, BIAS, RES, NORM_W, Y, N, K, stride_x, stride_r, stride_y, eps,
+                     MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+        """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs of a
+        dense W."""
         dt = Y.dtype.element_ty
         pid = tl.program_id(0)
         rn = pid * BN + tl.arange(0, BN)
@@ -120,38 +128,22 @@ if triton is not None:
                 ss += tl.sum(xv * xv, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([MP, BN], tl.float32)
-        if BITS < 16:
-            PER: tl.constexpr = 32 // BITS
-            wide_words = tl.zeros([BN, BK // PER], tl.float32)
-            for k0 in range(0, K, BK):
-                words = load_words(W, rn, k0, N, K, BN, BK, BITS)
-                s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
-                qx = tl.zeros([BN, BK // PER], tl.float32)
-                xsum = tl.zeros([BK // PER], tl.float32)
-                for i in tl.static_range(PER):
-                    rk = k0 + tl.arange(0, BK // PER) * PER + i
-                    xv = tl.sum(_input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE, dt).to(tl.float32), axis=0)
-                    qx += codes_at(words, i, BITS) * xv[None, :]
-                    xsum += xv
-                wide_words += s * (qx - z * xsum[None, :])
-            acc = tl.sum(wide_words, axis=1)[None, :]
-        else:
-            wide = tl.zeros([BN, BK], tl.float32)  # one row: products summed across K only at the end
-            for k0 in range(0, K, BK):
-                rk = k0 + tl.arange(0, BK)
-                xv = _input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE, dt)
-                w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
-                if USE_DOT:
-                    if IEEE:
-                        acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
-                    else:
-                        acc += tl.dot(xv, tl.trans(w))
-                elif MP == 1:
-                    wide += w.to(tl.float32) * xv.to(tl.float32)
+        wide = tl.zeros([BN, BK], tl.float32)  # one row: products summed across K only at the end
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            xv = _input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE, dt)
+            w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+            if USE_DOT:
+                if IEEE:
+                    acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
                 else:
-                    acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            if MP == 1 and not USE_DOT:
-                acc = tl.sum(wide, axis=1)[None, :]
+                    acc += tl.dot(xv, tl.trans(w))
+            elif MP == 1:
+                wide += w.to(tl.float32) * xv.to(tl.float32)
+            else:
+                acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if MP == 1 and not USE_DOT:
+            acc = tl.sum(wide, axis=1)[None, :]
         y = acc.to(dt)
         if HAS_BIAS:
             b = tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -160,6 +152,103 @@ if triton is not None:
             r = tl.load(RES + rm[:, None] * stride_r + rn[None, :], mask=n_ok[None, :], other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=n_ok[None, :])
+
+    @triton.jit
+    def _row_epilogue(acc, BIAS, RES, Y, rn, n_ok, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        """Y[rn] = acc (+ bias) (+ residual), rounded to Y's dtype after each step as the eager layer."""
+        dt = Y.dtype.element_ty
+        y = acc.to(dt)
+        if HAS_BIAS:
+            y = (y.to(tl.float32) + tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)).to(dt)
+        if HAS_RES:
+            y = (y.to(tl.float32) + tl.load(RES + rn, mask=n_ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(Y + rn, y, mask=n_ok)
+
+    @triton.jit
+    def _columns_of_4(x):
+        """The four columns of ``x`` [R, 4], taken apart in registers (no strided reloads of x)."""
+        R: tl.constexpr = x.shape[0]
+        even, odd = tl.split(tl.reshape(x, [R, 2, 2]))
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def _columns_of_8(x):
+        """The eight columns of ``x`` [R, 8], taken apart in registers."""
+        R: tl.constexpr = x.shape[0]
+        even, odd = tl.split(tl.reshape(x, [R, 4, 2]))
+        c0, c2, c4, c6 = _columns_of_4(even)
+        c1, c3, c5, c7 = _columns_of_4(odd)
+        return c0, c1, c2, c3, c4, c5, c6, c7
+
+    @triton.jit
+    def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
+                            PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                            HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, WORDS_3D: tl.constexpr):
+        """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
+        over columns [split · per_split, (split + 1) · per_split) of BN outputs.
+
+        Per word, ``sum_i (q_i - z)·s·x_i`` is taken as ``s·(sum_i q_i·x_i - z·sum_i x_i)``. With
+        ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts itself in
+        ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split order (the
+        same sum whichever arrives last), finishes the row and sets the count back to zero."""
+        PER: tl.constexpr = 32 // BITS
+        dt = Y.dtype.element_ty
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
+        rn = tile * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        rstd = 1.0
+        if PROLOGUE == 1:  # RMSNorm over the whole row, whatever columns this program reads
+            ss = tl.zeros([BK], tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                xv = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
+                ss += xv * xv
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        wide = tl.zeros([BN, BK // PER], tl.float32)  # one sum per word, added across K only at the end
+        start = split * per_split
+        for step in range(0, per_split, BK):
+            k0 = start + step
+            words = load_words(W, rn, k0, N, K, BN, BK, BITS)
+            s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
+            if WORDS_3D:  # the tile as [words, values of a word]: x read once, contiguous
+                rk = k0 + tl.arange(0, BK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
+                xv = _input_values(X, NORM_W, rk, K, rstd, PROLOGUE, dt).to(tl.float32)
+                shifts = tl.arange(0, PER) * BITS
+                magic = ((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)) | 0x4B000000
+                codes = magic.to(tl.float32, bitcast=True) - 8388608.0
+                qx = tl.sum(codes * xv[None, :, :], axis=2)
+                xsum = tl.sum(xv, axis=1)
+            else:  # value i of every word at a time, against column i of x's [words, values] tile
+                rk = k0 + tl.arange(0, BK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
+                xv = _input_values(X, NORM_W, rk, K, rstd, PROLOGUE, dt).to(tl.float32)
+                if PER == 8:
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_8(xv)
+                    qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
+                    qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
+                    qx += codes_at(words, 4, BITS) * x4[None, :] + codes_at(words, 5, BITS) * x5[None, :]
+                    qx += codes_at(words, 6, BITS) * x6[None, :] + codes_at(words, 7, BITS) * x7[None, :]
+                else:
+                    x0, x1, x2, x3 = _columns_of_4(xv)
+                    qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
+                    qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
+                xsum = tl.sum(xv, axis=1)
+            wide += s * (qx - z * xsum[None, :])
+        acc = tl.sum(wide, axis=1)
+        if SPLIT_K:
+            tl.store(PARTS + split * N + rn, acc, mask=n_ok)
+            tl.debug_barrier()  # every thread's partials are written before the count says so
+            if tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == splits - 1:
+                total = tl.zeros([BN], tl.float32)
+                for j in range(0, splits):
+                    total += tl.load(PARTS + j * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+                _row_epilogue(total, BIAS, RES, Y, rn, n_ok, HAS_BIAS, HAS_RES)
+                tl.atomic_xchg(ARRIVALS + tile, 0)
+        else:
+            _row_epilogue(acc, BIAS, RES, Y, rn, n_ok, HAS_BIAS, HAS_RES)
 
     @triton.jit
     def _rope(x, partner, sign, c, s, dt: tl.constexpr):
@@ -309,35 +398,25 @@ GEMV_CANDIDATES = (GemvConfig(2, 512, 2, 3), GemvConfig(4, 256, 2, 3), GemvConfi
                    GemvConfig(16, 256, 8, 2), GemvConfig(32, 128, 8, 2), GemvConfig(4, 1024, 8, 2),
                    GemvConfig(8, 128, 2, 4), GemvConfig(16, 512, 8, 3), GemvConfig(8, 1024, 8, 2),
                    GemvConfig(2, 1024, 4, 2))
-# Packed low-bit rows spend more arithmetic per byte: wider tiles and more warps are timed as well.
-PACKED_GEMV_CANDIDATES = (*GEMV_CANDIDATES, GemvConfig(32, 512, 8, 2), GemvConfig(64, 256, 8, 2),
-                          GemvConfig(16, 1024, 8, 2), GemvConfig(32, 256, 4, 2))
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor | PackedMatrix, *, bias: torch.Tensor | None = None,
+def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          silu_mul: bool = False, config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] (or [M, 2K] with ``silu_mul``), ``w`` [N, K]
-    dense or packed low-bit.
+    """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] (or [M, 2K] with ``silu_mul``) and a
+    dense ``w`` [N, K] (a packed one: :func:`packed_gemv`).
 
     ``f`` is RMSNorm with ``norm_weight`` or SiLU(gate)·up with ``silu_mul``; M is padded to a
     power of two inside the kernel's tile (rows past M compute nothing anyone reads).
     """
+    if isinstance(w, PackedMatrix):
+        raise TypeError("gemv multiplies dense weights; a packed one goes through packed_gemv")
     m = x.shape[0]
     n, k = w.shape
-    if isinstance(w, PackedMatrix):
-        if m != 1:
-            raise ValueError(f"gemv reads packed weights for one row, got {m}: use edgeinfer.quant.kernels.packed_mm")
-        layout = w.layout
-        weights = (w.codes, w.scales, w.zeros if w.zeros is not None else w.scales)
-        quant = {"BITS": layout.bits, "GS": layout.group_constexpr, "HAS_Z": w.zeros is not None}
-        groups = layout.groups
-    else:
-        weights, quant, groups = (w, w, w), {"BITS": 16, "GS": 1, "HAS_Z": False}, 1
     mp = _pow2(m)
     cfg = config or GEMV_CANDIDATES[0]
     use_dot = mp >= 16 and cfg.bn >= 16
@@ -347,15 +426,89 @@ def gemv(x: torch.Tensor, w: torch.Tensor | PackedMatrix, *, bias: torch.Tensor 
         residual = None if residual is None else torch.nn.functional.pad(residual, (0, 0, 0, mp - m))
     y = out if out is not None else torch.empty(mp, n, dtype=x.dtype, device=x.device)
     prologue = SILU_MUL if silu_mul else RMSNORM if norm_weight is not None else NONE
-    dummy = weights[0]
     _gemv_kernel[(triton.cdiv(n, cfg.bn),)](
-        x, *weights, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        norm_weight if norm_weight is not None else dummy, y, n, k, groups, x.stride(0),
+        x, w, bias if bias is not None else w, residual if residual is not None else w,
+        norm_weight if norm_weight is not None else w, y, n, k, x.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.warps, num_stages=cfg.stages, **quant)
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return y[:m]
+
+
+@dataclass(frozen=True)
+class PackedGemvConfig:
+    """A packed product's tile: ``bn`` outputs by ``bk`` columns a step, K split ``split`` ways;
+    ``words_3d``: the tile's codes taken as [words, values of a word] (else one value of every
+    word at a time)."""
+
+    bn: int
+    bk: int
+    warps: int
+    split: int = 1
+    words_3d: bool = False
+
+
+# Candidates timed per packed product at load: the fastest tiles of each product of a 2B layer
+# at 4 and 8 bits on an H200 (docs/results/probes/h200-packed-gemv.json and
+# h200-packed-gemv-columns.json), K split four ways for ``down`` (few outputs, long rows: too few
+# programs unsplit).
+PACKED_GEMV_CANDIDATES = (
+    PackedGemvConfig(4, 512, 4, 1, True), PackedGemvConfig(16, 1024, 4), PackedGemvConfig(16, 1024, 8),
+    PackedGemvConfig(8, 1024, 4), PackedGemvConfig(16, 512, 4), PackedGemvConfig(32, 512, 4),
+    PackedGemvConfig(32, 256, 4), PackedGemvConfig(16, 256, 4), PackedGemvConfig(32, 128, 4),
+    PackedGemvConfig(8, 1024, 4, 4), PackedGemvConfig(16, 512, 4, 4), PackedGemvConfig(8, 512, 4, 4),
+)
+
+
+class SplitWorkspace:
+    """The partial sums and arrival counts of split products, for one stream of kernels: products
+    that run one after another share it (every kernel leaves its counts at zero)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts = torch.empty(0, dtype=torch.float32, device=device)
+        self.arrivals = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def take(self, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and (parts > self.parts.numel() or tiles > self.arrivals.numel()):
+            raise RuntimeError("a split product's workspace must be sized before a capture")
+        if parts > self.parts.numel():
+            self.parts = torch.empty(parts, dtype=torch.float32, device=self.device)
+        if tiles > self.arrivals.numel():
+            self.arrivals = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        return self.parts, self.arrivals
+
+
+def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                silu_mul: bool = False, out: torch.Tensor | None = None,
+                workspace: SplitWorkspace | None = None) -> torch.Tensor:
+    """``f(x) @ W.T (+ bias) (+ residual)`` for one row ``x`` [1, K] (or [1, 2K] with ``silu_mul``)
+    and a packed ``W``; ``f`` as in :func:`gemv`. A split product needs a ``workspace`` (a fresh
+    one is made per call otherwise)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"packed_gemv reads one row, got {x.shape[0]}: use edgeinfer.quant.kernels.packed_mm")
+    layout = w.layout
+    n, k = w.shape
+    bk = max(4 * 32 // layout.bits, min(config.bk, _pow2(k)))  # four words a row at least
+    steps = triton.cdiv(k, bk)
+    per_split = triton.cdiv(steps, config.split) * bk
+    splits = triton.cdiv(k, per_split)
+    tiles = triton.cdiv(n, config.bn)
+    y = out if out is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    parts, arrivals = (workspace or SplitWorkspace(x.device)).take(splits * n, tiles) if splits > 1 else (y, y)
+    prologue = SILU_MUL if silu_mul else RMSNORM if norm_weight is not None else NONE
+    codes = w.codes
+    _packed_gemv_kernel[(tiles, splits)](
+        x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
+        bias if bias is not None else codes, residual if residual is not None else codes,
+        norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, layout.groups, per_split,
+        splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        BN=config.bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=w.zeros is not None,
+        SPLIT_K=splits > 1, WORDS_3D=config.words_3d, num_warps=config.warps)
+    return y
 
 
 ATTENTION_CHUNK = 32  # fewest context positions per split: ~1k positions give 32 splits per KV head
@@ -415,6 +568,12 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     return out
 
 
+def _config_name(c: GemvConfig | PackedGemvConfig) -> str:
+    if isinstance(c, PackedGemvConfig):
+        return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}/{'words' if c.words_3d else 'values'}"
+    return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s"
+
+
 def _nbytes(w: torch.Tensor | PackedMatrix) -> int:
     """Bytes a product reads of its weight."""
     return w.nbytes if isinstance(w, PackedMatrix) else w.numel() * w.element_size()
@@ -461,8 +620,10 @@ class FusedDecode:
         self.cfg = cfg
         # (qkv, after_attention) as functions of (layer, ...): the rows past MAX_GEMV_ROWS
         self.halves = halves or (DecoderLayer.qkv, DecoderLayer.after_attention)
-        self.configs: dict[str, GemvConfig] = {}
+        self.configs: dict[str, GemvConfig | PackedGemvConfig] = {}
         self.report: dict[str, dict] = {}
+        # Partial sums of split packed products: sized by tuning, before any capture.
+        self.workspace = SplitWorkspace(decoder.norm.weight.device)
 
     @staticmethod
     def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
@@ -505,30 +666,35 @@ class FusedDecode:
             times = {}
             packed = isinstance(weights[0], PackedMatrix)
             for c in PACKED_GEMV_CANDIDATES if packed else GEMV_CANDIDATES:
-                calls = [lambda w=w, o=o, c=c: gemv(x, w, config=c, out=o, **kw) for w, o in zip(weights, outs)]
+                calls = [lambda w=w, o=o, c=c: self._product(x, w, c, out=o, **kw) for w, o in zip(weights, outs)]
                 times[c] = graph_time_us(calls)
             best = min(times, key=times.get)
             self.configs[name] = best
             mb = _nbytes(weights[0]) / 1e6
             report = {"shape": [n, k], "weight": f"{weights[0].bits}-bit packed" if packed else str(dtype),
-                      "config": [best.bn, best.bk, best.warps, best.stages],
-                      "us": round(times[best], 2), "gb_s": round(mb / times[best] * 1e3, 1)}
+                      "config": _config_name(best), "us": round(times[best], 2), "gb_s": round(mb / times[best] * 1e3, 1)}
             if not packed:
                 xk = x[:, :k]
                 cublas = graph_time_us([lambda w=w: torch.mm(xk, w.t()) for w in weights])
                 report.update(cublas_us=round(cublas, 2), cublas_gb_s=round(mb / cublas * 1e3, 1))
-            report["candidates_us"] = {f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s": round(t, 2) for c, t in times.items()}
+            report["candidates_us"] = {_config_name(c): round(t, 2) for c, t in times.items()}
             self.report[name] = report
+
+    def _product(self, x, w, config, **kw):
+        if isinstance(w, PackedMatrix):
+            return packed_gemv(x, w, config, workspace=self.workspace, **kw)
+        return gemv(x, w, config=config, **kw)
 
     def _gemv(self, name, x, w, **kw):
         if not self.configs:
             if x.device.type != "cuda":  # the interpreter: nothing to time
-                self.configs = dict.fromkeys(self._products(), GEMV_CANDIDATES[0])
+                self.configs = {name: PACKED_GEMV_CANDIDATES[0] if isinstance(ws[0], PackedMatrix) else
+                                GEMV_CANDIDATES[0] for name, (ws, _) in self._products().items()}
             elif torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the fused decode kernels must be tuned before a capture")
             else:
                 self.tune()
-        return gemv(x, w, config=self.configs[name], **kw)
+        return self._product(x, w, self.configs[name], **kw)
 
     def layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
