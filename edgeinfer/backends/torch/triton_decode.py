@@ -463,20 +463,24 @@ PACKED_GEMV_CANDIDATES = (
 
 class SplitWorkspace:
     """The partial sums and arrival counts of split products, for one stream of kernels: products
-    that run one after another share it (every kernel leaves its counts at zero)."""
+    that run one after another share it (every kernel leaves its counts at zero). It grows outside
+    captures only, and keeps the buffers it outgrew: a graph captured before keeps reading them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.parts = torch.empty(0, dtype=torch.float32, device=device)
         self.arrivals = torch.zeros(0, dtype=torch.int32, device=device)
+        self._outgrown: list[torch.Tensor] = []
 
     def take(self, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing and (parts > self.parts.numel() or tiles > self.arrivals.numel()):
             raise RuntimeError("a split product's workspace must be sized before a capture")
         if parts > self.parts.numel():
+            self._outgrown.append(self.parts)
             self.parts = torch.empty(parts, dtype=torch.float32, device=self.device)
         if tiles > self.arrivals.numel():
+            self._outgrown.append(self.arrivals)
             self.arrivals = torch.zeros(tiles, dtype=torch.int32, device=self.device)
         return self.parts, self.arrivals
 
