@@ -152,7 +152,7 @@ def main():
             def one(name=name, n=n, k=k, bits=bits, bks=bks):
                 big = name in ("gate_up", "down")
                 r, ws, x, kw, (nb, nb_us) = product(
-                    name, bits, n, k, 128, LAYERS, (True, False) if (bits == 4 and big) else (True,),
+                    name, bits, n, k, 128, LAYERS, (True, False),
                     (4, 8, 16) if big else (2, 4, 8, 16), bks, (4,), (1, 2, 4, 8, 16))
                 times = {nb: nb_us}
                 extra = sweep(name, ws, x, kw, [td.PackedGemvConfig(nb.bn, nb.bk, w, nb.split, nb.words_3d)
@@ -166,7 +166,7 @@ def main():
         for name in PRODUCTS:  # free the copies
             chosen.pop(f"w{bits}_{name}", None)
         torch.cuda.empty_cache()
-    step("w8_lm_head", lambda: product("lm_head", 8, 151936, 1536, 1536, 1, (True,), (4, 8, 16, 32),
+    step("w8_lm_head", lambda: product("lm_head", 8, 151936, 1536, 1536, 1, (True, False), (4, 8, 16, 32),
                                        (256, 512, 1024), (4, 8), (1,))[0])
     step("bf16", lambda: {**{name: dense_best(name, n, k, LAYERS) for name, (n, k, _) in PRODUCTS.items()},
                           "lm_head": dense_best("lm_head", 151936, 1536, 1)})
