@@ -181,6 +181,44 @@ def test_int8_vision_graph_runs_close_to_torch(exported_graphs, tmp_path):
     assert 0 < check["max_abs_diff"] and check["cosine"] >= 0.8
 
 
+def test_fused_int8_vision_graph_keeps_the_patch_mask(exported_graphs, tmp_path):
+    """The tower's attention fused and quantized (QAttention) still masks the patches a tile's
+    padding covers: with half of one tile masked, it stays as close to torch as the unfused int8
+    graph does, where the same graph without its mask does not."""
+    from edgeinfer.backends.onnx.export import sample_images
+
+    model, folder = exported_graphs("smolvlm")
+    graph = vision_graph_for(model)
+    fused, plain = tmp_path / "fused.onnx", tmp_path / "plain.onnx"
+    record = quantize_vision(folder / VISION_FILE, fused, graph.fused_attention())
+    quantize_vision(folder / VISION_FILE, plain)
+    assert record["fused"]["Attention"] == model.adapter.config.vision_config.num_hidden_layers, record
+    ops = [n.op_type for n in onnx.load(str(fused)).graph.node]
+    assert "QAttention" in ops and "Softmax" not in ops
+    tensors = model.adapter.process_image(sample_images()[0]).tensors
+    mask = tensors["pixel_attention_mask"].clone()
+    mask[-1, :, mask.shape[-1] // 2:] = False  # the right half of the last tile is padding
+    tensors = {**tensors, "pixel_attention_mask": mask}
+    feeds = graph.feeds(tensors)
+    assert not bool(feeds["patch_attention_mask"].all())
+    with torch.no_grad():
+        expected = graph.module()(*feeds.values()).float()
+
+    def error(path):
+        session = cpu_session(path)
+        got = session.run(None, {i.name: feeds[i.name].numpy() for i in session.get_inputs()})[0]
+        return float((torch.from_numpy(got) - expected).abs().max() / expected.abs().max())
+
+    unmasked = tmp_path / "unmasked.onnx"
+    bare = onnx.load(str(fused))
+    for node in bare.graph.node:
+        if node.op_type == "QAttention":
+            node.input[5] = ""
+    onnx.save(bare, str(unmasked))
+    assert error(fused) <= 2 * error(plain) + 0.02, (error(fused), error(plain))
+    assert error(unmasked) > 2 * error(fused), "the mask made no difference: the test cannot tell"
+
+
 def test_cli_builds_int4_with_int8_vision_and_the_manifest_says_so(checkpoint, tmp_path):
     from edgeinfer.artifacts import read_manifest
     from edgeinfer.cli.main import app

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -53,3 +54,18 @@ class VisionGraph:
     def exporting(self) -> Iterator[None]:
         """Changes to the module that hold only while it is traced."""
         yield
+
+    def fused_attention(self) -> AttentionShape | None:
+        """The tower's attention, where an int8 build may fuse it into ONNX Runtime's attention
+        operator (only towers whose fused graph was measured and checked declare it)."""
+        return None
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What ONNX Runtime's attention fusion needs of a tower: its heads and hidden size, and the
+    graph input (if any) that masks keys: [rows, positions], true where a position is kept."""
+
+    heads: int
+    hidden: int
+    key_padding_mask: str | None = None

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from edgeinfer.models.base import FamilyAdapter, ImageInputs, load_module_state
-from edgeinfer.models.export import VisionGraph
+from edgeinfer.models.export import AttentionShape, VisionGraph
 
 _RENAMES = (
     (r"^model\.vision_model\.", "vision.vision_model."),
@@ -122,6 +122,11 @@ class TiledVisionGraph(VisionGraph):
             yield
         finally:
             config._attn_implementation = before
+
+    def fused_attention(self) -> AttentionShape:
+        """SigLIP's attention (measured on SmolVLM-256M's tower: docs/onnxruntime.md)."""
+        config = self.vision.vision_model.config
+        return AttentionShape(config.num_attention_heads, config.hidden_size, key_padding_mask="patch_attention_mask")
 
     def feeds(self, tensors):
         patch_mask = self.vision.patch_mask(tensors["pixel_attention_mask"])

@@ -49,7 +49,7 @@ from edgeinfer.backends.onnx.quantize import Int4Options, quantize_decoder, quan
 from edgeinfer.errors import EngineBuildError
 
 # Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
-EXPORT_REVISION = 6
+EXPORT_REVISION = 7
 GRAPH_FORMAT = GraphFormat(EXPORT_REVISION, OPSET)
 # fp32 graph vs torch: largest absolute logit difference allowed, relative to the logits' scale.
 FP32_TOLERANCE = 1e-3
@@ -319,7 +319,7 @@ def _build_vision(work: Path, model, spec: BuildSpec, graph: VisionGraph, bar: S
     quantization = None
     if spec.vision_precision == "int8":
         bar.step("quantizing the vision engine to int8")
-        quantization = quantize_vision(fp32, work / VISION_FILE)
+        quantization = quantize_vision(fp32, work / VISION_FILE, graph.fused_attention())
         for name in graph_files(work, fp32.name):
             (work / name).unlink()
         check_graph(work / VISION_FILE)

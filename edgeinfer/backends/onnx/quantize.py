@@ -21,13 +21,17 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
-from edgeinfer.backends.onnx.export import WEIGHT_SLICE
+from edgeinfer.backends.onnx.export import WEIGHT_SLICE, graph_files
 from edgeinfer.backends.onnx.graphs import DECODER_OUTPUTS
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
+from edgeinfer.models.export import AttentionShape
+
+if TYPE_CHECKING:
+    import onnx
 
 Int4Format = Literal["matmulnbits", "qdq"]
 HeadPrecision = Literal["int4", "int8", "fp32"]
@@ -322,17 +326,79 @@ def _dequantize_blocked(q, scales, zeros, *, axis: int = 0, block_size: int = 0,
 VISION_INT8_OPS = ("MatMul", "Gemm", "Conv")
 
 
-def quantize_vision(source: Path, target: Path) -> dict[str, Any]:
+def quantize_vision(source: Path, target: Path, attention: AttentionShape | None = None) -> dict[str, Any]:
     """Dynamic int8 quantization of the vision graph's weights (MatMul, Gemm and the patch
-    Conv), per output channel; products of two activations (attention) stay float."""
+    Conv), per output channel; products of two activations (attention) stay float.
+
+    With ``attention`` the graph is first fused by ONNX Runtime's transformer optimizer
+    (attention, GELU, residual + LayerNorm), and the fused attention is quantized as well
+    (``QAttention``: its q|k|v product int8, its scores float); the key-padding mask the fusion
+    drops is wired back into every attention. A fusion that finds no attention, or drops another
+    input, is not used."""
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    fused = _fused_vision(source, target.parent / f"{target.stem}.fused.onnx", attention) if attention else None
+    ops = [*VISION_INT8_OPS, "Attention"] if fused else list(VISION_INT8_OPS)
+    try:
+        with _quiet_quantizer():
+            # The fused operators are outside ONNX's type inference: their outputs are float.
+            quantize_dynamic(str(fused["path"] if fused else source), str(target), weight_type=QuantType.QInt8,
+                             per_channel=True, op_types_to_quantize=ops,
+                             use_external_data_format=_has_external_data(source),
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    finally:
+        if fused:
+            for name in graph_files(target.parent, fused["path"].name):
+                (target.parent / name).unlink()
+    out = {"method": "onnxruntime.quantization.quantize_dynamic", "weights": "int8 per channel",
+           "activations": "dynamic (per call)", "ops": ops}
+    if fused:
+        if attention.key_padding_mask:
+            _wire_key_padding_mask(target, attention.key_padding_mask, fused["source_input"])
+        out["fused"] = fused["counts"]
+    return out
+
+
+def _fused_vision(source: Path, target: Path, attention: AttentionShape) -> dict[str, Any] | None:
+    """The vision graph through ONNX Runtime's transformer optimizer (ViT fusions), or None when
+    it fuses no attention or drops an input other than the declared key-padding mask."""
+    import onnx
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
     with _quiet_quantizer():
-        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=list(VISION_INT8_OPS),
-                         use_external_data_format=_has_external_data(source))
-    return {"method": "onnxruntime.quantization.quantize_dynamic", "weights": "int8 per channel",
-            "activations": "dynamic (per call)", "ops": list(VISION_INT8_OPS)}
+        model = optimize_model(str(source), model_type="vit", num_heads=attention.heads, hidden_size=attention.hidden,
+                               optimization_options=FusionOptions("vit"), opt_level=0, use_gpu=False)
+    counts = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
+    inputs = {i.name: i for i in onnx.load(str(source), load_external_data=False).graph.input}
+    dropped = set(inputs) - {i.name for i in model.model.graph.input}
+    if not counts.get("Attention") or dropped - {attention.key_padding_mask}:
+        return None
+    model.save_model_to_file(str(target), use_external_data_format=_has_external_data(source))
+    return {"path": target, "counts": counts,
+            "source_input": inputs.get(attention.key_padding_mask) if attention.key_padding_mask in dropped else None}
+
+
+def _wire_key_padding_mask(path: Path, name: str, graph_input: onnx.ValueInfoProto | None) -> None:
+    """Give every ``QAttention`` of the graph at ``path`` the mask input ``name`` (bool [rows,
+    positions], true where kept) as its int32 ``mask_index``, restoring the input if the fusion
+    dropped it."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    if graph_input is not None:
+        graph.input.append(graph_input)
+    cast = f"{name}_int32"
+    graph.node.insert(0, onnx.helper.make_node("Cast", [name], [cast], to=onnx.TensorProto.INT32, name=f"{name}_cast"))
+    for node in graph.node:
+        if node.op_type == "QAttention":
+            inputs = list(node.input) + [""] * max(0, 6 - len(node.input))
+            inputs[5] = cast  # mask_index
+            del node.input[:]
+            node.input.extend(inputs)
+    onnx.save(model, str(path))
 
 
 # --------------------------------------------------------------------------- shared
