@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -29,9 +29,6 @@ from edgeinfer.backends.onnx.export import WEIGHT_SLICE, graph_files
 from edgeinfer.backends.onnx.graphs import DECODER_OUTPUTS
 from edgeinfer.errors import BackendUnavailableError, EngineBuildError
 from edgeinfer.models.export import AttentionShape
-
-if TYPE_CHECKING:
-    import onnx
 
 Int4Format = Literal["matmulnbits", "qdq"]
 HeadPrecision = Literal["int4", "int8", "fp32"]
@@ -332,38 +329,37 @@ def quantize_vision(source: Path, target: Path, attention: AttentionShape | None
 
     With ``attention`` the graph is first fused by ONNX Runtime's transformer optimizer
     (attention, GELU, residual + LayerNorm), and the fused attention is quantized as well
-    (``QAttention``: its q|k|v product int8, its scores float); the key-padding mask the fusion
-    drops is wired back into every attention. A fusion that finds no attention, or drops another
-    input, is not used."""
+    (``QAttention``: its q|k|v product int8, its scores float). A fusion that the optimizer fails
+    on, that finds no attention, or that drops an input other than the key-padding mask (which it
+    drops, and which is wired back into every attention) is not used."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    fused = _fused_vision(source, target.parent / f"{target.stem}.fused.onnx", attention) if attention else None
+    fused_path = target.parent / f"{target.stem}.fused.onnx"
+    fused = _fuse_vision(source, fused_path, attention) if attention else None
     ops = [*VISION_INT8_OPS, "Attention"] if fused else list(VISION_INT8_OPS)
     try:
         with _quiet_quantizer():
             # The fused operators are outside ONNX's type inference: their outputs are float.
-            quantize_dynamic(str(fused["path"] if fused else source), str(target), weight_type=QuantType.QInt8,
+            quantize_dynamic(str(fused_path if fused else source), str(target), weight_type=QuantType.QInt8,
                              per_channel=True, op_types_to_quantize=ops,
                              use_external_data_format=_has_external_data(source),
                              extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         if fused:
-            for name in graph_files(target.parent, fused["path"].name):
+            for name in graph_files(target.parent, fused_path.name):
                 (target.parent / name).unlink()
     out = {"method": "onnxruntime.quantization.quantize_dynamic", "weights": "int8 per channel",
            "activations": "dynamic (per call)", "ops": ops}
     if fused:
-        if attention.key_padding_mask:
-            _wire_key_padding_mask(target, attention.key_padding_mask, fused["source_input"])
-        out["fused"] = fused["counts"]
+        out["fused"] = fused
     return out
 
 
-def _fused_vision(source: Path, target: Path, attention: AttentionShape) -> dict[str, Any] | None:
-    """The vision graph through ONNX Runtime's transformer optimizer (ViT fusions), or None when
-    the optimizer fails, fuses no attention or drops an input other than the declared key-padding
-    mask."""
+def _fuse_vision(source: Path, target: Path, attention: AttentionShape) -> dict[str, int] | None:
+    """Write the vision graph through ONNX Runtime's transformer optimizer (ViT fusions) to
+    ``target``, the key-padding mask given to every fused attention as its ``mask_index``; the
+    fused operators' counts, or None (nothing written) when the fusion is not used."""
     import onnx
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
@@ -376,34 +372,26 @@ def _fused_vision(source: Path, target: Path, attention: AttentionShape) -> dict
     except Exception:  # the optimizer's pattern matching raises many types; the unfused graph is still right
         return None
     counts = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
+    graph = model.model.graph
     inputs = {i.name: i for i in onnx.load(str(source), load_external_data=False).graph.input}
-    dropped = set(inputs) - {i.name for i in model.model.graph.input}
-    if not counts.get("Attention") or dropped - {attention.key_padding_mask}:
+    dropped = set(inputs) - {i.name for i in graph.input}
+    mask = attention.key_padding_mask
+    if not counts.get("Attention") or dropped - {mask}:
         return None
+    if mask:
+        if mask in dropped:
+            graph.input.append(inputs[mask])
+        # Attention's mask_index (input 3), [rows, positions] int32, 1 where kept; quantize_dynamic
+        # carries it into QAttention.
+        cast = f"{mask}_int32"
+        graph.node.insert(0, onnx.helper.make_node("Cast", [mask], [cast], to=onnx.TensorProto.INT32,
+                                                   name=f"{mask}_cast"))
+        for node in graph.node:
+            if node.op_type == "Attention":
+                node.input.extend([""] * max(0, 4 - len(node.input)))
+                node.input[3] = cast
     model.save_model_to_file(str(target), use_external_data_format=_has_external_data(source))
-    return {"path": target, "counts": counts,
-            "source_input": inputs.get(attention.key_padding_mask) if attention.key_padding_mask in dropped else None}
-
-
-def _wire_key_padding_mask(path: Path, name: str, graph_input: onnx.ValueInfoProto | None) -> None:
-    """Give every ``QAttention`` of the graph at ``path`` the mask input ``name`` (bool [rows,
-    positions], true where kept) as its int32 ``mask_index``, restoring the input if the fusion
-    dropped it."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    graph = model.graph
-    if graph_input is not None:
-        graph.input.append(graph_input)
-    cast = f"{name}_int32"
-    graph.node.insert(0, onnx.helper.make_node("Cast", [name], [cast], to=onnx.TensorProto.INT32, name=f"{name}_cast"))
-    for node in graph.node:
-        if node.op_type == "QAttention":
-            inputs = list(node.input) + [""] * max(0, 6 - len(node.input))
-            inputs[5] = cast  # mask_index
-            del node.input[:]
-            node.input.extend(inputs)
-    onnx.save(model, str(path))
+    return counts
 
 
 # --------------------------------------------------------------------------- shared
