@@ -1,6 +1,5 @@
 """Diagnostic probe (not a benchmark): one-row products with packed 4-bit and 8-bit weights on a GPU,
-the tiles of ``triton_decode.packed_gemv`` (K split or not, codes unpacked per word or per value)
-beside the bf16 GEMV.
+the tiles of ``triton_decode.packed_gemv`` (K split or not) beside the bf16 GEMV.
 
     OUT=folder python scripts/probe_packed_gemv.py
 
@@ -13,9 +12,12 @@ against the bf16 GEMV of the dequantized weight on the first copy (largest diffe
 largest output). ``layer``: the four products of each of the 28 layers in sequence at their
 fastest tiles. Writes ``$OUT/probe-packed-gemv.json``.
 
-The run docs/results/probes/h200-packed-gemv.json was made before the fused step's earlier packed
-path (a branch of ``triton_decode.gemv``) was removed; its ``old_best`` and ``layer_w*.old`` time
-that path, and its errors are against it.
+The run docs/results/probes/h200-packed-gemv.json was made by an earlier form of this script and
+kernel: its ``old_best`` and ``layer_w*.old`` time the fused step's earlier packed path (a branch of
+``triton_decode.gemv``, since removed), its errors are against that path, and its ``3d`` and
+``cls`` tiles are two ways of unpacking that the kernel no longer has (``cls`` loaded x once per
+value of a word); h200-packed-gemv-columns.json timed the present unpacking (x's columns taken
+apart in registers) in a copy of the kernel against the ``cls`` one.
 """
 import itertools, json, os, time, traceback
 
@@ -67,7 +69,7 @@ def timed(calls):
 
 
 def sweep(name, ws, x, kw, configs, workspace):
-    """{config: (µs, error against the earlier path)} for the split kernel's tiles."""
+    """{config: (µs, error against the bf16 GEMV of the dequantized weight)} for the kernel's tiles."""
     outs = [torch.empty(1, ws[0].shape[0], device=dev, dtype=bf) for _ in ws]
     want = td.gemv(x, ws[0].dequantize(bf), **kw).float()
     scale = want.abs().max().item()
@@ -88,7 +90,7 @@ def sweep(name, ws, x, kw, configs, workspace):
 
 
 def key(c):
-    return f"{c.bn}x{c.bk}/{c.warps}w/s{c.split}/{'3d' if c.words_3d else 'cls'}"
+    return f"{c.bn}x{c.bk}/{c.warps}w/s{c.split}"
 
 
 def best_of(table):
@@ -96,24 +98,22 @@ def best_of(table):
     return min(ok, key=lambda c: ok[c][0]) if ok else None
 
 
-def product(name, bits, n, k, gs, copies, variants, bns, bks, warps, splits):
+def product(name, bits, n, k, gs, copies, bns, bks, warps, splits):
     t0 = time.time()
     ws = [packed(n, k, bits, gs) for _ in range(copies)]
     x, kw = inputs(name, n, k)
     workspace = td.SplitWorkspace(dev)
     r = {"shape": [n, k], "bits": bits, "group": gs, "copies": copies, "mb": round(ws[0].nbytes / 1e6, 3)}
-    configs = [td.PackedGemvConfig(bn, bk, w, s, v) for v, bn, bk, w, s in
-               itertools.product(variants, bns, bks, warps, splits) if k // bk >= s or s == 1]
+    configs = [td.PackedGemvConfig(bn, bk, w, s) for bn, bk, w, s in
+               itertools.product(bns, bks, warps, splits) if k // bk >= s or s == 1]
     table = sweep(name, ws, x, kw, configs, workspace)
     r["new"] = {key(c): v for c, v in table.items()}
-    for v in variants:
-        b = best_of({c: t for c, t in table.items() if c.words_3d == v})
-        if b is not None:
-            r[f"new_best_{'3d' if v else 'cls'}"] = {"config": key(b), "us": table[b][0], "err": table[b][1],
-                                                      "gb_s": round(r["mb"] / table[b][0] * 1e3, 1)}
+    b = best_of(table)
+    if b is not None:
+        r["new_best"] = {"config": key(b), "us": table[b][0], "err": table[b][1],
+                         "gb_s": round(r["mb"] / table[b][0] * 1e3, 1)}
     r["max_err"] = max((v[1] for v in table.values() if v[0] is not None), default=None)
     r["seconds"] = round(time.time() - t0, 1)
-    b = best_of(table)
     return r, ws, x, kw, (b, table[b][0] if b is not None else None)
 
 
@@ -152,10 +152,10 @@ def main():
             def one(name=name, n=n, k=k, bits=bits, bks=bks):
                 big = name in ("gate_up", "down")
                 r, ws, x, kw, (nb, nb_us) = product(
-                    name, bits, n, k, 128, LAYERS, (True, False),
+                    name, bits, n, k, 128, LAYERS,
                     (4, 8, 16) if big else (2, 4, 8, 16), bks, (4,), (1, 2, 4, 8, 16))
                 times = {nb: nb_us}
-                extra = sweep(name, ws, x, kw, [td.PackedGemvConfig(nb.bn, nb.bk, w, nb.split, nb.words_3d)
+                extra = sweep(name, ws, x, kw, [td.PackedGemvConfig(nb.bn, nb.bk, w, nb.split)
                                                 for w in (2, 8)], td.SplitWorkspace(dev))
                 r["warps"] = {key(c): v for c, v in extra.items()}  # other warp counts for the fastest tile
                 times.update({c: v[0] for c, v in extra.items() if v[0] is not None})
@@ -166,7 +166,7 @@ def main():
         for name in PRODUCTS:  # free the copies
             chosen.pop(f"w{bits}_{name}", None)
         torch.cuda.empty_cache()
-    step("w8_lm_head", lambda: product("lm_head", 8, 151936, 1536, 1536, 1, (True, False), (4, 8, 16, 32),
+    step("w8_lm_head", lambda: product("lm_head", 8, 151936, 1536, 1536, 1, (4, 8, 16, 32),
                                        (256, 512, 1024), (4, 8), (1,))[0])
     step("bf16", lambda: {**{name: dense_best(name, n, k, LAYERS) for name, (n, k, _) in PRODUCTS.items()},
                           "lm_head": dense_best("lm_head", 151936, 1536, 1)})

@@ -108,9 +108,8 @@ def test_kernels_read_the_packed_form_as_torch_does(quantized, kind):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # summed per word, then per tile
 
 
-# Both ways of unpacking a tile, whole rows and K split three ways (short tiles: the tiny rows are
-# split too, the last split partial).
-SPLIT_CONFIGS = [PackedGemvConfig(8, 32, 4, split, words) for split in (1, 3) for words in (False, True)]
+# Whole rows and K split three ways (short tiles: the tiny rows are split too, the last split partial).
+SPLIT_CONFIGS = [PackedGemvConfig(8, 32, 4, split) for split in (1, 3)]
 
 
 @needs_kernels

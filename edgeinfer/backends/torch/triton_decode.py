@@ -186,7 +186,7 @@ if triton is not None:
     def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                            HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, WORDS_3D: tl.constexpr):
+                            HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
@@ -214,28 +214,21 @@ if triton is not None:
             k0 = start + step
             words = load_words(W, rn, k0, N, K, BN, BK, BITS)
             s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
-            if WORDS_3D:  # the tile as [words, values of a word]: x read once, contiguous
-                rk = k0 + tl.arange(0, BK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
-                xv = _input_values(X, NORM_W, rk, K, rstd, PROLOGUE, dt).to(tl.float32)
-                shifts = tl.arange(0, PER) * BITS
-                magic = ((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)) | 0x4B000000
-                codes = magic.to(tl.float32, bitcast=True) - 8388608.0
-                qx = tl.sum(codes * xv[None, :, :], axis=2)
-                xsum = tl.sum(xv, axis=1)
-            else:  # value i of every word at a time, against column i of x's [words, values] tile
-                rk = k0 + tl.arange(0, BK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
-                xv = _input_values(X, NORM_W, rk, K, rstd, PROLOGUE, dt).to(tl.float32)
-                if PER == 8:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_8(xv)
-                    qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
-                    qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
-                    qx += codes_at(words, 4, BITS) * x4[None, :] + codes_at(words, 5, BITS) * x5[None, :]
-                    qx += codes_at(words, 6, BITS) * x6[None, :] + codes_at(words, 7, BITS) * x7[None, :]
-                else:
-                    x0, x1, x2, x3 = _columns_of_4(xv)
-                    qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
-                    qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
-                xsum = tl.sum(xv, axis=1)
+            # x's tile as [words, values of a word], read once, contiguous; its column i meets value
+            # i of every word (a shift and a mask give it in place)
+            rk = k0 + tl.arange(0, BK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
+            xv = _input_values(X, NORM_W, rk, K, rstd, PROLOGUE, dt).to(tl.float32)
+            if PER == 8:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_8(xv)
+                qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
+                qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
+                qx += codes_at(words, 4, BITS) * x4[None, :] + codes_at(words, 5, BITS) * x5[None, :]
+                qx += codes_at(words, 6, BITS) * x6[None, :] + codes_at(words, 7, BITS) * x7[None, :]
+            else:
+                x0, x1, x2, x3 = _columns_of_4(xv)
+                qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
+                qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
+            xsum = tl.sum(xv, axis=1)
             wide += s * (qx - z * xsum[None, :])
         acc = tl.sum(wide, axis=1)
         if SPLIT_K:
@@ -438,15 +431,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
 
 @dataclass(frozen=True)
 class PackedGemvConfig:
-    """A packed product's tile: ``bn`` outputs by ``bk`` columns a step, K split ``split`` ways;
-    ``words_3d``: the tile's codes taken as [words, values of a word] (else one value of every
-    word at a time)."""
+    """A packed product's tile: ``bn`` outputs by ``bk`` columns a step, K split ``split`` ways."""
 
     bn: int
     bk: int
     warps: int
     split: int = 1
-    words_3d: bool = False
 
 
 # Candidates timed per packed product at load: the fastest tiles of each product of a 2B layer
@@ -454,8 +444,8 @@ class PackedGemvConfig:
 # h200-packed-gemv-columns.json), K split four ways for ``down`` (few outputs, long rows: too few
 # programs unsplit).
 PACKED_GEMV_CANDIDATES = (
-    PackedGemvConfig(4, 512, 4, 1, True), PackedGemvConfig(16, 1024, 4), PackedGemvConfig(16, 1024, 8),
-    PackedGemvConfig(8, 1024, 4), PackedGemvConfig(16, 512, 4), PackedGemvConfig(32, 512, 4),
+    PackedGemvConfig(16, 1024, 4), PackedGemvConfig(16, 1024, 8), PackedGemvConfig(8, 1024, 4),
+    PackedGemvConfig(16, 512, 4), PackedGemvConfig(32, 512, 4),
     PackedGemvConfig(32, 256, 4), PackedGemvConfig(16, 256, 4), PackedGemvConfig(32, 128, 4),
     PackedGemvConfig(8, 1024, 4, 4), PackedGemvConfig(16, 512, 4, 4), PackedGemvConfig(8, 512, 4, 4),
 )
@@ -511,7 +501,7 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
         norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, layout.groups, per_split,
         splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BN=config.bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=w.zeros is not None,
-        SPLIT_K=splits > 1, WORDS_3D=config.words_3d, num_warps=config.warps)
+        SPLIT_K=splits > 1, num_warps=config.warps)
     return y
 
 
@@ -574,7 +564,7 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
 
 def _config_name(c: GemvConfig | PackedGemvConfig) -> str:
     if isinstance(c, PackedGemvConfig):
-        return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}/{'words' if c.words_3d else 'values'}"
+        return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}"
     return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s"
 
 
