@@ -107,6 +107,18 @@ if triton is not None:
         return _input_values(X + rm[:, None] * stride_x, NORM_W, rk[None, :], K, rstd[:, None], PROLOGUE, dt)
 
     @triton.jit
+    def _epilogue(acc, bias, res, out, ok, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        """``out`` = acc (+ bias) (+ residual) at the pointers given, rounded to the output's dtype
+        after each step as the eager layer rounds."""
+        dt = out.dtype.element_ty
+        y = acc.to(dt)
+        if HAS_BIAS:
+            y = (y.to(tl.float32) + tl.load(bias, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        if HAS_RES:
+            y = (y.to(tl.float32) + tl.load(res, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(out, y, mask=ok)
+
+    @triton.jit
     def _gemv_kernel(X, W, BIAS, RES, NORM_W, Y, N, K, stride_x, stride_r, stride_y, eps,
                      MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -144,25 +156,9 @@ if triton is not None:
                 acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if MP == 1 and not USE_DOT:
             acc = tl.sum(wide, axis=1)[None, :]
-        y = acc.to(dt)
-        if HAS_BIAS:
-            b = tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
-            y = (y.to(tl.float32) + b[None, :]).to(dt)
-        if HAS_RES:
-            r = tl.load(RES + rm[:, None] * stride_r + rn[None, :], mask=n_ok[None, :], other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
-        tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=n_ok[None, :])
+        _epilogue(acc, BIAS + rn[None, :], RES + rm[:, None] * stride_r + rn[None, :],
+                  Y + rm[:, None] * stride_y + rn[None, :], n_ok[None, :], HAS_BIAS, HAS_RES)
 
-    @triton.jit
-    def _row_epilogue(acc, BIAS, RES, Y, rn, n_ok, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-        """Y[rn] = acc (+ bias) (+ residual), rounded to Y's dtype after each step as the eager layer."""
-        dt = Y.dtype.element_ty
-        y = acc.to(dt)
-        if HAS_BIAS:
-            y = (y.to(tl.float32) + tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)).to(dt)
-        if HAS_RES:
-            y = (y.to(tl.float32) + tl.load(RES + rn, mask=n_ok, other=0.0).to(tl.float32)).to(dt)
-        tl.store(Y + rn, y, mask=n_ok)
 
     @triton.jit
     def _columns_of_4(x):
@@ -238,10 +234,10 @@ if triton is not None:
                 total = tl.zeros([BN], tl.float32)
                 for j in range(0, splits):
                     total += tl.load(PARTS + j * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
-                _row_epilogue(total, BIAS, RES, Y, rn, n_ok, HAS_BIAS, HAS_RES)
+                _epilogue(total, BIAS + rn, RES + rn, Y + rn, n_ok, HAS_BIAS, HAS_RES)
                 tl.atomic_xchg(ARRIVALS + tile, 0)
         else:
-            _row_epilogue(acc, BIAS, RES, Y, rn, n_ok, HAS_BIAS, HAS_RES)
+            _epilogue(acc, BIAS + rn, RES + rn, Y + rn, n_ok, HAS_BIAS, HAS_RES)
 
     @triton.jit
     def _rope(x, partner, sign, c, s, dt: tl.constexpr):
