@@ -94,9 +94,11 @@ def test_kernels_read_the_packed_form_as_torch_does(quantized, kind):
     layout = packed.layout
     assert torch.equal(kernels.dequantize(packed.codes, packed.scales, packed.zeros, layout, torch.float32), dense)
     x = torch.randn(5, layout.k, device=DEVICE)
-    for config in (kernels.MmConfig(16, 128, 1), kernels.MmConfig(32, 256, 2)):
-        got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, layout, config)
-        torch.testing.assert_close(got, x @ dense.t(), rtol=1e-4, atol=1e-4)
+    for config in (kernels.MmConfig(16, 128, 1), kernels.MmConfig(16, 128, 3), kernels.MmConfig(32, 256, 2)):
+        for _ in range(2):  # split: a second call through the counts the first left
+            got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, layout, config)
+            torch.testing.assert_close(got, x @ dense.t(), rtol=1e-4, atol=1e-4)
+    assert int(kernels._workspace(torch.device(DEVICE)).arrivals.abs().sum()) == 0
     # The fused step's product with a packed weight equals it with the dense one, prologues included;
     # it never rounds a weight to the scales' dtype (AWQ's float16), so it is held to the unrounded one.
     zeros = None if packed.zeros is None else packed.zeros.float()
@@ -105,11 +107,32 @@ def test_kernels_read_the_packed_form_as_torch_does(quantized, kind):
     want = triton_decode.gemv(x[:1], unrounded, norm_weight=norm, eps=1e-6, residual=residual)
     for config in SPLIT_CONFIGS:
         got = triton_decode.packed_gemv(x[:1], packed, config, norm_weight=norm, eps=1e-6, residual=residual)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # summed per word, then per tile
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # summed per group, then per tile
 
 
-# Whole rows and K split three ways (short tiles: the tiny rows are split too, the last split partial).
-SPLIT_CONFIGS = [PackedGemvConfig(8, 32, 4, split) for split in (1, 3)]
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_split_batched_product_adds_every_split_once(bits):
+    """K long enough for every split to hold columns: the last split of each tile to arrive adds
+    all the partials (a split left out or added twice changes the product), and the counts it
+    leaves at zero let a second call through them give the same product."""
+    torch.manual_seed(4)
+    n, k, group = 48, 1024, 64
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=DEVICE)
+    scales = torch.rand(n, k // group, device=DEVICE) * 0.01 + 0.001
+    zeros = torch.randint(0, 2 ** bits, (n, k // group), device=DEVICE).float()
+    packed = PackedMatrix(codes, scales, zeros, bits, group, (n, k))
+    x = torch.randn(3, k, device=DEVICE)
+    want = x @ dequantize_with_torch(codes, scales, zeros, packed.layout, torch.float32).t()
+    for _ in range(2):
+        got = kernels.packed_mm(x, codes, scales, zeros, packed.layout, kernels.MmConfig(16, 128, 4))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert int(kernels._workspace(torch.device(DEVICE)).arrivals.abs().sum()) == 0
+
+
+# Whole rows and K split three ways (short tiles: the tiny rows are split too, the last split partial);
+# tiles of one group of 32 and of two.
+SPLIT_CONFIGS = [PackedGemvConfig(8, bk, 4, split) for bk in (32, 64) for split in (1, 3)]
 
 
 @needs_kernels

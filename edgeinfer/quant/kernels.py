@@ -7,7 +7,8 @@ the symmetric centre ``2^(b-1)``). Every kernel rebuilds the weight by the dequa
 :meth:`QuantizedWeight.dequantize`, ``(q - z) · s``, so a product equals the product with the
 dequantized dense weight up to summation order and rounding.
 
-* :func:`load_words`, :func:`codes_at`, :func:`group_params` — a tile's codes, scales and zero
+* :func:`load_words`, :func:`codes_at`, :func:`group_params` (a scale per word),
+  :func:`tile_group_params` (a scale per group of a tile) — a tile's codes, scales and zero
   points, shared with the fused batch-1 decode step. A K tile is read as 32/b interleaved column
   classes (value ``i`` of every word): a shift and a mask give a class's codes in place, with no
   reshuffling of registers;
@@ -79,13 +80,30 @@ if triton is not None:
         return s, z
 
     @triton.jit
-    def _packed_mm_kernel(X, Q, S, Z, Y, M, N, K, G, stride_x, stride_y, split_stride,
+    def tile_group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, GT: tl.constexpr,
+                          GS: tl.constexpr, BITS: tl.constexpr, HAS_Z: tl.constexpr):
+        """Scale and zero point (float32) of each of the ``GT`` groups a K tile spans, [BN, GT]."""
+        g = (k0 + tl.arange(0, GT) * (BK // GT)) // GS
+        ok = (rn[:, None] < N) & (g[None, :] < G)
+        at = rn[:, None] * G + g[None, :]
+        s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(Z + at, mask=ok, other=0.0).to(tl.float32)
+        else:
+            z = tl.full([BN, GT], 1 << (BITS - 1), tl.float32)
+        return s, z
+
+    @triton.jit
+    def _packed_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                           BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr, IEEE: tl.constexpr):
-        """Y[split, m, n] = sum over this split's K range of X[m, k] * W[n, k] (fp32 when split).
+        """Y[m, n] = sum_k X[m, k] * W[n, k] over a tile of Y, K split ``SPLIT`` ways.
 
         Each K tile is taken as 32/b interleaved column classes (value ``i`` of every word), so a
-        class's weights come out of the words by a shift and a mask, already in a dot's layout."""
+        class's weights come out of the words by a shift and a mask, already in a dot's layout.
+        Split, each program writes its partial sums to ``PARTS`` and counts itself in
+        ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split order,
+        writes the tile and sets the count back to zero (no second kernel to add the splits)."""
         PER: tl.constexpr = 32 // BITS
         dt = X.dtype.element_ty
         sdt = S.dtype.element_ty
@@ -109,25 +127,60 @@ if triton is not None:
                     acc += tl.dot(x, tl.trans(w), input_precision="ieee")
                 else:
                     acc += tl.dot(x, tl.trans(w))
-        out = Y + split * split_stride + rm[:, None] * stride_y + rn[None, :]
+        out = Y + rm[:, None] * stride_y + rn[None, :]
         ok = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT == 1:
             tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
         else:
-            tl.store(out, acc, mask=ok)
+            at = rm[:, None] * N + rn[None, :]
+            tl.store(PARTS + split * M * N + at, acc, mask=ok)
+            tl.debug_barrier()  # every thread's partials are written before the count says so
+            tile = pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == SPLIT - 1:
+                total = tl.zeros([BM, BN], tl.float32)
+                for j in range(0, SPLIT):
+                    total += tl.load(PARTS + j * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(out, total.to(Y.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(ARRIVALS + tile, 0)
 
     @triton.jit
     def _dequantize_kernel(Q, S, Z, W, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
                            GS: tl.constexpr, HAS_Z: tl.constexpr):
+        """W[n, k] = (q - z) · s for a [BN, BK] tile: the classes put back in column order in
+        registers, so that the tile is stored contiguous (a store per class would write every
+        row 32/b times, a value at a time)."""
         PER: tl.constexpr = 32 // BITS
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         k0 = tl.program_id(1) * BK
         words = load_words(Q, rn, k0, N, K, BN, BK, BITS)
         s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
-        for i in tl.static_range(PER):
-            rk = k0 + tl.arange(0, BK // PER) * PER + i
-            w = ((codes_at(words, i, BITS) - z) * s).to(S.dtype.element_ty).to(W.dtype.element_ty)
-            tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))
+        sdt = S.dtype.element_ty
+        dt = W.dtype.element_ty
+        if PER == 8:
+            evens = _join4(_weights_at(words, s, z, 0, BITS, sdt, dt), _weights_at(words, s, z, 2, BITS, sdt, dt),
+                           _weights_at(words, s, z, 4, BITS, sdt, dt), _weights_at(words, s, z, 6, BITS, sdt, dt))
+            odds = _join4(_weights_at(words, s, z, 1, BITS, sdt, dt), _weights_at(words, s, z, 3, BITS, sdt, dt),
+                          _weights_at(words, s, z, 5, BITS, sdt, dt), _weights_at(words, s, z, 7, BITS, sdt, dt))
+            w = tl.reshape(tl.join(evens, odds), [BN, BK])
+        else:
+            w = tl.reshape(_join4(_weights_at(words, s, z, 0, BITS, sdt, dt), _weights_at(words, s, z, 1, BITS, sdt, dt),
+                                  _weights_at(words, s, z, 2, BITS, sdt, dt), _weights_at(words, s, z, 3, BITS, sdt, dt)),
+                           [BN, BK])
+        rk = k0 + tl.arange(0, BK)
+        tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+    @triton.jit
+    def _weights_at(words, s, z, i: tl.constexpr, BITS: tl.constexpr, sdt: tl.constexpr, dt: tl.constexpr):
+        """Value ``i`` of every word dequantized, rounded to the scales' dtype and then to ``dt``."""
+        return ((codes_at(words, i, BITS) - z) * s).to(sdt).to(dt)
+
+    @triton.jit
+    def _join4(a, b, c, d):
+        """[R, W] four times -> [R, W, 4], entry ``i`` of the last axis from the ``i``-th argument
+        (a join puts its two parts on a new last axis: join(join(a, c), join(b, d)) reads a, b, c, d)."""
+        R: tl.constexpr = a.shape[0]
+        W: tl.constexpr = a.shape[1]
+        return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), [R, W, 4])
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +201,36 @@ class MmConfig:
     split: int
     warps: int = 4
     stages: int = 3
+
+
+class SplitWorkspace:
+    """The partial sums and arrival counts of split products, for one stream of kernels: products
+    that run one after another share it (every kernel leaves its counts at zero). It grows outside
+    captures only, and keeps the buffers it outgrew: a graph captured before keeps reading them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts = torch.empty(0, dtype=torch.float32, device=device)
+        self.arrivals = torch.zeros(0, dtype=torch.int32, device=device)
+        self._outgrown: list[torch.Tensor] = []
+
+    def take(self, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and (parts > self.parts.numel() or tiles > self.arrivals.numel()):
+            raise RuntimeError("a split product's workspace must be sized before a capture")
+        if parts > self.parts.numel():
+            self._outgrown.append(self.parts)
+            self.parts = torch.empty(parts, dtype=torch.float32, device=self.device)
+        if tiles > self.arrivals.numel():
+            self._outgrown.append(self.arrivals)
+            self.arrivals = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        return self.parts, self.arrivals
+
+
+@functools.cache
+def _workspace(device: torch.device) -> SplitWorkspace:
+    """The split products' workspace of :func:`packed_mm` on ``device`` (one stream of kernels)."""
+    return SplitWorkspace(device)
 
 
 def pow2(n: int) -> int:
@@ -226,16 +309,15 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     cfg = config or tuned_config(x, codes, scales, zeros, layout)
     bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
-    if cfg.split == 1:
-        y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.empty(cfg.split, m, layout.n, dtype=torch.float32, device=x.device)
+    y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)
+    parts, arrivals = _workspace(x.device).take(cfg.split * m * layout.n, grid[0] * grid[1]) \
+        if cfg.split > 1 else (y, y)
     _packed_mm_kernel[grid](
-        x, codes, scales, zeros if zeros is not None else scales, y, m, layout.n, layout.k, layout.groups,
-        x.stride(0), layout.n, m * layout.n,
+        x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, layout.n, layout.k,
+        layout.groups, x.stride(0), layout.n,
         BM=bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, BITS=layout.bits, GS=layout.group_constexpr,
         HAS_Z=zeros is not None, IEEE=x.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages)
-    return y if cfg.split == 1 else y.sum(0).to(x.dtype)
+    return y
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, layout: PackedGeometry,

@@ -23,8 +23,8 @@ tile sizes are chosen once per matrix shape by timing a few candidates on the de
 
 Packed 4-bit and 8-bit weights (:class:`~edgeinfer.quant.packed.PackedMatrix`) take
 :func:`packed_gemv`, with the same prologues and epilogues: a tile of x is read once, contiguous,
-and its columns taken apart in registers to meet each value of the packed words; long rows are
-split along K, and the last split of a tile to finish adds the partial sums in a fixed order and
+and its columns taken apart in registers to meet each value of the packed words, and a group's
+words are summed before its scale is applied; long rows are split along K, and the last split of a tile to finish adds the partial sums in a fixed order and
 writes the row, so a product stays one kernel and gives the same bits on every run.
 
 Larger batches keep the attention kernel (step 2, the past read in place rather than gathered
@@ -44,13 +44,14 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.models.decoder import DecoderLayer
+from edgeinfer.quant.kernels import SplitWorkspace
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import codes_at, group_params, load_words
+    from edgeinfer.quant.kernels import codes_at, load_words, tile_group_params
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -186,10 +187,11 @@ if triton is not None:
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
-        Per word, ``sum_i (q_i - z)·s·x_i`` is taken as ``s·(sum_i q_i·x_i - z·sum_i x_i)``. With
-        ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts itself in
-        ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split order (the
-        same sum whichever arrives last), finishes the row and sets the count back to zero."""
+        Per group of the tile, ``sum_k (q_k - z)·s·x_k`` is taken as
+        ``s·(sum_k q_k·x_k - z·sum_k x_k)``: one scale and zero point loaded per group, not per
+        word. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts itself
+        in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split order
+        (the same sum whichever arrives last), finishes the row and sets the count back to zero."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
@@ -204,12 +206,12 @@ if triton is not None:
                 xv = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        wide = tl.zeros([BN, BK // PER], tl.float32)  # one sum per word, added across K only at the end
+        GT: tl.constexpr = BK // GS if BK > GS else 1  # groups a K tile spans
+        wide = tl.zeros([BN, GT], tl.float32)  # one sum per group of the tile, added across K only at the end
         start = split * per_split
         for step in range(0, per_split, BK):
             k0 = start + step
             words = load_words(W, rn, k0, N, K, BN, BK, BITS)
-            s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
             # x's tile as [words, values of a word], read once, contiguous; its column i meets value
             # i of every word (a shift and a mask give it in place)
             rk = k0 + tl.arange(0, BK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
@@ -224,8 +226,11 @@ if triton is not None:
                 x0, x1, x2, x3 = _columns_of_4(xv)
                 qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
                 qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
-            xsum = tl.sum(xv, axis=1)
-            wide += s * (qx - z * xsum[None, :])
+            # a group's words summed first: one scale and zero point per group of the tile, not per word
+            s, z = tile_group_params(S, Z, rn, k0, N, G, BN, BK, GT, GS, BITS, HAS_Z)
+            qg = tl.sum(tl.reshape(qx, [BN, GT, BK // PER // GT]), axis=2)
+            xg = tl.sum(tl.reshape(tl.sum(xv, axis=1), [GT, BK // PER // GT]), axis=1)
+            wide += s * (qg - z * xg[None, :])
         acc = tl.sum(wide, axis=1)
         if SPLIT_K:
             tl.store(PARTS + split * N + rn, acc, mask=n_ok)
@@ -445,30 +450,6 @@ PACKED_GEMV_CANDIDATES = (
     PackedGemvConfig(32, 256, 4), PackedGemvConfig(16, 256, 4), PackedGemvConfig(32, 128, 4),
     PackedGemvConfig(8, 1024, 4, 4), PackedGemvConfig(16, 512, 4, 4), PackedGemvConfig(8, 512, 4, 4),
 )
-
-
-class SplitWorkspace:
-    """The partial sums and arrival counts of split products, for one stream of kernels: products
-    that run one after another share it (every kernel leaves its counts at zero). It grows outside
-    captures only, and keeps the buffers it outgrew: a graph captured before keeps reading them."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.parts = torch.empty(0, dtype=torch.float32, device=device)
-        self.arrivals = torch.zeros(0, dtype=torch.int32, device=device)
-        self._outgrown: list[torch.Tensor] = []
-
-    def take(self, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing and (parts > self.parts.numel() or tiles > self.arrivals.numel()):
-            raise RuntimeError("a split product's workspace must be sized before a capture")
-        if parts > self.parts.numel():
-            self._outgrown.append(self.parts)
-            self.parts = torch.empty(parts, dtype=torch.float32, device=self.device)
-        if tiles > self.arrivals.numel():
-            self._outgrown.append(self.arrivals)
-            self.arrivals = torch.zeros(tiles, dtype=torch.int32, device=self.device)
-        return self.parts, self.arrivals
 
 
 def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, bias: torch.Tensor | None = None,
