@@ -69,28 +69,24 @@ if triton is not None:
         """Scale and zero point (float32) of every word of the tile, [BN, BK·b/32]; the 32/b values
         of a word share a group (groups are 32 columns or more)."""
         PER: tl.constexpr = 32 // BITS
-        g = (k0 + tl.arange(0, BK // PER) * PER) // GS
-        ok = (rn[:, None] < N) & (g[None, :] < G)
-        at = rn[:, None] * G + g[None, :]
-        s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
-        if HAS_Z:
-            z = tl.load(Z + at, mask=ok, other=0.0).to(tl.float32)
-        else:
-            z = tl.full([BN, BK // PER], 1 << (BITS - 1), tl.float32)
-        return s, z
+        return _params_at(S, Z, rn, (k0 + tl.arange(0, BK // PER) * PER) // GS, N, G, BN, BK // PER, BITS, HAS_Z)
 
     @triton.jit
     def tile_group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, GT: tl.constexpr,
                           GS: tl.constexpr, BITS: tl.constexpr, HAS_Z: tl.constexpr):
         """Scale and zero point (float32) of each of the ``GT`` groups a K tile spans, [BN, GT]."""
-        g = (k0 + tl.arange(0, GT) * (BK // GT)) // GS
+        return _params_at(S, Z, rn, (k0 + tl.arange(0, GT) * (BK // GT)) // GS, N, G, BN, GT, BITS, HAS_Z)
+
+    @triton.jit
+    def _params_at(S, Z, rn, g, N, G, BN: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, HAS_Z: tl.constexpr):
+        """Scale and zero point (float32) of rows ``rn`` at the ``W`` groups ``g``, [BN, W]."""
         ok = (rn[:, None] < N) & (g[None, :] < G)
         at = rn[:, None] * G + g[None, :]
         s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(Z + at, mask=ok, other=0.0).to(tl.float32)
         else:
-            z = tl.full([BN, GT], 1 << (BITS - 1), tl.float32)
+            z = tl.full([BN, W], 1 << (BITS - 1), tl.float32)
         return s, z
 
     @triton.jit

@@ -1,0 +1,72 @@
+"""The low-bit Triton kernels compile for Hopper (sm_90) and Jetson Orin (sm_87), on any machine.
+
+Triton's own compiler runs on the CPU down to the GPU binary (its wheel carries ``ptxas``), so
+what the CPU interpreter cannot see is checked here without a GPU: the kernels' code generation
+(a construct the interpreter runs but the compiler rejects) and their fit on Orin's
+architecture. Each kernel is compiled with the arguments its Python wrapper passes, for every
+branch its constexprs select. Where Triton is not installed (CPU builds of torch) the module
+is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (CPU builds of torch come without it)")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from edgeinfer.backends.torch import triton_decode  # noqa: E402
+from edgeinfer.quant import kernels  # noqa: E402
+
+TARGETS = {"sm_90 (Hopper)": GPUTarget("cuda", 90, 32), "sm_87 (Orin)": GPUTarget("cuda", 87, 32)}
+
+
+def compiled(fn, types: dict[str, str], constexprs: dict, warps: int = 4, stages: int = 3) -> dict[str, int]:
+    """Cubin bytes per target of ``fn`` with pointer/scalar ``types`` and ``constexprs``."""
+    names = fn.arg_names
+    missing = set(names) - set(types) - set(constexprs)
+    assert not missing, f"no type given for {sorted(missing)}"
+    signature = {name: types.get(name, "constexpr") for name in names}
+    source = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
+    return {label: len(triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages})
+                       .asm["cubin"]) for label, target in TARGETS.items()}
+
+
+def pointers(dt: str, *names: str) -> dict[str, str]:
+    return {name: f"*{dt}" for name in names}
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, "bf16"), (8, "bf16"), (4, "fp32")])
+def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype):
+    types = {**pointers(dtype, "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    cases = [(prologue, split_k, gs, has_z) for prologue in (0, 1, 2) for split_k, gs, has_z in
+             ((False, 128, False), (True, 2048, True))]  # groups of 128 (4 a tile) and one group a row
+    for prologue, split_k, gs, has_z in cases:
+        sizes = compiled(triton_decode._packed_gemv_kernel, types, dict(
+            PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue != 1, BN=16, BK=512, BITS=bits, GS=gs,
+            HAS_Z=has_z, SPLIT_K=split_k))
+        assert all(sizes.values())
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, "bf16"), (8, "bf16"), (4, "fp32")])
+def test_packed_mm_compiles_whole_and_split(bits, dtype):
+    types = {**pointers(dtype, "X", "S", "Z", "Y"), "Q": "*i32", "PARTS": "*fp32", "ARRIVALS": "*i32",
+             **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y"), "i32")}
+    for split, has_z in itertools.product((1, 4), (False, True)):
+        sizes = compiled(kernels._packed_mm_kernel, types, dict(
+            BM=16, BN=32, BK=128, SPLIT=split, BITS=bits, GS=128, HAS_Z=has_z, IEEE=dtype == "fp32"))
+        assert all(sizes.values())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_compiles(bits):
+    types = {**pointers("bf16", "S", "Z", "W"), "Q": "*i32", **dict.fromkeys(("N", "K", "G"), "i32")}
+    for has_z in (False, True):
+        assert all(compiled(kernels._dequantize_kernel, types, dict(
+            BN=32, BK=kernels._tile_k(kernels.PackedGeometry(64, 1536, bits, 12, 128), 128), BITS=bits, GS=128,
+            HAS_Z=has_z)).values())
