@@ -1,4 +1,4 @@
-"""The low-bit Triton kernels compile for Hopper (sm_90) and Jetson Orin (sm_87), on any machine.
+"""The Triton kernels of the GPU decode path compile for Hopper (sm_90) and Jetson Orin (sm_87), on any machine.
 
 Triton's own compiler runs on the CPU down to the GPU binary (its wheel carries ``ptxas``), so
 what the CPU interpreter cannot see is checked here without a GPU: the kernels' code generation
@@ -70,3 +70,30 @@ def test_dequantize_compiles(bits):
         assert all(compiled(kernels._dequantize_kernel, types, dict(
             BN=32, BK=kernels._tile_k(kernels.PackedGeometry(64, 1536, bits, 12, 128), 128), BITS=bits, GS=128,
             HAS_Z=has_z)).values())
+
+
+# The fused batch-1 decode step's dense kernels, at the shapes of a Qwen2-VL-2B layer (12 query
+# heads over 2 KV heads of 128) and as Qwen3 runs them (per-head norms).
+
+
+def test_dense_gemv_compiles_for_every_prologue():
+    types = {**pointers("bf16", "X", "W", "BIAS", "RES", "NORM_W", "Y"),
+             **dict.fromkeys(("N", "K", "stride_x", "stride_r", "stride_y"), "i32"), "eps": "fp32"}
+    for prologue in (0, 1, 2):
+        assert all(compiled(triton_decode._gemv_kernel, types, dict(
+            MP=1, PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue != 1, BN=8, BK=512, USE_DOT=False,
+            IEEE=False), stages=2).values())
+
+
+def test_paged_attention_and_its_merge_compile():
+    types = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW"),
+             **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
+             **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks"), "i32"),
+             "scale": "fp32", "eps": "fp32"}
+    for write_pool, qk_norm in ((False, False), (True, True)):
+        assert all(compiled(triton_decode._attention_kernel, types, dict(
+            KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK,
+            TILE=triton_decode.ATTENTION_TILE, SPLITS=32, WRITE_POOL=write_pool, IEEE=False, QK_NORM=qk_norm),
+            stages=2).values())
+    merge = {**pointers("fp32", "OPART", "MPART", "LPART"), "OUT": "*bf16", "stride_out": "i32"}
+    assert all(compiled(triton_decode._merge_kernel, merge, dict(H=12, HD=128, HDP=128, SPLITS=32, SP=32)).values())
