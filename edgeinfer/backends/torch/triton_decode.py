@@ -24,8 +24,9 @@ tile sizes are chosen once per matrix shape by timing a few candidates on the de
 Packed 4-bit and 8-bit weights (:class:`~edgeinfer.quant.packed.PackedMatrix`) take
 :func:`packed_gemv`, with the same prologues and epilogues: a tile of x is read once, contiguous,
 and its columns taken apart in registers to meet each value of the packed words, and a group's
-words are summed before its scale is applied; long rows are split along K, and the last split of a tile to finish adds the partial sums in a fixed order and
-writes the row, so a product stays one kernel and gives the same bits on every run.
+words are summed before its scale is applied; long rows are split along K, and the last split
+of a tile to finish adds the partial sums in a fixed order and writes the row, so a product
+stays one kernel and gives the same bits on every run.
 
 Larger batches keep the attention kernel (step 2, the past read in place rather than gathered
 into a copy per layer, each row only as far as its own context) between cuBLAS products:
