@@ -12,6 +12,8 @@ dequantized dense weight up to summation order and rounding.
   points, shared with the fused batch-1 decode step. A K tile is read as 32/b interleaved column
   classes (value ``i`` of every word): a shift and a mask give a class's codes in place, with no
   reshuffling of registers;
+* :func:`split_total` — a split product's partial sums added by the last split to arrive (here
+  and in the fused batch-1 step);
 * :func:`packed_mm` — ``x @ W.T`` for up to :data:`MAX_DOT_ROWS` rows: tensor-core tiles of
   dequantized weight, split along K when N alone gives too few programs to fill the GPU;
 * :func:`dequantize` — the whole dense weight, for prompts (a GEMM then does the rest).
@@ -90,6 +92,23 @@ if triton is not None:
         return s, z
 
     @triton.jit
+    def split_total(acc, PARTS, ARRIVALS, at, ok, tile, split, splits, split_stride):
+        """For a product whose K is split ``splits`` ways: stores this split's partial sums ``acc``
+        at ``PARTS + split·split_stride + at`` and counts them in ``ARRIVALS[tile]``. Returns
+        whether this split arrived last and, for the last, the sum of every split's partials in
+        split order (the same sum whichever arrives last); the last sets the count back to zero,
+        so the next product (or graph replay) through the same counts starts clean."""
+        tl.store(PARTS + split * split_stride + at, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partials are written before the count says so
+        last = tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == splits - 1
+        total = tl.zeros_like(acc)
+        if last:
+            for j in range(0, splits):
+                total += tl.load(PARTS + j * split_stride + at, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(ARRIVALS + tile, 0)
+        return last, total
+
+    @triton.jit
     def _packed_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                           BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr, IEEE: tl.constexpr):
@@ -128,16 +147,10 @@ if triton is not None:
         if SPLIT == 1:
             tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
         else:
-            at = rm[:, None] * N + rn[None, :]
-            tl.store(PARTS + split * M * N + at, acc, mask=ok)
-            tl.debug_barrier()  # every thread's partials are written before the count says so
-            tile = pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == SPLIT - 1:
-                total = tl.zeros([BM, BN], tl.float32)
-                for j in range(0, SPLIT):
-                    total += tl.load(PARTS + j * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+            last, total = split_total(acc, PARTS, ARRIVALS, rm[:, None] * N + rn[None, :], ok,
+                                      pid_m * tl.num_programs(0) + pid_n, split, SPLIT, M * N)
+            if last:
                 tl.store(out, total.to(Y.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(ARRIVALS + tile, 0)
 
     @triton.jit
     def _dequantize_kernel(Q, S, Z, W, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,

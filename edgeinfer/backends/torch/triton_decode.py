@@ -52,7 +52,7 @@ try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import codes_at, load_words, tile_group_params
+    from edgeinfer.quant.kernels import codes_at, load_words, split_total, tile_group_params
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -234,14 +234,9 @@ if triton is not None:
             wide += s * (qg - z * xg[None, :])
         acc = tl.sum(wide, axis=1)
         if SPLIT_K:
-            tl.store(PARTS + split * N + rn, acc, mask=n_ok)
-            tl.debug_barrier()  # every thread's partials are written before the count says so
-            if tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == splits - 1:
-                total = tl.zeros([BN], tl.float32)
-                for j in range(0, splits):
-                    total += tl.load(PARTS + j * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+            last, total = split_total(acc, PARTS, ARRIVALS, rn, n_ok, tile, split, splits, N)
+            if last:
                 _epilogue(total, BIAS + rn, RES + rn, Y + rn, n_ok, HAS_BIAS, HAS_RES)
-                tl.atomic_xchg(ARRIVALS + tile, 0)
         else:
             _epilogue(acc, BIAS + rn, RES + rn, Y + rn, n_ok, HAS_BIAS, HAS_RES)
 
