@@ -44,12 +44,13 @@ def pointers(dt: str, *names: str) -> dict[str, str]:
 def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype):
     types = {**pointers(dtype, "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
-    cases = [(prologue, split_k, gs, has_z) for prologue in (0, 1, 2) for split_k, gs, has_z in
-             ((False, 128, False), (True, 2048, True))]  # groups of 128 (4 a tile) and one group a row
-    for prologue, split_k, gs, has_z in cases:
+    # groups of 128 (4 a tile) and one group a row; whole tiles and cut ones
+    cases = [(prologue, split_k, gs, has_z, even) for prologue in (0, 1, 2) for split_k, gs, has_z, even in
+             ((False, 128, False, True), (True, 2048, True, False))]
+    for prologue, split_k, gs, has_z, even in cases:
         sizes = compiled(triton_decode._packed_gemv_kernel, types, dict(
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue != 1, BN=16, BK=512, BITS=bits, GS=gs,
-            HAS_Z=has_z, SPLIT_K=split_k))
+            HAS_Z=has_z, SPLIT_K=split_k, EXACT=dtype != "fp32", EVEN=even, ONE_GROUP=gs == 2048, ASM=True))
         assert all(sizes.values())
 
 

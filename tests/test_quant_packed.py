@@ -178,6 +178,32 @@ def test_kernels_in_bfloat16_read_what_they_dequantize(quantized):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-2  # a bfloat16 step of the largest output
 
 
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+# whole tiles, and tiles cut at both edges; groups of 32 and 64 columns, and one a row
+@pytest.mark.parametrize("n,k,group", [(48, 1024, 64), (40, 1000, 32), (48, 1024, 1024), (40, 1000, 1000)])
+def test_a_bfloat16_row_is_the_exact_product_rounded_once(bits, n, k, group):
+    """With 16-bit activations the batch-1 product takes the codes biased (2^e + q) and takes the
+    bias off per word: every product is exact and only the float32 sums round, so the row equals
+    the float32 product of the same values, rounded once to bfloat16 (a bias, a shift or a zero
+    point off by one code moves whole outputs by far more than a bfloat16 step)."""
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(5)
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=DEVICE)
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, device=DEVICE) * 0.02 + 0.001).bfloat16()
+    for zeros in (None, torch.randint(0, 2 ** bits, (n, groups), device=DEVICE).bfloat16()):
+        packed = PackedMatrix(codes, scales, zeros, bits, group, (n, k))
+        dense = dequantize_with_torch(codes, scales.float(), None if zeros is None else zeros.float(), packed.layout,
+                                      torch.float32)
+        x = torch.randn(1, k, device=DEVICE).bfloat16()
+        want = (x.float() @ dense.t()).bfloat16().float()
+        for config in (PackedGemvConfig(16, 256, 4), PackedGemvConfig(8, 128, 4, 3)):
+            got = triton_decode.packed_gemv(x, packed, config).float()
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
 @needs_cuda
 def test_batched_kernel_in_bfloat16_reads_what_it_dequantizes(quantized):
     torch.manual_seed(2)

@@ -7,9 +7,8 @@ the symmetric centre ``2^(b-1)``). Every kernel rebuilds the weight by the dequa
 :meth:`QuantizedWeight.dequantize`, ``(q - z) · s``, so a product equals the product with the
 dequantized dense weight up to summation order and rounding.
 
-* :func:`load_words`, :func:`codes_at`, :func:`group_params` (a scale per word),
-  :func:`tile_group_params` (a scale per group of a tile) — a tile's codes, scales and zero
-  points, shared with the fused batch-1 decode step. A K tile is read as 32/b interleaved column
+* :func:`load_words`, :func:`codes_at`, :func:`biased_codes_at`, :func:`group_params` (a scale
+  per word) — a tile's codes, scales and zero points, shared with the fused batch-1 decode step. A K tile is read as 32/b interleaved column
   classes (value ``i`` of every word): a shift and a mask give a class's codes in place, with no
   reshuffling of registers;
 * :func:`split_total` — a split product's partial sums added by the last split to arrive (here
@@ -66,29 +65,54 @@ if triton is not None:
         return magic.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
-                     GS: tl.constexpr, HAS_Z: tl.constexpr):
-        """Scale and zero point (float32) of every word of the tile, [BN, BK·b/32]; the 32/b values
-        of a word share a group (groups are 32 columns or more)."""
-        PER: tl.constexpr = 32 // BITS
-        return _params_at(S, Z, rn, (k0 + tl.arange(0, BK // PER) * PER) // GS, N, G, BN, BK // PER, BITS, HAS_Z)
+    def biased_codes_at(words, i: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+        """Value ``i`` of every word as a float32 ``2^e + q`` (``e`` 4 for the odd values of 4-bit
+        words, else 8), by a shift and an and-or.
 
-    @triton.jit
-    def tile_group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, GT: tl.constexpr,
-                          GS: tl.constexpr, BITS: tl.constexpr, HAS_Z: tl.constexpr):
-        """Scale and zero point (float32) of each of the ``GT`` groups a K tile spans, [BN, GT]."""
-        return _params_at(S, Z, rn, (k0 + tl.arange(0, GT) * (BK // GT)) // GS, N, G, BN, GT, BITS, HAS_Z)
-
-    @triton.jit
-    def _params_at(S, Z, rn, g, N, G, BN: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, HAS_Z: tl.constexpr):
-        """Scale and zero point (float32) of rows ``rn`` at the ``W`` groups ``g``, [BN, W]."""
-        ok = (rn[:, None] < N) & (g[None, :] < G)
-        at = rn[:, None] * G + g[None, :]
-        s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
-        if HAS_Z:
-            z = tl.load(Z + at, mask=ok, other=0.0).to(tl.float32)
+        The code is moved into the top mantissa bits of 2^e: 4-bit codes sit at bits 15-18
+        (``e`` 8) and 19-22 (``e`` 4), so two values come out of one shifted copy of the word;
+        8-bit codes at bits 15-22. ``2^e + q`` has at most 9 significant bits, so its product with
+        a 16-bit float (at most 11) is exact in float32: a product can take the biased values as
+        they are and take ``Σ 2^e·x`` off once per word, where :func:`codes_at` subtracts 2^23
+        from every value."""
+        E: tl.constexpr = 8 - 4 * (i % 2) * (BITS == 4)
+        FIELD: tl.constexpr = 23 - E
+        SHIFT: tl.constexpr = FIELD - BITS * i
+        if SHIFT >= 0:
+            moved = words << SHIFT
         else:
-            z = tl.full([BN, W], 1 << (BITS - 1), tl.float32)
+            moved = words >> (-SHIFT)
+        MASK: tl.constexpr = ((1 << BITS) - 1) << FIELD
+        MAGIC: tl.constexpr = (127 + E) << 23
+        if ASM:  # one lop3, (a & b) | c: written as two ops, the compiler keeps both (each takes one constant)
+            biased = tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, $2, $3, 0xea;", "=r,r,r,r",
+                [moved, tl.full(moved.shape, MASK, tl.int32), tl.full(moved.shape, MAGIC, tl.int32)],
+                dtype=tl.int32, is_pure=True, pack=1)
+        else:  # Triton's CPU interpreter runs no inline assembly
+            biased = (moved & MASK) | MAGIC
+        return biased.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
+                     GS: tl.constexpr, HAS_Z: tl.constexpr, EVEN: tl.constexpr = False):
+        """Scale and zero point (float32) of every word of the tile, [BN, BK·b/32]; the 32/b values
+        of a word share a group (groups are 32 columns or more). ``EVEN``: every row and group of
+        the tile exists (no bounds checks)."""
+        PER: tl.constexpr = 32 // BITS
+        g = (k0 + tl.arange(0, BK // PER) * PER) // GS
+        at = rn[:, None] * G + g[None, :]
+        if EVEN:
+            s = tl.load(S + at).to(tl.float32)
+        else:
+            s = tl.load(S + at, mask=(rn[:, None] < N) & (g[None, :] < G), other=0.0).to(tl.float32)
+        if HAS_Z:
+            if EVEN:
+                z = tl.load(Z + at).to(tl.float32)
+            else:
+                z = tl.load(Z + at, mask=(rn[:, None] < N) & (g[None, :] < G), other=0.0).to(tl.float32)
+        else:
+            z = tl.full([BN, BK // PER], 1 << (BITS - 1), tl.float32)
         return s, z
 
     @triton.jit

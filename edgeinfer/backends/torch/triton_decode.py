@@ -52,7 +52,7 @@ try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import codes_at, load_words, split_total, tile_group_params
+    from edgeinfer.quant.kernels import biased_codes_at, group_params, load_words, split_total
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -85,20 +85,26 @@ NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
 if triton is not None:
 
     @triton.jit
-    def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr):
+    def _load_below(at, rk, K, MASK_K: tl.constexpr):
+        """The values at ``at``, zero where ``rk`` ≥ K (``MASK_K`` False: none is)."""
+        if MASK_K:
+            return tl.load(at, mask=rk < K, other=0.0)
+        return tl.load(at)
+
+    @triton.jit
+    def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, MASK_K: tl.constexpr = True):
         """f(X)[rk] in ``dt`` for column indices ``rk`` of any shape (``X`` a row, or rows broadcast
         against ``rk``; ``rstd`` 1 / rms of those rows), rounded as the eager layer rounds: RMSNorm
-        or SiLU(gate)·up first."""
-        k_ok = rk < K
+        or SiLU(gate)·up first. ``MASK_K`` False: every ``rk`` is below K (no bounds checks)."""
         if PROLOGUE == 2:  # X holds gate | up, each K wide
-            g = tl.load(X + rk, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(X + K + rk, mask=k_ok, other=0.0).to(tl.float32)
+            g = _load_below(X + rk, rk, K, MASK_K).to(tl.float32)
+            u = _load_below(X + K + rk, rk, K, MASK_K).to(tl.float32)
             act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
             xv = (act * u).to(dt)
         else:
-            xv = tl.load(X + rk, mask=k_ok, other=0.0)
+            xv = _load_below(X + rk, rk, K, MASK_K)
             if PROLOGUE == 1:
-                nw = tl.load(NORM_W + rk, mask=k_ok, other=0.0).to(tl.float32)
+                nw = _load_below(NORM_W + rk, rk, K, MASK_K).to(tl.float32)
                 xn = (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)
                 xv = (xn * nw).to(dt)
         return xv
@@ -163,36 +169,25 @@ if triton is not None:
 
 
     @triton.jit
-    def _columns_of_4(x):
-        """The four columns of ``x`` [R, 4], taken apart in registers (no strided reloads of x)."""
-        R: tl.constexpr = x.shape[0]
-        even, odd = tl.split(tl.reshape(x, [R, 2, 2]))
-        c0, c2 = tl.split(even)
-        c1, c3 = tl.split(odd)
-        return c0, c1, c2, c3
-
-    @triton.jit
-    def _columns_of_8(x):
-        """The eight columns of ``x`` [R, 8], taken apart in registers."""
-        R: tl.constexpr = x.shape[0]
-        even, odd = tl.split(tl.reshape(x, [R, 4, 2]))
-        c0, c2, c4, c6 = _columns_of_4(even)
-        c1, c3, c5, c7 = _columns_of_4(odd)
-        return c0, c1, c2, c3, c4, c5, c6, c7
-
-    @triton.jit
     def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                            HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr):
+                            HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
+                            ONE_GROUP: tl.constexpr, ASM: tl.constexpr):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
-        Per group of the tile, ``sum_k (q_k - z)·s·x_k`` is taken as
-        ``s·(sum_k q_k·x_k - z·sum_k x_k)``: one scale and zero point loaded per group, not per
-        word. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts itself
-        in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split order
-        (the same sum whichever arrives last), finishes the row and sets the count back to zero."""
+        A decode product is bound by the instructions it issues per weight, not by its bytes, so
+        a weight costs a shift, an and-or and a multiply-add: each word's ``sum_i (2^b + q_i)·x_i``
+        is taken with the codes biased (:func:`biased_codes_at`; with ``EXACT``, the activations'
+        16-bit floats, those products are exact), and per word, not per weight, the bias, the
+        zero point and the scale are applied: ``s·(dot - (2^b + z)·sum_i x_i)``; with
+        ``ONE_GROUP`` (a scale a row) even that waits for the last K step. Words are summed
+        across threads once, after the last K step; ``EVEN`` (whole tiles) reads without bounds
+        checks. With ``SPLIT_K`` each program writes
+        its partial sums to ``PARTS`` and counts itself in ``ARRIVALS``; the last of a tile's splits
+        to arrive adds the partials in split order (the same sum whichever arrives last), finishes
+        the row and sets the count back to zero."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
@@ -207,32 +202,52 @@ if triton is not None:
                 xv = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        GT: tl.constexpr = BK // GS if BK > GS else 1  # groups a K tile spans
-        wide = tl.zeros([BN, GT], tl.float32)  # one sum per group of the tile, added across K only at the end
+        BKW: tl.constexpr = BK // PER  # words a row per K step
+        wide = tl.zeros([BN, BKW], tl.float32)  # a sum per word of the tile, added across words at the end
+        xsums = tl.zeros([BKW], tl.float32)  # one group a row: x's sums, taken off once at the end
+        xbiases = tl.zeros([BKW], tl.float32)
         start = split * per_split
-        for step in range(0, per_split, BK):
-            k0 = start + step
-            words = load_words(W, rn, k0, N, K, BN, BK, BITS)
-            # x's tile as [words, values of a word], read once, contiguous; its column i meets value
-            # i of every word (a shift and a mask give it in place)
-            rk = k0 + tl.arange(0, BK // PER)[:, None] * PER + tl.arange(0, PER)[None, :]
-            xv = _input_values(X, NORM_W, rk, K, rstd, PROLOGUE, dt).to(tl.float32)
-            if PER == 8:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_8(xv)
-                qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
-                qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
-                qx += codes_at(words, 4, BITS) * x4[None, :] + codes_at(words, 5, BITS) * x5[None, :]
-                qx += codes_at(words, 6, BITS) * x6[None, :] + codes_at(words, 7, BITS) * x7[None, :]
+        end = tl.minimum(start + per_split, K)
+        rw = start // PER + tl.arange(0, BKW)
+        # one word a thread (per row): the tile's words then lie across threads as x's columns do, and
+        # no step moves x or the sums between layouts through shared memory
+        words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
+        for k0 in range(start, end, BK):
+            if EVEN:
+                words = tl.load(words_at)
             else:
-                x0, x1, x2, x3 = _columns_of_4(xv)
-                qx = codes_at(words, 0, BITS) * x0[None, :] + codes_at(words, 1, BITS) * x1[None, :]
-                qx += codes_at(words, 2, BITS) * x2[None, :] + codes_at(words, 3, BITS) * x3[None, :]
-            # a group's words summed first: one scale and zero point per group of the tile, not per word
-            s, z = tile_group_params(S, Z, rn, k0, N, G, BN, BK, GT, GS, BITS, HAS_Z)
-            qg = tl.sum(tl.reshape(qx, [BN, GT, BK // PER // GT]), axis=2)
-            xg = tl.sum(tl.reshape(tl.sum(xv, axis=1), [GT, BK // PER // GT]), axis=1)
-            wide += s * (qg - z * xg[None, :])
-        acc = tl.sum(wide, axis=1)
+                words = tl.load(words_at, mask=n_ok[:, None] & (rw[None, :] < K // PER), other=0)
+            first = rw * PER  # each word's first column
+            if ONE_GROUP:  # one scale a row: words summed across steps as they are
+                dot = wide
+            else:
+                dot = tl.zeros([BN, BKW], tl.float32)
+            xsum = tl.zeros([BKW], tl.float32)
+            xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
+            for i in tl.static_range(PER):  # value i of every word meets column first + i of x
+                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, not EVEN).to(tl.float32)
+                bias = 1 << (8 - 4 * (i % 2) * (BITS == 4))  # biased_codes_at's 2^e
+                if EXACT:
+                    dot += biased_codes_at(words, i, BITS, ASM) * xi[None, :]
+                    xbias += xi * bias
+                else:  # float32 activations: the bias off each value before the product
+                    dot += (biased_codes_at(words, i, BITS, ASM) - bias) * xi[None, :]
+                xsum += xi
+            if ONE_GROUP:  # the scale and zero point wait for the last step
+                wide = dot
+                xsums += xsum
+                xbiases += xbias
+            else:
+                s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+                wide += s * (dot - xbias[None, :] - z * xsum[None, :])
+            words_at += BKW
+            rw += BKW
+        if ONE_GROUP:
+            s, z = group_params(S, Z, rn, 0, N, G, BN, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
+            s, z = tl.sum(s, axis=1), tl.sum(z, axis=1)
+            acc = s * (tl.sum(wide, axis=1) - tl.sum(xbiases, axis=0) - z * tl.sum(xsums, axis=0))
+        else:
+            acc = tl.sum(wide, axis=1)
         if SPLIT_K:
             last, total = split_total(acc, PARTS, ARRIVALS, rn, n_ok, tile, split, splits, N)
             if last:
@@ -436,15 +451,15 @@ class PackedGemvConfig:
     split: int = 1
 
 
-# Candidates timed per packed product at load: the fastest tiles of each product of a 2B layer
-# at 4 and 8 bits on an H200 (docs/results/probes/h200-packed-gemv.json and
-# h200-packed-gemv-columns.json), K split four ways for ``down`` (few outputs, long rows: too few
-# programs unsplit).
+# Candidates timed per packed product at load: tiles of 8 to 32 rows by 256 to 1024 columns (a
+# thread then holds one word of each of several rows, and x's work is shared by those rows), K
+# split four ways for ``down``-like products (few outputs, long rows: too few programs unsplit).
 PACKED_GEMV_CANDIDATES = (
-    PackedGemvConfig(16, 1024, 4), PackedGemvConfig(16, 1024, 8), PackedGemvConfig(8, 1024, 4),
-    PackedGemvConfig(16, 512, 4), PackedGemvConfig(32, 512, 4),
-    PackedGemvConfig(32, 256, 4), PackedGemvConfig(16, 256, 4), PackedGemvConfig(32, 128, 4),
-    PackedGemvConfig(8, 1024, 4, 4), PackedGemvConfig(16, 512, 4, 4), PackedGemvConfig(8, 512, 4, 4),
+    PackedGemvConfig(16, 1024, 4), PackedGemvConfig(16, 512, 4), PackedGemvConfig(8, 1024, 4),
+    PackedGemvConfig(32, 512, 4), PackedGemvConfig(32, 256, 4), PackedGemvConfig(16, 256, 4),
+    PackedGemvConfig(32, 512, 8), PackedGemvConfig(32, 1024, 8), PackedGemvConfig(16, 512, 2),
+    PackedGemvConfig(8, 512, 2), PackedGemvConfig(8, 1024, 4, 4), PackedGemvConfig(16, 512, 4, 4),
+    PackedGemvConfig(8, 512, 4, 4), PackedGemvConfig(16, 256, 4, 4),
 )
 
 
@@ -474,7 +489,8 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
         norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, layout.groups, per_split,
         splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BN=config.bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=w.zeros is not None,
-        SPLIT_K=splits > 1, num_warps=config.warps)
+        SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=n % config.bn == 0 and k % bk == 0,
+        ONE_GROUP=layout.groups == 1, ASM=not interpreting(), num_warps=config.warps)
     return y
 
 
