@@ -52,7 +52,7 @@ try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import biased_codes_at, group_params, load_words, split_total
+    from edgeinfer.quant.kernels import biased_codes_at, group_params, split_total
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
