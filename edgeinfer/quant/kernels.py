@@ -7,10 +7,11 @@ the symmetric centre ``2^(b-1)``). Every kernel rebuilds the weight by the dequa
 :meth:`QuantizedWeight.dequantize`, ``(q - z) · s``, so a product equals the product with the
 dequantized dense weight up to summation order and rounding.
 
-* :func:`load_words`, :func:`codes_at`, :func:`biased_codes_at`, :func:`group_params` (a scale
-  per word) — a tile's codes, scales and zero points, shared with the fused batch-1 decode step. A K tile is read as 32/b interleaved column
-  classes (value ``i`` of every word): a shift and a mask give a class's codes in place, with no
-  reshuffling of registers;
+* :func:`load_words`, :func:`codes_at`, :func:`biased_codes_at` (``2^e + q``, for products
+  that take the bias off once per word), :func:`group_params` (a scale per word) — a tile's
+  codes, scales and zero points, shared with the fused batch-1 decode step. A K tile is read as
+  32/b interleaved column classes (value ``i`` of every word): a shift and a mask give a class's
+  codes in place, with no reshuffling of registers;
 * :func:`split_total` — a split product's partial sums added by the last split to arrive (here
   and in the fused batch-1 step);
 * :func:`packed_mm` — ``x @ W.T`` for up to :data:`MAX_DOT_ROWS` rows: tensor-core tiles of
@@ -102,18 +103,20 @@ if triton is not None:
         PER: tl.constexpr = 32 // BITS
         g = (k0 + tl.arange(0, BK // PER) * PER) // GS
         at = rn[:, None] * G + g[None, :]
-        if EVEN:
-            s = tl.load(S + at).to(tl.float32)
-        else:
-            s = tl.load(S + at, mask=(rn[:, None] < N) & (g[None, :] < G), other=0.0).to(tl.float32)
+        ok = (rn[:, None] < N) & (g[None, :] < G)
+        s = load_where(S + at, ok, EVEN).to(tl.float32)
         if HAS_Z:
-            if EVEN:
-                z = tl.load(Z + at).to(tl.float32)
-            else:
-                z = tl.load(Z + at, mask=(rn[:, None] < N) & (g[None, :] < G), other=0.0).to(tl.float32)
+            z = load_where(Z + at, ok, EVEN).to(tl.float32)
         else:
             z = tl.full([BN, BK // PER], 1 << (BITS - 1), tl.float32)
         return s, z
+
+    @triton.jit
+    def load_where(at, ok, EVEN: tl.constexpr):
+        """The values at ``at``, zero where ``ok`` is false; ``EVEN``: all exist, read unchecked."""
+        if EVEN:
+            return tl.load(at)
+        return tl.load(at, mask=ok, other=0.0)
 
     @triton.jit
     def split_total(acc, PARTS, ARRIVALS, at, ok, tile, split, splits, split_stride):

@@ -52,7 +52,7 @@ try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import biased_codes_at, group_params, split_total
+    from edgeinfer.quant.kernels import biased_codes_at, group_params, load_where, split_total
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -85,26 +85,19 @@ NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
 if triton is not None:
 
     @triton.jit
-    def _load_below(at, rk, K, MASK_K: tl.constexpr):
-        """The values at ``at``, zero where ``rk`` ≥ K (``MASK_K`` False: none is)."""
-        if MASK_K:
-            return tl.load(at, mask=rk < K, other=0.0)
-        return tl.load(at)
-
-    @triton.jit
-    def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, MASK_K: tl.constexpr = True):
+    def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr = False):
         """f(X)[rk] in ``dt`` for column indices ``rk`` of any shape (``X`` a row, or rows broadcast
         against ``rk``; ``rstd`` 1 / rms of those rows), rounded as the eager layer rounds: RMSNorm
-        or SiLU(gate)·up first. ``MASK_K`` False: every ``rk`` is below K (no bounds checks)."""
+        or SiLU(gate)·up first. ``EVEN``: every ``rk`` is below K (no bounds checks)."""
         if PROLOGUE == 2:  # X holds gate | up, each K wide
-            g = _load_below(X + rk, rk, K, MASK_K).to(tl.float32)
-            u = _load_below(X + K + rk, rk, K, MASK_K).to(tl.float32)
+            g = load_where(X + rk, rk < K, EVEN).to(tl.float32)
+            u = load_where(X + K + rk, rk < K, EVEN).to(tl.float32)
             act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
             xv = (act * u).to(dt)
         else:
-            xv = _load_below(X + rk, rk, K, MASK_K)
+            xv = load_where(X + rk, rk < K, EVEN)
             if PROLOGUE == 1:
-                nw = _load_below(NORM_W + rk, rk, K, MASK_K).to(tl.float32)
+                nw = load_where(NORM_W + rk, rk < K, EVEN).to(tl.float32)
                 xn = (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)
                 xv = (xn * nw).to(dt)
         return xv
@@ -184,10 +177,10 @@ if triton is not None:
         zero point and the scale are applied: ``s·(dot - (2^b + z)·sum_i x_i)``; with
         ``ONE_GROUP`` (a scale a row) even that waits for the last K step. Words are summed
         across threads once, after the last K step; ``EVEN`` (whole tiles) reads without bounds
-        checks. With ``SPLIT_K`` each program writes
-        its partial sums to ``PARTS`` and counts itself in ``ARRIVALS``; the last of a tile's splits
-        to arrive adds the partials in split order (the same sum whichever arrives last), finishes
-        the row and sets the count back to zero."""
+        checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
+        itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
+        order (the same sum whichever arrives last), finishes the row and sets the count back to
+        zero."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
@@ -225,8 +218,8 @@ if triton is not None:
             xsum = tl.zeros([BKW], tl.float32)
             xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
             for i in tl.static_range(PER):  # value i of every word meets column first + i of x
-                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, not EVEN).to(tl.float32)
-                bias = 1 << (8 - 4 * (i % 2) * (BITS == 4))  # biased_codes_at's 2^e
+                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                bias = 1 << (8 - 4 * (i % 2) * (BITS == 4))  # biased_codes_at's 2^e (its E, as it derives it)
                 if EXACT:
                     dot += biased_codes_at(words, i, BITS, ASM) * xi[None, :]
                     xbias += xi * bias
