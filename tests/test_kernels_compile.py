@@ -57,10 +57,13 @@ def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype):
 @pytest.mark.parametrize("bits,dtype", [(4, "bf16"), (8, "bf16"), (4, "fp32")])
 def test_packed_mm_compiles_whole_and_split(bits, dtype):
     types = {**pointers(dtype, "X", "S", "Z", "Y"), "Q": "*i32", "PARTS": "*fp32", "ARRIVALS": "*i32",
-             **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y"), "i32")}
-    for split, has_z in itertools.product((1, 4), (False, True)):
+             **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y", "splits"), "i32")}
+    # K tiles in one group of 128 (the scale after the dot) and across groups of 32; either operand order
+    for split_k, has_z, (bk, gs), w_a in itertools.product((False, True), (False, True), ((128, 128), (128, 32)),
+                                                          (False, True)):
         sizes = compiled(kernels._packed_mm_kernel, types, dict(
-            BM=16, BN=32, BK=128, SPLIT=split, BITS=bits, GS=128, HAS_Z=has_z, IEEE=dtype == "fp32"))
+            BM=16, BN=64, BK=bk, SPLIT_K=split_k, BITS=bits, GS=gs, HAS_Z=has_z, IEEE=dtype == "fp32", W_A=w_a,
+            ASM=True))
         assert all(sizes.values())
 
 

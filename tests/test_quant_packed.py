@@ -94,7 +94,9 @@ def test_kernels_read_the_packed_form_as_torch_does(quantized, kind):
     layout = packed.layout
     assert torch.equal(kernels.dequantize(packed.codes, packed.scales, packed.zeros, layout, torch.float32), dense)
     x = torch.randn(5, layout.k, device=DEVICE)
-    for config in (kernels.MmConfig(16, 128, 1), kernels.MmConfig(16, 128, 3), kernels.MmConfig(32, 256, 2)):
+    # K tiles across groups (a scale per weight) and in one group (the scale after the dot); either operand order
+    for config in (kernels.MmConfig(16, 128, 1), kernels.MmConfig(16, 128, 3, w_a=True), kernels.MmConfig(32, 256, 2),
+                   kernels.MmConfig(32, 32, 2, w_a=True), kernels.MmConfig(16, 32, 1)):
         for _ in range(2):  # split: a second call through the counts the first left
             got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, layout, config)
             torch.testing.assert_close(got, x @ dense.t(), rtol=1e-4, atol=1e-4)
@@ -124,9 +126,10 @@ def test_a_split_batched_product_adds_every_split_once(bits):
     packed = PackedMatrix(codes, scales, zeros, bits, group, (n, k))
     x = torch.randn(3, k, device=DEVICE)
     want = x @ dequantize_with_torch(codes, scales, zeros, packed.layout, torch.float32).t()
-    for _ in range(2):
-        got = kernels.packed_mm(x, codes, scales, zeros, packed.layout, kernels.MmConfig(16, 128, 4))
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for config in (kernels.MmConfig(16, 128, 4), kernels.MmConfig(32, 64, 4, w_a=True)):
+        for _ in range(2):
+            got = kernels.packed_mm(x, codes, scales, zeros, packed.layout, config)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert int(kernels._workspace(torch.device(DEVICE)).arrivals.abs().sum()) == 0
 
 
@@ -201,6 +204,31 @@ def test_a_bfloat16_row_is_the_exact_product_rounded_once(bits, n, k, group):
         want = (x.float() @ dense.t()).bfloat16().float()
         for config in (PackedGemvConfig(16, 256, 4), PackedGemvConfig(8, 128, 4, 3)):
             got = triton_decode.packed_gemv(x, packed, config).float()
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=needs_cuda)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", [(48, 1024, 64), (40, 1000, 32), (40, 1000, 1000)])
+def test_a_16_bit_batched_product_is_the_exact_product_rounded_once(dtype, bits, n, k, group):
+    """With 16-bit activations and K tiles that lie in one group, the batched product dots the
+    exact integers ``q - z`` and scales the dot: only the float32 sums round, so every row equals
+    the float32 product of the same values, rounded once (a code, zero point or scale read from
+    the wrong place, or the output tile stored transposed wrong, moves whole outputs)."""
+    torch.manual_seed(6)
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=DEVICE)
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, device=DEVICE) * 0.02 + 0.001).to(dtype)
+    bk = 32 if group < 64 else 64
+    for zeros in (None, torch.randint(0, 2 ** bits, (n, groups), device=DEVICE).to(dtype)):
+        packed = PackedMatrix(codes, scales, zeros, bits, group, (n, k))
+        dense = dequantize_with_torch(codes, scales.float(), None if zeros is None else zeros.float(), packed.layout,
+                                      torch.float32)
+        x = torch.randn(3, k, device=DEVICE).to(dtype)
+        want = (x.float() @ dense.t()).to(dtype).float()
+        for config in (kernels.MmConfig(16, bk, 1), kernels.MmConfig(32, bk, 3, w_a=True)):
+            got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, packed.layout, config).float()
             torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
 
 

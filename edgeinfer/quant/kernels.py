@@ -7,15 +7,17 @@ the symmetric centre ``2^(b-1)``). Every kernel rebuilds the weight by the dequa
 :meth:`QuantizedWeight.dequantize`, ``(q - z) · s``, so a product equals the product with the
 dequantized dense weight up to summation order and rounding.
 
-* :func:`load_words`, :func:`codes_at`, :func:`biased_codes_at` (``2^e + q``, for products
-  that take the bias off once per word), :func:`group_params` (a scale per word) — a tile's
-  codes, scales and zero points, shared with the fused batch-1 decode step. A K tile is read as
-  32/b interleaved column classes (value ``i`` of every word): a shift and a mask give a class's
-  codes in place, with no reshuffling of registers;
+* :func:`load_words`, :func:`codes_less` (``q - z``, exact, by an and-or and an add),
+  :func:`biased_codes_at` (``2^e + q``, for products that take the bias off once per word),
+  :func:`group_params` (a scale per word) — a tile's codes, scales and zero points, shared with
+  the fused batch-1 decode step. A K tile is read as 32/b interleaved column classes (value
+  ``i`` of every word): a mask (and for the top values a shift) gives a class's codes in place;
+* :func:`weight_tile` — a tile of weight put back in column order in registers;
 * :func:`split_total` — a split product's partial sums added by the last split to arrive (here
   and in the fused batch-1 step);
-* :func:`packed_mm` — ``x @ W.T`` for up to :data:`MAX_DOT_ROWS` rows: tensor-core tiles of
-  dequantized weight, split along K when N alone gives too few programs to fill the GPU;
+* :func:`packed_mm` — ``x @ W.T`` for up to :data:`MAX_DOT_ROWS` rows: a tile of weight rebuilt
+  in registers meets a tile of x in one tensor-core dot, the scale applied to the dot where the
+  tile lies in one group; split along K when N alone gives too few programs to fill the GPU;
 * :func:`dequantize` — the whole dense weight, for prompts (a GEMM then does the rest).
 """
 
@@ -57,13 +59,41 @@ if triton is not None:
 
     @triton.jit
     def codes_at(words, i: tl.constexpr, BITS: tl.constexpr):
-        """Value ``i`` of every word, as float32: the weights of columns ``k0 + (32/b)·j + i``.
+        """Value ``i`` of every word, as float32: the weights of columns ``k0 + (32/b)·j + i``."""
+        return codes_less(words, i, BITS, 0.0)
 
-        The code is put in the mantissa of 2^23 and 2^23 subtracted (exact for codes below
-        2^23): an OR and an add run at full rate, where an integer-to-float conversion runs
-        at a quarter of it and bounded the packed products."""
-        magic = ((words >> (i * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
-        return magic.to(tl.float32, bitcast=True) - 8388608.0
+    @triton.jit
+    def codes_less(words, i: tl.constexpr, BITS: tl.constexpr, z, ASM: tl.constexpr = False):
+        """Value ``i`` of every word less ``z``, as float32 (exact for integer ``z``): an and-or and an add.
+
+        The code is put in the mantissa of 2^E and ``2^E + z`` subtracted. A code whose bits lie
+        below bit 23 of the word is masked where it is (``E = 23 - b·i``: its field is then the
+        units of 2^E's mantissa), so it needs no shift; the others are shifted to the top of the
+        mantissa (``E = b``). An and-or and an add run at full rate, where an integer-to-float
+        conversion runs at a quarter of it."""
+        F: tl.constexpr = BITS * i
+        LOW: tl.constexpr = (1 << BITS) - 1
+        if F + BITS <= 23:
+            E: tl.constexpr = 23 - F
+            MASK: tl.constexpr = LOW << F
+            field = words
+        else:
+            E: tl.constexpr = BITS
+            MASK: tl.constexpr = LOW << (23 - BITS)
+            field = words >> (F - (23 - BITS))
+        BIAS: tl.constexpr = 1 << E
+        return and_or(field, MASK, (127 + E) << 23, ASM).to(tl.float32, bitcast=True) - (z + BIAS)
+
+    @triton.jit
+    def and_or(a, MASK: tl.constexpr, SET: tl.constexpr, ASM: tl.constexpr):
+        """``(a & MASK) | SET``; with ``ASM`` one ``lop3`` (written as two ops, the compiler keeps
+        both, since each takes one constant). Triton's CPU interpreter runs no inline assembly."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, $2, $3, 0xea;", "=r,r,r,r",
+                [a, tl.full(a.shape, MASK, tl.int32), tl.full(a.shape, SET, tl.int32)],
+                dtype=tl.int32, is_pure=True, pack=1)
+        return (a & MASK) | SET
 
     @triton.jit
     def biased_codes_at(words, i: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
@@ -85,14 +115,7 @@ if triton is not None:
             moved = words >> (-SHIFT)
         MASK: tl.constexpr = ((1 << BITS) - 1) << FIELD
         MAGIC: tl.constexpr = (127 + E) << 23
-        if ASM:  # one lop3, (a & b) | c: written as two ops, the compiler keeps both (each takes one constant)
-            biased = tl.inline_asm_elementwise(
-                "lop3.b32 $0, $1, $2, $3, 0xea;", "=r,r,r,r",
-                [moved, tl.full(moved.shape, MASK, tl.int32), tl.full(moved.shape, MAGIC, tl.int32)],
-                dtype=tl.int32, is_pure=True, pack=1)
-        else:  # Triton's CPU interpreter runs no inline assembly
-            biased = (moved & MASK) | MAGIC
-        return biased.to(tl.float32, bitcast=True)
+        return and_or(moved, MASK, MAGIC, ASM).to(tl.float32, bitcast=True)
 
     @triton.jit
     def group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
@@ -136,79 +159,130 @@ if triton is not None:
         return last, total
 
     @triton.jit
-    def _packed_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                          BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr, IEEE: tl.constexpr):
-        """Y[m, n] = sum_k X[m, k] * W[n, k] over a tile of Y, K split ``SPLIT`` ways.
+    def _packed_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y, splits,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                          BITS: tl.constexpr, GS: tl.constexpr, HAS_Z: tl.constexpr, IEEE: tl.constexpr,
+                          W_A: tl.constexpr, ASM: tl.constexpr):
+        """Y[m, n] = sum_k X[m, k] * W[n, k] over a tile of Y, K split ``splits`` ways (``SPLIT_K``).
 
-        Each K tile is taken as 32/b interleaved column classes (value ``i`` of every word), so a
-        class's weights come out of the words by a shift and a mask, already in a dot's layout.
-        Split, each program writes its partial sums to ``PARTS`` and counts itself in
-        ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split order,
-        writes the tile and sets the count back to zero (no second kernel to add the splits)."""
-        PER: tl.constexpr = 32 // BITS
+        A K tile of weight is rebuilt in column order in registers (:func:`weight_tile`) and
+        meets a contiguous tile of X in one tensor-core dot (``W_A``: the weight as the dot's
+        first operand, the output tile transposed). Where the tile lies in one group, its
+        values are the exact integers ``q - z`` and the scale multiplies the tile's dot, once an
+        output, not once a weight (16-bit activations only). Split, each program writes its partial sums to ``PARTS`` and
+        counts itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in
+        split order, writes the tile and sets the count back to zero (no second kernel to add
+        the splits)."""
+        # Every K tile lies in one group: its scale waits for the dot. float32 activations take the
+        # dequantized weight itself, as the dense product does (their tokens are compared exactly).
+        GROUPED: tl.constexpr = GS % BK == 0 and not IEEE
         dt = X.dtype.element_ty
-        sdt = S.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         split = tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
-        per_split = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
+        n_ok = rn < N
+        per_split = tl.cdiv(tl.cdiv(K, BK), splits) * BK
         start = split * per_split
-        acc = tl.zeros([BM, BN], tl.float32)
+        if W_A:
+            acc = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(start, tl.minimum(start + per_split, K), BK):
             words = load_words(Q, rn, k0, N, K, BN, BK, BITS)
-            s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
-            for i in tl.static_range(PER):
-                rk = k0 + tl.arange(0, BK // PER) * PER + i
-                x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                            other=0.0)
-                w = ((codes_at(words, i, BITS) - z) * s).to(sdt).to(dt)
-                if IEEE:
-                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+            if GROUPED:
+                at = rn * G + k0 // GS
+                s = tl.load(S + at, mask=n_ok, other=0.0).to(tl.float32)
+                if HAS_Z:
+                    z = tl.load(Z + at, mask=n_ok, other=0.0).to(tl.float32)[:, None]
                 else:
-                    acc += tl.dot(x, tl.trans(w))
-        out = Y + rm[:, None] * stride_y + rn[None, :]
-        ok = (rm[:, None] < M) & (rn[None, :] < N)
-        if SPLIT == 1:
+                    z = 1 << (BITS - 1)
+                w = weight_tile(words, z, z, BITS, False, S.dtype.element_ty, dt, ASM)
+            else:
+                s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
+                w = weight_tile(words, z, s, BITS, True, S.dtype.element_ty, dt, ASM)
+            if W_A:
+                if IEEE:
+                    part = tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    part = tl.dot(w, tl.trans(x))
+                if GROUPED:
+                    part = part * s[:, None]
+            else:
+                if IEEE:
+                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(w))
+                if GROUPED:
+                    part = part * s[None, :]
+            acc += part
+        if W_A:
+            at = rm[None, :] * N + rn[:, None]
+            out = Y + rm[None, :] * stride_y + rn[:, None]
+            ok = (rm[None, :] < M) & n_ok[:, None]
+        else:
+            at = rm[:, None] * N + rn[None, :]
+            out = Y + rm[:, None] * stride_y + rn[None, :]
+            ok = (rm[:, None] < M) & n_ok[None, :]
+        if not SPLIT_K:
             tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
         else:
-            last, total = split_total(acc, PARTS, ARRIVALS, rm[:, None] * N + rn[None, :], ok,
-                                      pid_m * tl.num_programs(0) + pid_n, split, SPLIT, M * N)
+            last, total = split_total(acc, PARTS, ARRIVALS, at, ok, pid_m * tl.num_programs(0) + pid_n, split,
+                                      splits, M * N)
             if last:
                 tl.store(out, total.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def weight_tile(words, z, s, BITS: tl.constexpr, SCALED: tl.constexpr, sdt: tl.constexpr, dt: tl.constexpr,
+                    ASM: tl.constexpr = False):
+        """The weights of ``words`` [R, W] in column order, [R, W·32/b] in ``dt``: ``q - z`` (exact
+        integers), or with ``SCALED`` the dequantized ``(q - z)·s`` rounded to the scales' dtype.
+        ``z`` and ``s`` broadcast against the words (a value per word, per row, or one)."""
+        if BITS == 4:
+            evens = _join4(_value(words, 0, z, s, BITS, SCALED, sdt, dt, ASM),
+                           _value(words, 2, z, s, BITS, SCALED, sdt, dt, ASM),
+                           _value(words, 4, z, s, BITS, SCALED, sdt, dt, ASM),
+                           _value(words, 6, z, s, BITS, SCALED, sdt, dt, ASM))
+            odds = _join4(_value(words, 1, z, s, BITS, SCALED, sdt, dt, ASM),
+                          _value(words, 3, z, s, BITS, SCALED, sdt, dt, ASM),
+                          _value(words, 5, z, s, BITS, SCALED, sdt, dt, ASM),
+                          _value(words, 7, z, s, BITS, SCALED, sdt, dt, ASM))
+            tile = tl.join(evens, odds)
+        else:
+            tile = _join4(_value(words, 0, z, s, BITS, SCALED, sdt, dt, ASM),
+                          _value(words, 1, z, s, BITS, SCALED, sdt, dt, ASM),
+                          _value(words, 2, z, s, BITS, SCALED, sdt, dt, ASM),
+                          _value(words, 3, z, s, BITS, SCALED, sdt, dt, ASM))
+        R: tl.constexpr = words.shape[0]
+        C: tl.constexpr = words.shape[1] * (32 // BITS)
+        return tl.reshape(tile, [R, C])
+
+    @triton.jit
+    def _value(words, i: tl.constexpr, z, s, BITS: tl.constexpr, SCALED: tl.constexpr, sdt: tl.constexpr,
+               dt: tl.constexpr, ASM: tl.constexpr):
+        """Value ``i`` of every word as :func:`weight_tile` gives it."""
+        v = codes_less(words, i, BITS, z, ASM)
+        if SCALED:
+            v = (v * s).to(sdt)
+        return v.to(dt)
+
+    @triton.jit
     def _dequantize_kernel(Q, S, Z, W, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
                            GS: tl.constexpr, HAS_Z: tl.constexpr):
-        """W[n, k] = (q - z) · s for a [BN, BK] tile: the classes put back in column order in
-        registers, so that the tile is stored contiguous (a store per class would write every
-        row 32/b times, a value at a time)."""
-        PER: tl.constexpr = 32 // BITS
+        """W[n, k] = (q - z) · s for a [BN, BK] tile, stored contiguous (the tile is put back in
+        column order in registers: a store per class would write every row 32/b times, a value
+        at a time)."""
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         k0 = tl.program_id(1) * BK
         words = load_words(Q, rn, k0, N, K, BN, BK, BITS)
         s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
-        sdt = S.dtype.element_ty
-        dt = W.dtype.element_ty
-        if PER == 8:
-            evens = _join4(_weights_at(words, s, z, 0, BITS, sdt, dt), _weights_at(words, s, z, 2, BITS, sdt, dt),
-                           _weights_at(words, s, z, 4, BITS, sdt, dt), _weights_at(words, s, z, 6, BITS, sdt, dt))
-            odds = _join4(_weights_at(words, s, z, 1, BITS, sdt, dt), _weights_at(words, s, z, 3, BITS, sdt, dt),
-                          _weights_at(words, s, z, 5, BITS, sdt, dt), _weights_at(words, s, z, 7, BITS, sdt, dt))
-            w = tl.reshape(tl.join(evens, odds), [BN, BK])
-        else:
-            w = tl.reshape(_join4(_weights_at(words, s, z, 0, BITS, sdt, dt), _weights_at(words, s, z, 1, BITS, sdt, dt),
-                                  _weights_at(words, s, z, 2, BITS, sdt, dt), _weights_at(words, s, z, 3, BITS, sdt, dt)),
-                           [BN, BK])
+        w = weight_tile(words, z, s, BITS, True, S.dtype.element_ty, W.dtype.element_ty)
         rk = k0 + tl.arange(0, BK)
         tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))
-
-    @triton.jit
-    def _weights_at(words, s, z, i: tl.constexpr, BITS: tl.constexpr, sdt: tl.constexpr, dt: tl.constexpr):
-        """Value ``i`` of every word dequantized, rounded to the scales' dtype and then to ``dt``."""
-        return ((codes_at(words, i, BITS) - z) * s).to(sdt).to(dt)
 
     @triton.jit
     def _join4(a, b, c, d):
@@ -237,6 +311,7 @@ class MmConfig:
     split: int
     warps: int = 4
     stages: int = 3
+    w_a: bool = False  # the weight as the dot's first operand
 
 
 class SplitWorkspace:
@@ -282,31 +357,42 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _tile_k(layout: PackedGeometry, want: int) -> int:
-    """A K tile of at least 16 columns per class (a dot's least K), ``want`` where the row is long enough."""
-    return max(16 * 32 // layout.bits, min(want, pow2(layout.k)))
+    """A K tile of ``want`` columns, or of the row where it is shorter (at least 32: a dot's least K
+    is 16, and a tile holds whole words)."""
+    return max(32, min(want, pow2(layout.k)))
+
+
+def _grouped_tiles(layout: PackedGeometry) -> list[int]:
+    """K tiles (64 to 256 columns) that each lie in one group, so that :func:`packed_mm` multiplies
+    by the scale once per output; the group itself where groups are shorter."""
+    g = layout.group_constexpr
+    tiles = sorted({_tile_k(layout, t) for t in (64, 128, 256) if g % _tile_k(layout, t) == 0})
+    return tiles[-2:] or [_tile_k(layout, g)]
 
 
 def mm_config(layout: PackedGeometry, rows: int, device: torch.device) -> MmConfig:
-    """Tiles for ``rows`` rows: narrow N tiles, and K split until there are about two programs
-    per multiprocessor (a decode product has few outputs and a long K)."""
-    bn = 32 if layout.n >= 4096 else 16
-    bk = _tile_k(layout, 128)
+    """Tiles for ``rows`` rows: N tiles of 32 or 64 outputs, the weight as the dot's first operand,
+    and K split until there are about two programs per multiprocessor (a decode product has few
+    outputs and a long K)."""
+    bn = 64 if layout.n >= 4096 else 32
+    bk = _grouped_tiles(layout)[-1]
     programs = triton.cdiv(layout.n, bn) * triton.cdiv(rows, max(16, pow2(rows)))
     split = 1
     while programs * split < 2 * _sm_count(device) and layout.k // (bk * split * 2) >= 2:
         split *= 2
-    return MmConfig(bn, bk, split)
+    return MmConfig(bn, bk, split, w_a=True)
 
 
 def mm_candidates(layout: PackedGeometry) -> list[MmConfig]:
-    """The tiles :func:`tuned_config` times: narrow and wide N tiles, short and long K tiles, K split
-    up to eight ways where the row is long enough."""
+    """The tiles :func:`tuned_config` times: N tiles of 32 and 64 outputs (and 128 for a vocabulary's
+    many), the two longest K tiles that lie in one group, K split up to eight ways where the row is
+    long enough, and either operand order (Hopper runs the weight-first dot as one ``wgmma``)."""
     out = []
-    for bn in (16, 32, 64):
-        for bk in sorted({_tile_k(layout, 128), _tile_k(layout, 256)}):
+    for bn in (32, 64, 128) if layout.n >= 65536 else (32, 64):
+        for bk in _grouped_tiles(layout):
             for split in (1, 2, 4, 8):
                 if split == 1 or layout.k >= bk * split:
-                    out.append(MmConfig(bn, bk, split))
+                    out.extend(MmConfig(bn, bk, split, w_a=w_a) for w_a in (False, True))
     return out
 
 
@@ -350,9 +436,10 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
         if cfg.split > 1 else (y, y)
     _packed_mm_kernel[grid](
         x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, layout.n, layout.k,
-        layout.groups, x.stride(0), layout.n,
-        BM=bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, BITS=layout.bits, GS=layout.group_constexpr,
-        HAS_Z=zeros is not None, IEEE=x.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages)
+        layout.groups, x.stride(0), layout.n, cfg.split,
+        BM=bm, BN=cfg.bn, BK=cfg.bk, SPLIT_K=cfg.split > 1, BITS=layout.bits, GS=layout.group_constexpr,
+        HAS_Z=zeros is not None, IEEE=x.dtype == torch.float32, W_A=cfg.w_a, ASM=x.device.type == "cuda",
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
 
