@@ -457,5 +457,5 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
 def tuned_choices() -> list[dict]:
     """The tiles :func:`tuned_config` chose in this process, for benchmark reports."""
     return [{"n": layout.n, "k": layout.k, "bits": layout.bits, "row_tile": bm, "zeros": has_z, "dtype": str(dtype),
-             "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split}
+             "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split, "weight_first": cfg.w_a}
             for (layout, bm, has_z, dtype, _), cfg in _TUNED.items()]
