@@ -9,13 +9,15 @@ in column order in registers and stores the tile contiguous; the replaced kernel
 Microseconds a call (``triton.testing.do_bench``, its mean), the bytes moved per µs (packed
 bytes read, bf16 bytes written), and whether both give the same weights. Writes
 ``$OUT/dequantize.json``; docs/results/probes/h200-dequantize.json is a run of it.
+Since that run ``_per_class`` takes its codes from ``codes_less`` (``q - z`` in one step, the same
+values as the ``codes_at(...) - z`` it had then).
 """
 import json, os, torch
 from triton.testing import do_bench
 from edgeinfer.quant import kernels
 from edgeinfer.quant.packed import PackedMatrix
 import triton, triton.language as tl
-from edgeinfer.quant.kernels import load_words, group_params, codes_at
+from edgeinfer.quant.kernels import load_words, group_params, codes_less
 dev = torch.device("cuda")
 
 @triton.jit
@@ -27,7 +29,7 @@ def _per_class(Q, S, Z, W, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl
     s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
     for i in tl.static_range(PER):
         rk = k0 + tl.arange(0, BK // PER) * PER + i
-        w = ((codes_at(words, i, BITS) - z) * s).to(S.dtype.element_ty).to(W.dtype.element_ty)
+        w = (codes_less(words, i, BITS, z) * s).to(S.dtype.element_ty).to(W.dtype.element_ty)
         tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))
 
 def per_class(codes, sc, layout):

@@ -73,7 +73,7 @@ def test_dequantize_compiles(bits):
     for has_z in (False, True):
         assert all(compiled(kernels._dequantize_kernel, types, dict(
             BN=32, BK=kernels._tile_k(kernels.PackedGeometry(64, 1536, bits, 12, 128), 128), BITS=bits, GS=128,
-            HAS_Z=has_z)).values())
+            HAS_Z=has_z, ASM=True)).values())
 
 
 # The fused batch-1 decode step's dense kernels, at the shapes of a Qwen2-VL-2B layer (12 query

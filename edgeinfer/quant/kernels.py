@@ -38,11 +38,17 @@ except ImportError:  # pragma: no cover - CPU builds of torch come without Trito
 MAX_DOT_ROWS = 64  # rows past this take dequantize + GEMM: the tile of weight is then reused enough
 
 
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): the kernels run in numpy, for checks
+    (and without inline assembly)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def usable(device: torch.device) -> bool:
     """Whether the kernels can run on ``device`` (a GPU, or Triton's CPU interpreter for checks)."""
     if triton is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 if triton is not None:
@@ -56,11 +62,6 @@ if triton is not None:
         rw = k0 // PER + tl.arange(0, BK // PER)
         ok = (rn[:, None] < N) & (rw[None, :] < words_per_row)
         return tl.load(Q + rn[:, None].to(tl.int64) * words_per_row + rw[None, :], mask=ok, other=0)
-
-    @triton.jit
-    def codes_at(words, i: tl.constexpr, BITS: tl.constexpr):
-        """Value ``i`` of every word, as float32: the weights of columns ``k0 + (32/b)·j + i``."""
-        return codes_less(words, i, BITS, 0.0)
 
     @triton.jit
     def codes_less(words, i: tl.constexpr, BITS: tl.constexpr, z, ASM: tl.constexpr = False):
@@ -104,7 +105,7 @@ if triton is not None:
         (``e`` 8) and 19-22 (``e`` 4), so two values come out of one shifted copy of the word;
         8-bit codes at bits 15-22. ``2^e + q`` has at most 9 significant bits, so its product with
         a 16-bit float (at most 11) is exact in float32: a product can take the biased values as
-        they are and take ``Σ 2^e·x`` off once per word, where :func:`codes_at` subtracts 2^23
+        they are and take ``Σ 2^e·x`` off once per word, where :func:`codes_less` subtracts 2^E
         from every value."""
         E: tl.constexpr = 8 - 4 * (i % 2) * (BITS == 4)
         FIELD: tl.constexpr = 23 - E
@@ -201,22 +202,16 @@ if triton is not None:
                     z = tl.load(Z + at, mask=n_ok, other=0.0).to(tl.float32)[:, None]
                 else:
                     z = 1 << (BITS - 1)
-                w = weight_tile(words, z, z, BITS, False, S.dtype.element_ty, dt, ASM)
+                w = weight_tile(words, z, 1.0, BITS, False, S.dtype.element_ty, dt, ASM)
             else:
                 s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
                 w = weight_tile(words, z, s, BITS, True, S.dtype.element_ty, dt, ASM)
             if W_A:
-                if IEEE:
-                    part = tl.dot(w, tl.trans(x), input_precision="ieee")
-                else:
-                    part = tl.dot(w, tl.trans(x))
+                part = _dot(w, tl.trans(x), IEEE)
                 if GROUPED:
                     part = part * s[:, None]
             else:
-                if IEEE:
-                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
-                else:
-                    part = tl.dot(x, tl.trans(w))
+                part = _dot(x, tl.trans(w), IEEE)
                 if GROUPED:
                     part = part * s[None, :]
             acc += part
@@ -237,8 +232,15 @@ if triton is not None:
                 tl.store(out, total.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """``a @ b`` on the tensor cores, float32 ones at full precision with ``IEEE``."""
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
     def weight_tile(words, z, s, BITS: tl.constexpr, SCALED: tl.constexpr, sdt: tl.constexpr, dt: tl.constexpr,
-                    ASM: tl.constexpr = False):
+                    ASM: tl.constexpr):
         """The weights of ``words`` [R, W] in column order, [R, W·32/b] in ``dt``: ``q - z`` (exact
         integers), or with ``SCALED`` the dequantized ``(q - z)·s`` rounded to the scales' dtype.
         ``z`` and ``s`` broadcast against the words (a value per word, per row, or one)."""
@@ -272,7 +274,7 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_kernel(Q, S, Z, W, N, K, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
-                           GS: tl.constexpr, HAS_Z: tl.constexpr):
+                           GS: tl.constexpr, HAS_Z: tl.constexpr, ASM: tl.constexpr):
         """W[n, k] = (q - z) · s for a [BN, BK] tile, stored contiguous (the tile is put back in
         column order in registers: a store per class would write every row 32/b times, a value
         at a time)."""
@@ -280,7 +282,7 @@ if triton is not None:
         k0 = tl.program_id(1) * BK
         words = load_words(Q, rn, k0, N, K, BN, BK, BITS)
         s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
-        w = weight_tile(words, z, s, BITS, True, S.dtype.element_ty, W.dtype.element_ty)
+        w = weight_tile(words, z, s, BITS, True, S.dtype.element_ty, W.dtype.element_ty, ASM)
         rk = k0 + tl.arange(0, BK)
         tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))
 
@@ -438,7 +440,7 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
         x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, layout.n, layout.k,
         layout.groups, x.stride(0), layout.n, cfg.split,
         BM=bm, BN=cfg.bn, BK=cfg.bk, SPLIT_K=cfg.split > 1, BITS=layout.bits, GS=layout.group_constexpr,
-        HAS_Z=zeros is not None, IEEE=x.dtype == torch.float32, W_A=cfg.w_a, ASM=x.device.type == "cuda",
+        HAS_Z=zeros is not None, IEEE=x.dtype == torch.float32, W_A=cfg.w_a, ASM=not interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
@@ -450,7 +452,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
     bn, bk = 32, _tile_k(layout, 128)
     _dequantize_kernel[(triton.cdiv(layout.n, bn), triton.cdiv(layout.k, bk))](
         codes, scales, zeros if zeros is not None else scales, w, layout.n, layout.k, layout.groups,
-        BN=bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=zeros is not None, num_warps=4)
+        BN=bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=zeros is not None, ASM=not interpreting(),
+        num_warps=4)
     return w
 
 

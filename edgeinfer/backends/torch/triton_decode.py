@@ -38,14 +38,13 @@ eager layers run instead.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from edgeinfer.models.decoder import DecoderLayer
-from edgeinfer.quant.kernels import SplitWorkspace
+from edgeinfer.quant.kernels import SplitWorkspace, interpreting
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this path exists at all
@@ -55,11 +54,6 @@ try:  # the import decides whether this path exists at all
     from edgeinfer.quant.kernels import biased_codes_at, group_params, load_where, split_total
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
-
-
-def interpreting() -> bool:
-    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): the kernels run in numpy, for checks."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device: torch.device) -> str | None:
