@@ -26,14 +26,33 @@ TARGETS = {"sm_90 (Hopper)": GPUTarget("cuda", 90, 32), "sm_87 (Orin)": GPUTarge
 
 
 def compiled(fn, types: dict[str, str], constexprs: dict, warps: int = 4, stages: int = 3) -> dict[str, int]:
-    """Cubin bytes per target of ``fn`` with pointer/scalar ``types`` and ``constexprs``."""
+    """Cubin bytes per target of ``fn`` with pointer/scalar ``types`` and ``constexprs``; a kernel that
+    can launch as a programmatic dependent (``PDL``) does so where its wrapper would (sm_90 and later)."""
     names = fn.arg_names
-    missing = set(names) - set(types) - set(constexprs)
-    assert not missing, f"no type given for {sorted(missing)}"
-    signature = {name: types.get(name, "constexpr") for name in names}
-    source = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
-    return {label: len(triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages})
-                       .asm["cubin"]) for label, target in TARGETS.items()}
+    sizes = {}
+    for label, target in TARGETS.items():
+        given = {**constexprs, **({"PDL": target.arch >= 90} if "PDL" in names else {})}
+        missing = set(names) - set(types) - set(given)
+        assert not missing, f"no type given for {sorted(missing)}"
+        signature = {name: types.get(name, "constexpr") for name in names}
+        source = ASTSource(fn, signature, {(names.index(k),): v for k, v in given.items()})
+        options = {"num_warps": warps, "num_stages": stages, "launch_pdl": bool(given.get("PDL"))}
+        sizes[label] = len(triton.compile(source, target=target, options=options).asm["cubin"])
+    return sizes
+
+
+def test_dependent_launch_waits_in_the_binary():
+    """On Hopper a kernel launched as a dependent carries the wait for the kernels before it; on Orin
+    (no such launch) it does not."""
+    types = {**pointers("fp32", "OPART", "MPART", "LPART"), "OUT": "*bf16", "stride_out": "i32"}
+    names = triton_decode._merge_kernel.arg_names
+    for target, pdl in ((TARGETS["sm_90 (Hopper)"], True), (TARGETS["sm_87 (Orin)"], False)):
+        given = dict(H=12, HD=128, HDP=128, SPLITS=32, SP=32, PDL=pdl)
+        source = ASTSource(triton_decode._merge_kernel, {n: types.get(n, "constexpr") for n in names},
+                           {(names.index(k),): v for k, v in given.items()})
+        ptx = triton.compile(source, target=target, options={"launch_pdl": pdl}).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl
+        assert ("griddepcontrol.launch_dependents" in ptx) == pdl
 
 
 def pointers(dt: str, *names: str) -> dict[str, str]:

@@ -177,3 +177,119 @@ def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family, contexts):
         assert torch.equal(pool_v[:, block, slot], new_v[:, row, 0])
         pool_k[:, block, slot] = k_pool[:, block, slot]
     assert torch.equal(pool_k, k_pool), "only each row's new token's slot may change"
+
+
+# --- kernels launched as programmatic dependents (Hopper and later) ------------------------------
+# Each kernel of the step is launched right behind a kernel that lets it launch at once and writes
+# its input 200 µs later: a kernel that read its input before waiting would read the zeros.
+
+if triton_decode.triton is not None and DEVICE == "cuda":
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
+
+    from edgeinfer.quant.kernels import await_inputs
+
+    @triton.jit
+    def _late_copy(SRC, DST, n, ns, BLOCK: tl.constexpr):
+        """DST = SRC, written ``ns`` nanoseconds after this kernel lets the next one launch."""
+        await_inputs(True)
+        t0 = globaltimer()
+        t = t0
+        while t - t0 < ns:
+            t = globaltimer()
+        for i in range(0, n, BLOCK):
+            at = i + tl.arange(0, BLOCK)
+            tl.store(DST + at, tl.load(SRC + at, mask=at < n), mask=at < n)
+
+    @triton.jit
+    def _early_copy(SRC, DST, n, BLOCK: tl.constexpr):
+        """DST = SRC, read at once without waiting for the kernel before: what no kernel may do."""
+        for i in range(0, n, BLOCK):
+            at = i + tl.arange(0, BLOCK)
+            tl.store(DST + at, tl.load(SRC + at, mask=at < n), mask=at < n)
+
+
+def _dependent_launch_skip() -> str | None:
+    if DEVICE != "cuda":
+        return "needs a CUDA device (none, or the interpreter is on)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"dependent launch needs sm_90 or later; this GPU is sm_{major}{minor}"
+    return None
+
+
+def _behind_a_late_copy(fn, src: torch.Tensor) -> torch.Tensor:
+    """``fn(dst)``, replayed from a CUDA graph (where the decode step's kernels run) right behind a
+    kernel that lets it launch at once and copies ``src`` into ``dst`` 200 µs later (zero until then)."""
+    dst = torch.zeros_like(src)
+    fn(dst)  # compiled, and any workspace sized, before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dst.zero_()
+        _late_copy[(1,)](src, dst, src.numel(), 200_000, BLOCK=1024, launch_pdl=True)
+        out = fn(dst)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.skipif(_dependent_launch_skip() is not None, reason=str(_dependent_launch_skip()))
+def test_dependent_kernels_wait_for_their_inputs():
+    from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch
+    from edgeinfer.quant.packed import PackedMatrix
+
+    assert dependent_launch(torch.device(DEVICE))
+    torch.manual_seed(0)
+    dtype, n, k = torch.bfloat16, 2048, 1536
+    x = torch.randn(1, k, device=DEVICE, dtype=dtype)
+
+    def early(src):
+        dst = torch.empty_like(src)
+        _early_copy[(1,)](src, dst, src.numel(), BLOCK=1024, launch_pdl=True)
+        return dst
+
+    # The set-up itself: a kernel that does not wait does read the zeros.
+    assert not _behind_a_late_copy(early, x).any(), "the kernel behind the late copy did not start before it finished"
+    norm = torch.rand(k, device=DEVICE, dtype=dtype) + 0.5
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5
+    want = triton_decode.gemv(x, w, norm_weight=norm, eps=1e-6)
+    got = _behind_a_late_copy(lambda x: triton_decode.gemv(x, w, norm_weight=norm, eps=1e-6), x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, device=DEVICE)
+    scales = (torch.rand(n, k // 128, device=DEVICE) * 0.01 + 0.001).to(dtype)
+    packed = PackedMatrix(codes, scales, None, 4, 128, (n, k))
+    workspace = SplitWorkspace(x.device)
+    for config in (triton_decode.PackedGemvConfig(16, 512, 2), triton_decode.PackedGemvConfig(8, 512, 4, 3)):
+        want = triton_decode.packed_gemv(x, packed, config, norm_weight=norm, eps=1e-6, workspace=workspace)
+        got = _behind_a_late_copy(lambda x: triton_decode.packed_gemv(x, packed, config, norm_weight=norm, eps=1e-6,
+                                                                      workspace=workspace), x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    heads, kv_heads, hd, blocks, bs = 12, 2, 128, 80, 16
+    k_pool = torch.randn(blocks, bs, kv_heads, hd, device=DEVICE, dtype=dtype)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(blocks, device=DEVICE)[:64].view(1, 64)
+    lens = torch.tensor([1000], device=DEVICE)
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * hd, device=DEVICE, dtype=dtype)
+    cos, sin = torch.rand(1, hd, device=DEVICE, dtype=dtype), torch.rand(1, hd, device=DEVICE, dtype=dtype)
+    kw = dict(heads=heads, kv_heads=kv_heads, head_dim=hd)
+    new_kv = torch.empty(1, kv_heads, hd, device=DEVICE, dtype=dtype), torch.empty(1, kv_heads, hd, device=DEVICE,
+                                                                                   dtype=dtype)
+    want = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, new_kv=new_kv, **kw)
+    got = _behind_a_late_copy(
+        lambda qkv: triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, new_kv=new_kv, **kw), qkv)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    splits, sp = 32, 32  # the merge of the attention's splits, its partial results written late
+    parts_o = torch.randn(1, heads, splits, hd, device=DEVICE)
+    parts_m, parts_l = torch.randn(1, heads, splits, device=DEVICE), torch.rand(1, heads, splits, device=DEVICE) + 1
+
+    def merge(parts_o):
+        out = torch.empty(1, heads * hd, device=DEVICE, dtype=dtype)
+        triton_decode._merge_kernel[(1, heads)](parts_o, parts_m, parts_l, out, out.stride(0), H=heads, HD=hd, HDP=hd,
+                                                SPLITS=splits, SP=sp, PDL=True, launch_pdl=True, num_warps=4)
+        return out
+
+    torch.testing.assert_close(_behind_a_late_copy(merge, parts_o), merge(parts_o), rtol=0, atol=0)

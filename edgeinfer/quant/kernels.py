@@ -35,6 +35,14 @@ try:  # the import decides whether these kernels exist at all
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
+try:  # grid dependency control (Triton 3.4 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton, or none
+    gdc_launch_dependents = gdc_wait = None
+
+# Set to 0 to launch every kernel after the one before it has finished, as a plain stream does.
+DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
+
 MAX_DOT_ROWS = 64  # rows past this take dequantize + GEMM: the tile of weight is then reused enough
 
 
@@ -51,7 +59,40 @@ def usable(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as programmatic dependents of the kernel before them.
+
+    A decode step at batch 1 is a chain of short kernels, each of which waits for the one
+    before it to finish and then for its first weights to arrive from memory. Launched as a
+    dependent (Hopper and later), a kernel starts while the one before it finishes, reads its
+    first tile of weights (which no kernel writes) and only then waits, in
+    :func:`await_inputs`, for the results of the kernels before it. ``$EDGEINFER_DEPENDENT_LAUNCH=0``
+    turns this off."""
+    if device.type != "cuda" or interpreting() or gdc_wait is None:
+        return False
+    if os.environ.get(DEPENDENT_LAUNCH_ENV, "1") == "0":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 if triton is not None:
+
+    @triton.jit
+    def await_inputs(PDL: tl.constexpr):
+        """With ``PDL`` (a kernel launched as a programmatic dependent, :func:`dependent_launch`):
+        waits until the kernels before this one have finished and their writes are visible, then
+        lets the next kernel launch. The next one thus starts only once every kernel before this
+        one has finished: before this call it may read anything but what this kernel writes
+        (its weights and scales, the past of the KV pool, the block tables). Every program calls
+        it before it writes anything."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def load_words(Q, rn, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):

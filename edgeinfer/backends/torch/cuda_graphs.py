@@ -68,6 +68,7 @@ from edgeinfer.backends.base import BurstSampling, SamplingStep
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
 from edgeinfer.models.decoder import Decoder, DecoderLayer, layer_masks, past_reader, whole_block_slots_and_mask
+from edgeinfer.quant.kernels import dependent_launch
 
 
 # One compiled layer serves every (batch, width) bucket of every engine in the process; torch's
@@ -308,7 +309,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         if self._fused is None:
             return {"fused": False, "reason": self.fused_off}
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
-                "products": self._fused.report}
+                "dependent_launch": dependent_launch(self.device), "products": self._fused.report}
 
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and

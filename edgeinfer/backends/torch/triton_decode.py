@@ -28,6 +28,11 @@ words are summed before its scale is applied; long rows are split along K, and t
 of a tile to finish adds the partial sums in a fixed order and writes the row, so a product
 stays one kernel and gives the same bits on every run.
 
+Each kernel reads its weights a step ahead of its arithmetic. On Hopper and later the kernels
+launch as programmatic dependents (:func:`~edgeinfer.quant.kernels.dependent_launch`): one
+starts while the kernel before it finishes, reads its first step's weights, and only then waits
+for its inputs (:func:`~edgeinfer.quant.kernels.await_inputs`).
+
 Larger batches keep the attention kernel (step 2, the past read in place rather than gathered
 into a copy per layer, each row only as far as its own context) between cuBLAS products:
 the layer's own ``qkv`` and ``after_attention``, compiled by the caller.
@@ -44,14 +49,14 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.models.decoder import DecoderLayer
-from edgeinfer.quant.kernels import SplitWorkspace, interpreting
+from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, interpreting
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import biased_codes_at, group_params, load_where, split_total
+    from edgeinfer.quant.kernels import await_inputs, biased_codes_at, group_params, load_where, split_total
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -116,15 +121,20 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, W, BIAS, RES, NORM_W, Y, N, K, stride_x, stride_r, stride_y, eps,
                      MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr):
         """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs of a
-        dense W."""
+        dense W. A step's weights are read while the step before it multiplies, the first step's
+        before the kernels before this one have finished (``PDL``, :func:`await_inputs`)."""
         dt = Y.dtype.element_ty
         pid = tl.program_id(0)
         rn = pid * BN + tl.arange(0, BN)
         rm = tl.arange(0, MP)
         n_ok = rn < N
         rows = rn.to(tl.int64) * K
+        rk = tl.arange(0, BK)
+        w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+        await_inputs(PDL)
         rstd = tl.zeros([MP], tl.float32)
         if PROLOGUE == 1:  # RMSNorm over each row of X
             ss = tl.zeros([MP], tl.float32)
@@ -139,16 +149,18 @@ if triton is not None:
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             xv = _input_tile(X, NORM_W, rm, rk, stride_x, K, rstd, PROLOGUE, dt)
-            w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+            this_w = w
+            rk_next = rk + BK  # the next step's weights (none past the row)
+            w = tl.load(W + rows[:, None] + rk_next[None, :], mask=n_ok[:, None] & (rk_next[None, :] < K), other=0.0)
             if USE_DOT:
                 if IEEE:
-                    acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+                    acc += tl.dot(xv, tl.trans(this_w), input_precision="ieee")
                 else:
-                    acc += tl.dot(xv, tl.trans(w))
+                    acc += tl.dot(xv, tl.trans(this_w))
             elif MP == 1:
-                wide += w.to(tl.float32) * xv.to(tl.float32)
+                wide += this_w.to(tl.float32) * xv.to(tl.float32)
             else:
-                acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                acc += tl.sum(xv.to(tl.float32)[:, None, :] * this_w.to(tl.float32)[None, :, :], axis=2)
         if MP == 1 and not USE_DOT:
             acc = tl.sum(wide, axis=1)[None, :]
         _epilogue(acc, BIAS + rn[None, :], RES + rm[:, None] * stride_r + rn[None, :],
@@ -156,11 +168,18 @@ if triton is not None:
 
 
     @triton.jit
+    def _step_words(words_at, n_ok, rw, words_per_row, EVEN: tl.constexpr):
+        """A K step's words of the tile's rows (zero past the last row or word; ``EVEN``: read unchecked)."""
+        if EVEN:
+            return tl.load(words_at)
+        return tl.load(words_at, mask=n_ok[:, None] & (rw[None, :] < words_per_row), other=0)
+
+    @triton.jit
     def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                             HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
-                            ONE_GROUP: tl.constexpr, ASM: tl.constexpr):
+                            ONE_GROUP: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
@@ -174,13 +193,25 @@ if triton is not None:
         checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
         itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
         order (the same sum whichever arrives last), finishes the row and sets the count back to
-        zero."""
+        zero. A step's words and scales are read while the step before it multiplies, the first
+        step's before the kernels before this one have finished (``PDL``, :func:`await_inputs`)."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
         split = tl.program_id(1)
         rn = tile * BN + tl.arange(0, BN)
         n_ok = rn < N
+        BKW: tl.constexpr = BK // PER  # words a row per K step
+        start = split * per_split
+        end = tl.minimum(start + per_split, K)
+        rw = start // PER + tl.arange(0, BKW)
+        # one word a thread (per row): the tile's words then lie across threads as x's columns do, and
+        # no step moves x or the sums between layouts through shared memory
+        words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
+        words = _step_words(words_at, n_ok, rw, K // PER, EVEN)
+        if not ONE_GROUP:
+            s, z = group_params(S, Z, rn, start, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+        await_inputs(PDL)
         rstd = 1.0
         if PROLOGUE == 1:  # RMSNorm over the whole row, whatever columns this program reads
             ss = tl.zeros([BK], tl.float32)
@@ -189,22 +220,21 @@ if triton is not None:
                 xv = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        BKW: tl.constexpr = BK // PER  # words a row per K step
         wide = tl.zeros([BN, BKW], tl.float32)  # a sum per word of the tile, added across words at the end
         xsums = tl.zeros([BKW], tl.float32)  # one group a row: x's sums, taken off once at the end
         xbiases = tl.zeros([BKW], tl.float32)
-        start = split * per_split
-        end = tl.minimum(start + per_split, K)
-        rw = start // PER + tl.arange(0, BKW)
-        # one word a thread (per row): the tile's words then lie across threads as x's columns do, and
-        # no step moves x or the sums between layouts through shared memory
-        words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
         for k0 in range(start, end, BK):
-            if EVEN:
-                words = tl.load(words_at)
-            else:
-                words = tl.load(words_at, mask=n_ok[:, None] & (rw[None, :] < K // PER), other=0)
             first = rw * PER  # each word's first column
+            this_words = words
+            if not ONE_GROUP:
+                this_s, this_z = s, z
+            # the next step's words and scales (the last step reads its own again, not past its columns)
+            ahead = tl.where(k0 + BK < end, BK, 0)
+            words_at += ahead // PER
+            rw += ahead // PER
+            words = _step_words(words_at, n_ok, rw, K // PER, EVEN)
+            if not ONE_GROUP:
+                s, z = group_params(S, Z, rn, k0 + ahead, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
             if ONE_GROUP:  # one scale a row: words summed across steps as they are
                 dot = wide
             else:
@@ -215,20 +245,17 @@ if triton is not None:
                 xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
                 bias = 1 << (8 - 4 * (i % 2) * (BITS == 4))  # biased_codes_at's 2^e (its E, as it derives it)
                 if EXACT:
-                    dot += biased_codes_at(words, i, BITS, ASM) * xi[None, :]
+                    dot += biased_codes_at(this_words, i, BITS, ASM) * xi[None, :]
                     xbias += xi * bias
                 else:  # float32 activations: the bias off each value before the product
-                    dot += (biased_codes_at(words, i, BITS, ASM) - bias) * xi[None, :]
+                    dot += (biased_codes_at(this_words, i, BITS, ASM) - bias) * xi[None, :]
                 xsum += xi
             if ONE_GROUP:  # the scale and zero point wait for the last step
                 wide = dot
                 xsums += xsum
                 xbiases += xbias
             else:
-                s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
-                wide += s * (dot - xbias[None, :] - z * xsum[None, :])
-            words_at += BKW
-            rw += BKW
+                wide += this_s * (dot - xbias[None, :] - this_z * xsum[None, :])
         if ONE_GROUP:
             s, z = group_params(S, Z, rn, 0, N, G, BN, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
             s, z = tl.sum(s, axis=1), tl.sum(z, axis=1)
@@ -256,16 +283,30 @@ if triton is not None:
         return xn, pn
 
     @triton.jit
+    def _past_tile(KP, VP, TABLE, p, end, kvh, rd, d_ok, stride_kb, stride_ks, BS: tl.constexpr, HD: tl.constexpr):
+        """K and V of one KV head at positions ``p`` [TILE] of a row's past (``TABLE`` its block
+        table), zero from ``end`` on."""
+        p_ok = p < end
+        block = tl.load(TABLE + p // BS, mask=p_ok, other=0)
+        base = block * stride_kb + (p % BS) * stride_ks + kvh * HD
+        kv_ok = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(KP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(VP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
+        return k, v
+
+    @triton.jit
     def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART, QW, KW,
                           stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, scale, eps,
                           KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                           HDP: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
                           SPLITS: tl.constexpr, WRITE_POOL: tl.constexpr, IEEE: tl.constexpr,
-                          QK_NORM: tl.constexpr):
+                          QK_NORM: tl.constexpr, PDL: tl.constexpr):
         """One (row, KV head, split): the group's query heads against positions
         [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls.
         With ``QK_NORM`` each head of q and of the new k is RMSNorm'd (weights ``QW``/``KW``)
-        before RoPE, as Qwen3's attention does."""
+        before RoPE, as Qwen3's attention does. A tile of the past is read while the tile before
+        it is multiplied, the first before the q|k|v product has finished (``PDL``,
+        :func:`await_inputs`: the product writes q, k and v, not the past)."""
         HALF: tl.constexpr = HD // 2
         dt = KP.dtype.element_ty
         m = tl.program_id(0)
@@ -275,6 +316,12 @@ if triton is not None:
         rg = tl.arange(0, GP)
         rd = tl.arange(0, HDP)
         d_ok = rd < HD
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, ctx)
+        rt = tl.arange(0, TILE)
+        k, v = _past_tile(KP, VP, TABLES + m * stride_tab, start + rt, end, kvh, rd, d_ok, stride_kb, stride_ks,
+                          BS, HD)
+        await_inputs(PDL)
         partner = tl.where(rd < HALF, rd + HALF, rd - HALF)
         sign = tl.where(rd < HALF, -1.0, 1.0)
         q_ok = (rg[:, None] < G) & d_ok[None, :]
@@ -294,30 +341,24 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HDP], tl.float32)
-        start = s * CHUNK
-        end = tl.minimum(start + CHUNK, ctx)
-        rt = tl.arange(0, TILE)
         for t0 in range(start, end, TILE):
-            p = t0 + rt
-            p_ok = p < end
-            block = tl.load(TABLES + m * stride_tab + p // BS, mask=p_ok, other=0)
-            base = block * stride_kb + (p % BS) * stride_ks + kvh * HD
-            kv_ok = p_ok[:, None] & d_ok[None, :]
-            k = tl.load(KP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
+            p_ok = t0 + rt < end
+            this_k, this_v = k, v
+            k, v = _past_tile(KP, VP, TABLES + m * stride_tab, t0 + TILE + rt, end, kvh, rd, d_ok, stride_kb,
+                              stride_ks, BS, HD)
             if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+                sc = tl.dot(q, tl.trans(this_k), input_precision="ieee")
             else:
-                sc = tl.dot(q, tl.trans(k))
+                sc = tl.dot(q, tl.trans(this_k))
             sc = tl.where(p_ok[None, :], sc * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
             pr = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            v = tl.load(VP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(pr, this_v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(dt), v)
+                acc = acc * alpha[:, None] + tl.dot(pr.to(dt), this_v)
             m_i = m_new
 
         if ctx // CHUNK == s:  # the new token is at position ctx
@@ -358,8 +399,10 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(OPART, MPART, LPART, OUT, stride_out,
-                      H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+                      H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                      PDL: tl.constexpr):
         """Softmax-weighted sum of one (row, head)'s splits."""
+        await_inputs(PDL)
         m = tl.program_id(0)
         h = tl.program_id(1)
         rs = tl.arange(0, SP)
@@ -396,6 +439,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _launch(device: torch.device) -> dict[str, bool]:
+    """The step's kernels' launch options: each starts as a programmatic dependent of the kernel
+    before it where the device can (:func:`~edgeinfer.quant.kernels.dependent_launch`)."""
+    pdl = dependent_launch(device)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          silu_mul: bool = False, config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -423,7 +473,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         norm_weight if norm_weight is not None else w, y, n, k, x.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
+        BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, **_launch(x.device),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return y[:m]
 
@@ -477,7 +527,7 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
         splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BN=config.bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=w.zeros is not None,
         SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=n % config.bn == 0 and k % bk == 0,
-        ONE_GROUP=layout.groups == 1, ASM=not interpreting(), num_warps=config.warps)
+        ONE_GROUP=layout.groups == 1, ASM=not interpreting(), **_launch(x.device), num_warps=config.warps)
     return y
 
 
@@ -531,10 +581,11 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
         qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), head_dim ** -0.5, eps,
         KVH=kv_heads, G=groups, GP=max(16, _pow2(groups)), HD=head_dim, HDP=max(16, _pow2(head_dim)), BS=block_size,
         CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, WRITE_POOL=valid is not None, IEEE=ieee,
-        QK_NORM=qk_norm is not None, num_warps=4, num_stages=2)
+        QK_NORM=qk_norm is not None, **_launch(qkv.device), num_warps=4, num_stages=2)
     out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge_kernel[(m, heads)](parts_o, parts_m, parts_l, out, out.stride(0), H=heads, HD=head_dim,
-                              HDP=max(16, _pow2(head_dim)), SPLITS=splits, SP=_pow2(splits), num_warps=4)
+                              HDP=max(16, _pow2(head_dim)), SPLITS=splits, SP=_pow2(splits), **_launch(qkv.device),
+                              num_warps=4)
     return out
 
 
