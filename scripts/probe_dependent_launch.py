@@ -5,7 +5,7 @@ Random weights in bf16, 4-bit and 8-bit (groups of 128), a past of 1,019 positio
 the ones the H200 benchmark of 2026-12-03 chose for each product
 (``docs/results/gpu-qwen2-vl-2b-bf16-w4a16-h8-w8a16-batched-dot.json``). The two modes alternate,
 each timed from its own graph; medians of every replay. A diagnostic, not a benchmark: the head
-and the sampler are left out.
+and the sampler are left out. Not yet run on a GPU.
 
     python scripts/probe_dependent_launch.py --out probe.json
 """
