@@ -269,15 +269,25 @@ def test_generate_runs_both_engines_alone_and_refuses_noisy_figures(checkpoint, 
 @pytest.mark.slow
 def test_gpu_benchmark_code_paths_on_a_cpu(checkpoint, tmp_path):
     """The GPU benchmark's workers on a CPU (no timing meaning): pairs of calls at two batch sizes,
-    the same prompt ids on both sides, three bandwidth probes recorded."""
-    from edgeinfer.bench.gpu import GpuBenchSpec, bench
+    the same prompt ids on both sides, three bandwidth probes recorded; the raw file is written
+    after each engine too, marked incomplete, so a run cut short keeps what it measured."""
+    from edgeinfer.bench.gpu import GpuBenchSpec, bench, raw_stem
 
     spec = GpuBenchSpec(checkpoint("qwen2_vl"), image_size=(56, 56), batch_sizes=(1, 2), new_tokens=2, repeats=1,
                         warmup=0, dtype="float32", device="cpu", kinds=("ours", "transformers-dynamic"),
                         bandwidth_mib=4)
-    path = bench(spec, tmp_path, allow_noisy=True, log=lambda _: None)
+    partial = []  # what the raw file said when the second engine started: only the first had run
+
+    def log(line: str) -> None:
+        if line.endswith(": transformers-dynamic ..."):
+            partial.append(json.loads((tmp_path / f"{raw_stem(spec)}.json").read_text()))
+
+    path = bench(spec, tmp_path, allow_noisy=True, log=log)
+    assert len(partial) == 1 and not partial[0]["publishable"]
+    assert partial[0]["problems"] == ["incomplete: transformers-dynamic not run yet"]
+    assert list(partial[0]["runs"]) == ["ours"] and partial[0]["bandwidth"]["probes"]
     data = json.loads(path.read_text())
-    assert data["same_prompt"] and not data["errors"]
+    assert data["same_prompt"] and not data["errors"] and not data["problems"]
     assert [p["name"] for p in data["bandwidth"]["probes"]] == ["copy", "sum", "gemv"]
     assert {r["batch"] for r in data["runs"]["transformers-dynamic"]} == {1, 2}
     assert set(data["speedups"]["2"]) >= {"request_tok_s", "first_token_s"}

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -383,16 +383,21 @@ class GpuReport:
 
 
 def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
-        checkpoints: Mapping[str, Path] | None = None) -> GpuReport:
+        checkpoints: Mapping[str, Path] | None = None,
+        after_each: Callable[[GpuReport, list[str]], None] | None = None) -> GpuReport:
     """Every engine in its own worker; ``checkpoints`` maps each weight format to its folder
-    (:func:`prepare_weights`; by default built under the model's parent folder)."""
+    (:func:`prepare_weights`; by default built under the model's parent folder). ``after_each``
+    is called after every worker but the last, done or failed, with the report so far and the
+    names of the workers still to run."""
     from edgeinfer.bench.common import call_worker
 
     checkpoints = dict(checkpoints) if checkpoints is not None else prepare_weights(spec, spec.model.parent, log=log)
     report = GpuReport(spec)
     tasks = [("gpu-bandwidth", "bandwidth", spec.dense, GREEDY)] + [(f"gpu-{kind}", label, fmt, mode)
                                                                    for label, kind, fmt, mode in spec.engines()]
-    for task, name, fmt, mode in tasks:
+    for i, (task, name, fmt, mode) in enumerate(tasks):
+        if after_each is not None and i:
+            after_each(report, [pending for _, pending, _, _ in tasks[i:]])
         log(f"[bench gpu] {spec.model.name}: {name} ...")
         started = time.perf_counter()
         checkpoint = checkpoints[fmt]
@@ -414,7 +419,10 @@ def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
     return report
 
 
-def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy: bool) -> tuple[dict, Any]:
+def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy: bool,
+           pending: Sequence[str] = ()) -> tuple[dict, Any]:
+    """The raw file's content; ``pending``: workers not yet run (the file is then a partial one,
+    not publishable)."""
     records = [r for result in report.results.values() for r in result["runs"]]
     verdict = judge(records, tracker.share_at, max_load, enforced=not report.spec.device.startswith("cuda"))
     summaries = report.summaries()
@@ -431,6 +439,8 @@ def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy
             "jetson": {"label": projection_label(report.environment.get("gpu")), "rows": report.jetson()}}
     head = raw.header("gpu", report.spec.to_json(), report.environment or environment("cpu"))
     problems = raw.comparison_problems(report.errors, report.same_prompt())
+    if pending:
+        problems.append(f"incomplete: {', '.join(pending)} not run yet")
     return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
 
 
@@ -548,10 +558,15 @@ def raw_stem(spec: GpuBenchSpec) -> str:
 def bench(spec: GpuBenchSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_noisy: bool = False,
           log: Callable[[str], None] = print, checkpoints: Mapping[str, Path] | None = None) -> Path:
     """Run the GPU benchmark, write ``gpu-<model>.json`` (+ ``.md``) under ``out`` (see :func:`raw_stem`),
-    return its path. ``checkpoints``: each weight format's folder (:func:`prepare_weights`).
+    return its path. The file is rewritten after every worker, marked incomplete until the last. ``checkpoints``: each weight format's folder (:func:`prepare_weights`).
     Raises ``LimitExceeded`` for noisy CPU runs (the file is written first, marked unpublishable)."""
+    def keep_so_far(report: GpuReport, pending: list[str]) -> None:
+        # A run stopped before its end (a time limit, ^C) leaves what its finished workers measured.
+        partial, _ = to_raw(report, tracker, max_load, allow_noisy, pending)
+        raw.write(out, raw_stem(spec), partial, markdown(report))
+
     with LoadTracker() as tracker:
-        report = run(spec, log, checkpoints)
+        report = run(spec, log, checkpoints, after_each=keep_so_far)
     data, verdict = to_raw(report, tracker, max_load, allow_noisy)
     path = raw.write(out, raw_stem(spec), data, markdown(report))
     log(markdown(report))
