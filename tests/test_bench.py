@@ -266,6 +266,24 @@ def test_generate_runs_both_engines_alone_and_refuses_noisy_figures(checkpoint, 
     assert {"decode", "request", "ttft", "peak_rss"} <= set(data["ratios"]["ours"])
 
 
+def test_a_generate_run_keeps_what_finished_kinds_measured(checkpoint, tmp_path):
+    """The raw file is on disk after the first kind, marked incomplete, and complete at the end."""
+    from edgeinfer.bench.generate import GenerateSpec, bench
+
+    spec = GenerateSpec(checkpoint("smolvlm"), image_size=64, new_tokens=2, repeats=1, warmup=0)
+    partial = []
+
+    def log(line: str) -> None:
+        if line == "[bench generate] ours ...":
+            partial.append(json.loads(next(tmp_path.glob("cpu-generate-*.json")).read_text()))
+
+    path = bench(spec, tmp_path, allow_noisy=True, log=log)
+    assert len(partial) == 1 and list(partial[0]["runs"]) == ["transformers"]
+    assert partial[0]["problems"] == ["incomplete: ours not run yet"] and not partial[0]["publishable"]
+    data = json.loads(path.read_text())
+    assert set(data["runs"]) == {"transformers", "ours"} and not data["problems"]
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_code_paths_on_a_cpu(checkpoint, tmp_path):
     """The GPU benchmark's workers on a CPU (no timing meaning): pairs of calls at two batch sizes,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -146,12 +146,17 @@ def build_onnx(spec: GenerateSpec, kind: str) -> None:
         raise RuntimeError(f"{kind} build failed:\n{done.stderr[-4000:]}{done.stdout[-2000:]}")
 
 
-def run(spec: GenerateSpec, log: Callable[[str], None] = print) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every kind in its own worker; (results by kind, errors by kind)."""
+def run(spec: GenerateSpec, log: Callable[[str], None] = print,
+        after_each: Callable[[dict[str, Any], dict[str, str], list[str]], None] | None = None,
+        ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every kind in its own worker; (results by kind, errors by kind). ``after_each`` is called
+    after every kind but the last, done or failed, with those so far and the kinds still to run."""
     from edgeinfer.bench.common import call_worker
 
     results, errors = {}, {}
-    for kind in spec.kinds:
+    for i, kind in enumerate(spec.kinds):
+        if after_each is not None and i:
+            after_each(results, errors, list(spec.kinds[i:]))
         started = time.perf_counter()
         log(f"[bench generate] {kind} ...")
         try:
@@ -167,8 +172,9 @@ def run(spec: GenerateSpec, log: Callable[[str], None] = print) -> tuple[dict[st
 
 
 def report(spec: GenerateSpec, results: dict[str, Any], errors: dict[str, str], share_at: Callable[[float], float],
-           max_load: float, allow_noisy: bool, benchmark: str = "generate"):
-    """The raw file's content and the quiet verdict."""
+           max_load: float, allow_noisy: bool, benchmark: str = "generate", pending: Sequence[str] = ()):
+    """The raw file's content and the quiet verdict; ``pending``: kinds not run yet (a partial
+    file, not publishable)."""
     records = [r for result in results.values() for r in result["runs"]]
     verdict = judge(records, share_at, max_load, enforced=spec.device == "cpu")
     same_prompt = len({r["prompt_digest"] for r in results.values()}) <= 1
@@ -178,7 +184,7 @@ def report(spec: GenerateSpec, results: dict[str, Any], errors: dict[str, str], 
             "runs": {k: v["runs"] for k, v in results.items()}, "summary": summary,
             "ratios": ratios(summary) if PEER in summary else {}, "errors": errors, "same_prompt": same_prompt}
     head = raw.header(benchmark, spec.to_json(), environment(spec.device, spec.threads))
-    problems = raw.comparison_problems(errors, same_prompt)
+    problems = raw.comparison_problems(errors, same_prompt) + raw.incomplete(pending)
     return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
 
 
@@ -211,14 +217,23 @@ def bench(spec: GenerateSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_
           benchmark: str = "generate", stem: str | None = None, extra: Callable[[dict], dict] | None = None,
           log: Callable[[str], None] = print) -> Path:
     """Run the benchmark, write ``cpu-generate-<model>.json`` (+ ``.md``) under ``out``, return its path.
-    Raises ``LimitExceeded`` for noisy runs on a CPU, after writing the file marked unpublishable."""
+    Raises ``LimitExceeded`` for noisy runs on a CPU, after writing the file marked unpublishable.
+    The file is rewritten after every kind, marked incomplete until the last."""
+    stem = stem or f"{spec.device}-generate-{spec.model.name}"
+
+    def content(results, errors, pending=()):
+        data, verdict = report(spec, results, errors, tracker.share_at, max_load, allow_noisy, benchmark, pending)
+        return (extra(data) if extra is not None else data), verdict
+
+    def keep_so_far(results, errors, pending):  # a run stopped early leaves what its finished kinds measured
+        data, _ = content(results, errors, pending)
+        raw.write(out, stem, data, markdown(data))
+
     with LoadTracker() as tracker:
-        results, errors = run(spec, log)
-    data, verdict = report(spec, results, errors, tracker.share_at, max_load, allow_noisy, benchmark)
-    if extra is not None:
-        data = extra(data)
+        results, errors = run(spec, log, after_each=keep_so_far)
+    data, verdict = content(results, errors)
     text = markdown(data)
-    path = raw.write(out, stem or f"{spec.device}-generate-{spec.model.name}", data, text)
+    path = raw.write(out, stem, data, text)
     log(text)
     raw.refuse_if_problems(data["problems"], path)
     refuse_if_noisy(verdict, path, allow_noisy)

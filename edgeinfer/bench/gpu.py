@@ -438,9 +438,7 @@ def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy
             "rooflines": report.rooflines(),
             "jetson": {"label": projection_label(report.environment.get("gpu")), "rows": report.jetson()}}
     head = raw.header("gpu", report.spec.to_json(), report.environment or environment("cpu"))
-    problems = raw.comparison_problems(report.errors, report.same_prompt())
-    if pending:
-        problems.append(f"incomplete: {', '.join(pending)} not run yet")
+    problems = raw.comparison_problems(report.errors, report.same_prompt()) + raw.incomplete(pending)
     return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
 
 

@@ -70,6 +70,11 @@ def comparison_problems(errors: dict[str, str], same_prompt: bool) -> list[str]:
     return out + ([] if same_prompt else ["the engines ran different prompt ids: not like for like"])
 
 
+def incomplete(pending: Sequence[str]) -> list[str]:
+    """The problem of a raw file written while ``pending`` engines have not run yet (none: none)."""
+    return [f"incomplete: {', '.join(pending)} not run yet"] if pending else []
+
+
 def write(out_dir: Path, stem: str, report: dict[str, Any], markdown: str | None = None) -> Path:
     """Write ``<out_dir>/<stem>.json`` (and the markdown summary beside it); return the JSON's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
