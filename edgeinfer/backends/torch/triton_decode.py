@@ -168,13 +168,6 @@ if triton is not None:
 
 
     @triton.jit
-    def _step_words(words_at, n_ok, rw, words_per_row, EVEN: tl.constexpr):
-        """A K step's words of the tile's rows (zero past the last row or word; ``EVEN``: read unchecked)."""
-        if EVEN:
-            return tl.load(words_at)
-        return tl.load(words_at, mask=n_ok[:, None] & (rw[None, :] < words_per_row), other=0)
-
-    @triton.jit
     def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
@@ -208,7 +201,7 @@ if triton is not None:
         # one word a thread (per row): the tile's words then lie across threads as x's columns do, and
         # no step moves x or the sums between layouts through shared memory
         words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
-        words = _step_words(words_at, n_ok, rw, K // PER, EVEN)
+        words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
         if not ONE_GROUP:
             s, z = group_params(S, Z, rn, start, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
         await_inputs(PDL)
@@ -232,7 +225,7 @@ if triton is not None:
             ahead = tl.where(k0 + BK < end, BK, 0)
             words_at += ahead // PER
             rw += ahead // PER
-            words = _step_words(words_at, n_ok, rw, K // PER, EVEN)
+            words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
             if not ONE_GROUP:
                 s, z = group_params(S, Z, rn, k0 + ahead, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
             if ONE_GROUP:  # one scale a row: words summed across steps as they are
