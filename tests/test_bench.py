@@ -131,6 +131,10 @@ def test_raw_file_says_what_ran_and_whether_it_may_be_published(tmp_path):
     assert saved["summary"]["rate"] == {"median": None, "min": 1.0, "max": 2.0, "n": 2}  # NaN is null in JSON
     summary = path.with_suffix(".md").read_text()
     assert "Not publishable" in summary and "test.json" in summary
+    # written again (as a run does after each engine): replaced whole, nothing left beside it
+    raw.write(tmp_path / "out", "test", {**data, "publishable": True}, "| b |\n")
+    assert json.loads(path.read_text())["publishable"] is True
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["test.json", "test.md"]
 
 
 def test_a_comparison_with_a_failed_engine_or_different_prompts_does_not_stand(tmp_path):

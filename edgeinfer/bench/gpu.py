@@ -556,7 +556,8 @@ def raw_stem(spec: GpuBenchSpec) -> str:
 def bench(spec: GpuBenchSpec, out: Path, *, max_load: float = QUIET_LOAD, allow_noisy: bool = False,
           log: Callable[[str], None] = print, checkpoints: Mapping[str, Path] | None = None) -> Path:
     """Run the GPU benchmark, write ``gpu-<model>.json`` (+ ``.md``) under ``out`` (see :func:`raw_stem`),
-    return its path. The file is rewritten after every worker, marked incomplete until the last. ``checkpoints``: each weight format's folder (:func:`prepare_weights`).
+    return its path; it is rewritten after every worker, marked incomplete until the last.
+    ``checkpoints``: each weight format's folder (:func:`prepare_weights`).
     Raises ``LimitExceeded`` for noisy CPU runs (the file is written first, marked unpublishable)."""
     def keep_so_far(report: GpuReport, pending: list[str]) -> None:
         # A run stopped before its end (a time limit, ^C) leaves what its finished workers measured.

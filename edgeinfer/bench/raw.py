@@ -12,6 +12,7 @@ import datetime
 import enum
 import json
 import math
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -79,12 +80,20 @@ def write(out_dir: Path, stem: str, report: dict[str, Any], markdown: str | None
     """Write ``<out_dir>/<stem>.json`` (and the markdown summary beside it); return the JSON's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stem}.json"
-    path.write_text(json.dumps(jsonable(report), indent=2) + "\n")
+    _replace(path, json.dumps(jsonable(report), indent=2) + "\n")
     if markdown is not None:
         note = "" if report.get("publishable", True) else \
             "\n**Not publishable**: see `problems` and `quiet` (runs that were not quiet) in the raw file.\n"
-        path.with_suffix(".md").write_text(f"{markdown}{note}\nRaw file: `{path.name}`\n")
+        _replace(path.with_suffix(".md"), f"{markdown}{note}\nRaw file: `{path.name}`\n")
     return path
+
+
+def _replace(path: Path, text: str) -> None:
+    """``path`` holds ``text``, or what it held before: a run stopped while it rewrites its file
+    leaves a whole one."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def refuse_if_problems(problems: Sequence[str], path: Path) -> None:
