@@ -57,6 +57,13 @@ def test_weight_formats_parse_in_order_once_and_match_the_dtype():
         parse_weights(" , ", "bfloat16")
 
 
+@pytest.mark.parametrize(("fmt", "bits", "head"), [("w8a16", 8, False), ("w8a16-h8", 8, True),
+                                                    ("w4a16", 4, False), ("w4a16-h8", 4, True)])
+def test_each_quantized_format_names_its_bits_and_head(fmt, bits, head):
+    spec = QuantizedCheckpointSpec.of(fmt, Path("ckpt"), 128)
+    assert (spec.bits, spec.lm_head_int8, spec.format) == (bits, head, fmt)
+
+
 def test_ours_runs_every_format_and_the_peers_the_checkpoint_as_it_is():
     spec = GpuBenchSpec(Path("/m/qwen2-vl-2b"), kinds=("ours", "transformers-static"),
                         weights=("bf16", "w8a16", "w4a16"))

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-QUANTIZED_BITS = {"w8a16": 8, "w4a16": 4, "w4a16-h8": 4}
+QUANTIZED_BITS = {"w8a16": 8, "w8a16-h8": 8, "w4a16": 4, "w4a16-h8": 4}
 # Formats whose lm_head is int8 per channel too (``edgeinfer quantize --lm-head int8``): at batch 1
-# a 2B model's bf16 head is two fifths of the bytes a 4-bit step reads.
-INT8_HEAD = frozenset({"w4a16-h8"})
+# a 2B model's bf16 head is two fifths of the bytes a 4-bit step reads, a quarter of an 8-bit one's.
+INT8_HEAD = frozenset({"w4a16-h8", "w8a16-h8"})
 FORMATS = (*DTYPE_NAMES.values(), *QUANTIZED_BITS)
 QUANTIZE_METHOD = "rtn"
 # The modules whose code decides what an ``rtn`` checkpoint holds.
