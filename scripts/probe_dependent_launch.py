@@ -7,7 +7,11 @@ the ones the H200 benchmark of 2026-12-03 chose for each product
 each timed from its own graph; medians of every replay. A diagnostic, not a benchmark: the head
 and the sampler are left out. Not yet run on a GPU.
 
-    python scripts/probe_dependent_launch.py --out probe.json
+``--parts`` also times each kernel alone, 28 of it in a graph (one a layer, each on its own
+weights), in both modes, and gives each product's bytes a second; ``--sweep`` times more tiles
+for each product (and attention's context chunks) that way, launched as dependents.
+
+    python scripts/probe_dependent_launch.py --out probe.json --parts --sweep
 """
 
 from __future__ import annotations
@@ -64,9 +68,12 @@ class Layers:
         self.norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
         self.x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
         self.workspace = kernels.SplitWorkspace(torch.device("cuda"))
+        self.inputs = {name: torch.randn(1, k * (2 if name == "down" else 1), device="cuda", dtype=torch.bfloat16)
+                       for name, (_, k) in SHAPES.items()}
+        self.qkv = torch.randn(1, SHAPES["qkv"][0], device="cuda", dtype=torch.bfloat16)
 
-    def product(self, name: str, x: torch.Tensor, w, **kw) -> torch.Tensor:
-        tile = TILES[self.fmt][name]
+    def product(self, name: str, x: torch.Tensor, w, tile=None, **kw) -> torch.Tensor:
+        tile = tile or TILES[self.fmt][name]
         if isinstance(w, PackedMatrix):
             return td.packed_gemv(x, w, tile, workspace=self.workspace, **kw)
         return td.gemv(x, w, config=tile, **kw)
@@ -82,6 +89,78 @@ class Layers:
             gate_up = self.product("gate_up", x, w["gate_up"], norm_weight=self.norm, eps=1e-6)
             x = self.product("down", gate_up, w["down"], residual=x, silu_mul=True)
         return x
+
+    def attention(self, i: int) -> torch.Tensor:
+        return td.paged_attention(self.qkv, self.cos, self.sin, self.k_pool[i], self.v_pool[i], self.tables,
+                                  self.lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                  new_kv=(self.new_k[i], self.new_v[i]))
+
+    def part(self, name: str, tile=None):
+        """One kernel (``name``: a product, or ``attention`` with its merge) once a layer."""
+        if name == "attention":
+            return lambda: [self.attention(i) for i in range(LAYERS)][-1]
+        kw = {"qkv": {"norm_weight": self.norm, "eps": 1e-6}, "gate_up": {"norm_weight": self.norm, "eps": 1e-6},
+              "o": {"residual": self.x}, "down": {"residual": self.x, "silu_mul": True}}[name]
+        x = self.inputs[name]
+        return lambda: [self.product(name, x, w[name], tile, **kw) for w in self.weights][-1]
+
+
+SWEEP = {  # tiles beyond the benchmark's choice: whole rows of K = 1,536 in one step, more splits of down
+    "w4": {name: [td.PackedGemvConfig(*t) for t in tiles] for name, tiles in {
+        "qkv": [(8, 2048, 4), (16, 2048, 4), (4, 2048, 2), (8, 1024, 2), (16, 1024, 4)],
+        "o": [(8, 2048, 4), (16, 2048, 4), (4, 2048, 2), (8, 1024, 2), (16, 1024, 4)],
+        "gate_up": [(16, 2048, 4), (32, 2048, 8), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 512, 4)],
+        "down": [(8, 1024, 4, 8), (8, 2048, 4, 4), (16, 1024, 4, 8), (16, 2048, 8, 4), (4, 1024, 2, 8),
+                 (8, 512, 4, 8)]}.items()},
+}
+SWEEP["w8"] = SWEEP["w4"]
+ATTENTION_CHUNKS = (32, 64, 128, 256)
+
+
+def per_call_us(fn, replays: int, calls: int = LAYERS) -> float:
+    times, _ = replay_us(fn, replays)
+    return statistics.median(times) / calls
+
+
+def parts(layers: Layers, replays: int) -> dict:
+    out = {}
+    for name in (*SHAPES, "attention"):
+        row = {}
+        for mode, env in (("plain", "0"), ("dependent", "1")):
+            os.environ[kernels.DEPENDENT_LAUNCH_ENV] = env
+            row[f"{mode}_us"] = round(per_call_us(layers.part(name), replays), 2)
+        if name != "attention":
+            nbytes = td._nbytes(layers.weights[0][name])
+            row["bytes"] = nbytes
+            row["dependent_GBps"] = round(nbytes / row["dependent_us"] / 1e3, 1)
+        out[name] = row
+    return out
+
+
+def sweep(layers: Layers, replays: int) -> dict:
+    os.environ[kernels.DEPENDENT_LAUNCH_ENV] = "1"
+    out = {}
+    for name, tiles in SWEEP.get(layers.fmt, {}).items():
+        row = {}
+        for tile in (TILES[layers.fmt][name], *tiles):
+            try:
+                row[td._config_name(tile)] = round(per_call_us(layers.part(name, tile), replays), 2)
+            except Exception as e:  # a tile the device cannot run is a finding, not a stop
+                row[td._config_name(tile)] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[name] = row
+    return out
+
+
+def attention_chunks(layers: Layers, replays: int) -> dict:
+    os.environ[kernels.DEPENDENT_LAUNCH_ENV] = "1"
+    out, default = {}, td.ATTENTION_CHUNK
+    try:
+        for chunk in ATTENTION_CHUNKS:
+            td.ATTENTION_CHUNK = chunk
+            out[str(chunk)] = round(per_call_us(layers.part("attention"), replays), 2)
+    finally:
+        td.ATTENTION_CHUNK = default
+    return out
 
 
 def replay_us(fn, replays: int) -> tuple[list[float], torch.Tensor]:
@@ -110,6 +189,8 @@ def main() -> None:
     parser.add_argument("--formats", default="w4,bf16,w8")
     parser.add_argument("--rounds", type=int, default=3, help="off/on pairs, each its own graph")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--parts", action="store_true", help="each kernel alone, both modes")
+    parser.add_argument("--sweep", action="store_true", help="more tiles for each product, attention's chunks")
     args = parser.parse_args()
     import triton
 
@@ -117,6 +198,11 @@ def main() -> None:
               "load_average": os.getloadavg(), "layers": LAYERS, "context": CONTEXT, "tiles": {
                   fmt: {name: td._config_name(t) for name, t in tiles.items()} for fmt, tiles in TILES.items()},
               "formats": {}}
+    def save() -> None:
+        report["load_average_after"] = os.getloadavg()
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
     for fmt in args.formats.split(","):
         layers = Layers(fmt)
         runs: dict[str, list[float]] = {"plain": [], "dependent": []}
@@ -127,18 +213,26 @@ def main() -> None:
                 times, outs[mode] = replay_us(layers, args.replays)
                 runs[mode].extend(times)
         plain, dependent = statistics.median(runs["plain"]), statistics.median(runs["dependent"])
-        report["formats"][fmt] = {
+        report["formats"][fmt] = row = {
             "plain_us": round(plain, 1), "dependent_us": round(dependent, 1),
             "plain_over_dependent": round(plain / dependent, 3), "same_output": bool(torch.equal(outs["plain"],
                                                                                                  outs["dependent"])),
             "replays_us": {mode: [round(t, 1) for t in times] for mode, times in runs.items()}}
-        print(fmt, {k: v for k, v in report["formats"][fmt].items() if k != "replays_us"}, flush=True)
+        print(fmt, {k: v for k, v in row.items() if k != "replays_us"}, flush=True)
+        save()
+        if args.parts:
+            row["parts"] = parts(layers, args.replays)
+            print(fmt, "parts", row["parts"], flush=True)
+            save()
+        if args.sweep:
+            row["sweep"] = sweep(layers, args.replays)
+            print(fmt, "sweep", row["sweep"], flush=True)
+            if "attention_chunks" not in report:
+                report["attention_chunks"] = attention_chunks(layers, args.replays)
+                print("attention chunks", report["attention_chunks"], flush=True)
+            save()
         del layers
         torch.cuda.empty_cache()
-        report["load_average_after"] = os.getloadavg()
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
