@@ -5,7 +5,7 @@ Random weights in bf16, 4-bit and 8-bit (groups of 128), a past of 1,019 positio
 the ones the H200 benchmark of 2026-12-03 chose for each product
 (``docs/results/gpu-qwen2-vl-2b-bf16-w4a16-h8-w8a16-batched-dot.json``). The two modes alternate,
 each timed from its own graph; medians of every replay. A diagnostic, not a benchmark: the head
-and the sampler are left out. Not yet run on a GPU.
+and the sampler are left out. Its H200 runs are ``docs/results/h200-probe-layers-*.json``.
 
 ``--parts`` also times each kernel alone, 28 of it in a graph (one a layer, each on its own
 weights), in both modes, and gives each product's bytes a second; ``--sweep`` times more tiles
@@ -54,6 +54,7 @@ class Layers:
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
+        self.tiles = dict(TILES[fmt])
         self.weights = [{name: weight(fmt, *shape) for name, shape in SHAPES.items()} for _ in range(LAYERS)]
         blocks = -(-(CONTEXT + 1) // BLOCK)
         self.k_pool = torch.randn(LAYERS, blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -73,7 +74,7 @@ class Layers:
         self.qkv = torch.randn(1, SHAPES["qkv"][0], device="cuda", dtype=torch.bfloat16)
 
     def product(self, name: str, x: torch.Tensor, w, tile=None, **kw) -> torch.Tensor:
-        tile = tile or TILES[self.fmt][name]
+        tile = tile or self.tiles[name]
         if isinstance(w, PackedMatrix):
             return td.packed_gemv(x, w, tile, workspace=self.workspace, **kw)
         return td.gemv(x, w, config=tile, **kw)
@@ -105,15 +106,19 @@ class Layers:
         return lambda: [self.product(name, x, w[name], tile, **kw) for w in self.weights][-1]
 
 
-SWEEP = {  # tiles beyond the benchmark's choice: whole rows of K = 1,536 in one step, more splits of down
-    "w4": {name: [td.PackedGemvConfig(*t) for t in tiles] for name, tiles in {
-        "qkv": [(8, 2048, 4), (16, 2048, 4), (4, 2048, 2), (8, 1024, 2), (16, 1024, 4)],
-        "o": [(8, 2048, 4), (16, 2048, 4), (4, 2048, 2), (8, 1024, 2), (16, 1024, 4)],
-        "gate_up": [(16, 2048, 4), (32, 2048, 8), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 512, 4)],
-        "down": [(8, 1024, 4, 8), (8, 2048, 4, 4), (16, 1024, 4, 8), (16, 2048, 8, 4), (4, 1024, 2, 8),
-                 (8, 512, 4, 8)]}.items()},
+SWEEP_TILES = {  # tiles beyond the benchmark's choice: whole rows of K = 1,536 in one step, more splits of down,
+    # 16-row tiles held to 96 registers a thread (``/r96``)
+    "w4": {
+        "qkv": [(8, 2048, 4), (4, 2048, 2), (16, 1024, 4), (8, 512, 2)],
+        "o": [(8, 2048, 4), (4, 2048, 2), (16, 1024, 4), (8, 512, 2)],
+        "gate_up": [(16, 512, 2, 1, 96), (8, 512, 2), (16, 512, 4), (32, 512, 4), (16, 2048, 4), (8, 2048, 4)],
+        "down": [(8, 1024, 4, 8), (16, 1024, 4, 8), (16, 1024, 4, 8, 96), (8, 2048, 4, 4), (8, 512, 4, 4)]},
 }
-SWEEP["w8"] = SWEEP["w4"]
+SWEEP_TILES["w8"] = SWEEP_TILES["w4"]
+
+
+def sweep_tiles(fmt: str) -> dict[str, list]:
+    return {name: [td.PackedGemvConfig(*t) for t in tiles] for name, tiles in SWEEP_TILES.get(fmt, {}).items()}
 ATTENTION_CHUNKS = (32, 64, 128, 256)
 
 
@@ -140,7 +145,7 @@ def parts(layers: Layers, replays: int) -> dict:
 def sweep(layers: Layers, replays: int) -> dict:
     os.environ[kernels.DEPENDENT_LAUNCH_ENV] = "1"
     out = {}
-    for name, tiles in SWEEP.get(layers.fmt, {}).items():
+    for name, tiles in sweep_tiles(layers.fmt).items():
         row = {}
         for tile in (TILES[layers.fmt][name], *tiles):
             try:
@@ -227,6 +232,15 @@ def main() -> None:
         if args.sweep:
             row["sweep"] = sweep(layers, args.replays)
             print(fmt, "sweep", row["sweep"], flush=True)
+            best = {name: min(times, key=lambda t: times[t] if isinstance(times[t], float) else 1e9)
+                    for name, times in row["sweep"].items()}
+            tiles = {name: t for name in best for t in (TILES[fmt][name], *sweep_tiles(fmt)[name])
+                     if td._config_name(t) == best[name]}
+            layers.tiles = tiles
+            os.environ[kernels.DEPENDENT_LAUNCH_ENV] = "1"
+            row["best_tiles"] = best
+            row["best_tiles_dependent_us"] = round(statistics.median(replay_us(layers, args.replays)[0]), 1)
+            print(fmt, "best tiles", best, row["best_tiles_dependent_us"], flush=True)
             if "attention_chunks" not in report:
                 report["attention_chunks"] = attention_chunks(layers, args.replays)
                 print("attention chunks", report["attention_chunks"], flush=True)

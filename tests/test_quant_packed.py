@@ -183,8 +183,10 @@ def test_kernels_in_bfloat16_read_what_they_dequantize(quantized):
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
-# whole tiles, and tiles cut at both edges; groups of 32 and 64 columns, and one a row
-@pytest.mark.parametrize("n,k,group", [(48, 1024, 64), (40, 1000, 32), (48, 1024, 1024), (40, 1000, 1000)])
+# whole tiles, and tiles cut at both edges; groups of 32 and 64 columns (several to a step), of 256
+# (a step within one group), of 96 (not a power of two: a scale read a word), and one a row
+@pytest.mark.parametrize("n,k,group", [(48, 1024, 64), (40, 1000, 32), (48, 1024, 256), (40, 960, 96),
+                                       (48, 1024, 1024), (40, 1000, 1000)])
 def test_a_bfloat16_row_is_the_exact_product_rounded_once(bits, n, k, group):
     """With 16-bit activations the batch-1 product takes the codes biased (2^e + q) and takes the
     bias off per word: every product is exact and only the float32 sums round, so the row equals

@@ -177,6 +177,23 @@ if triton is not None:
         return s, z
 
     @triton.jit
+    def step_group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
+                          GS: tl.constexpr, HAS_Z: tl.constexpr, EVEN: tl.constexpr = False):
+        """Scale and zero point (float32) of each group that a step of BK columns from ``k0``
+        meets, [BN, max(BK / GS, 1)]: one load a group rather than one a word. BK and GS are
+        powers of two (the one divides the other)."""
+        NG: tl.constexpr = BK // GS if BK >= GS else 1
+        g = k0 // GS + tl.arange(0, NG)
+        at = rn[:, None] * G + g[None, :]
+        ok = (rn[:, None] < N) & (g[None, :] < G)
+        s = load_where(S + at, ok, EVEN).to(tl.float32)
+        if HAS_Z:
+            z = load_where(Z + at, ok, EVEN).to(tl.float32)
+        else:
+            z = tl.full([BN, NG], 1 << (BITS - 1), tl.float32)
+        return s, z
+
+    @triton.jit
     def load_where(at, ok, EVEN: tl.constexpr):
         """The values at ``at``, zero where ``ok`` is false; ``EVEN``: all exist, read unchecked."""
         if EVEN:

@@ -56,7 +56,14 @@ try:  # the import decides whether this path exists at all
     import triton
     import triton.language as tl
 
-    from edgeinfer.quant.kernels import await_inputs, biased_codes_at, group_params, load_where, split_total
+    from edgeinfer.quant.kernels import (
+        await_inputs,
+        biased_codes_at,
+        group_params,
+        load_where,
+        split_total,
+        step_group_params,
+    )
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
@@ -122,7 +129,7 @@ if triton is not None:
     def _gemv_kernel(X, W, BIAS, RES, NORM_W, Y, N, K, stride_x, stride_r, stride_y, eps,
                      MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     XB: tl.constexpr, PDL: tl.constexpr):
         """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs of a
         dense W. A step's weights are read while the step before it multiplies, the first step's
         before the kernels before this one have finished (``PDL``, :func:`await_inputs`)."""
@@ -136,11 +143,11 @@ if triton is not None:
         w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
         await_inputs(PDL)
         rstd = tl.zeros([MP], tl.float32)
-        if PROLOGUE == 1:  # RMSNorm over each row of X
+        if PROLOGUE == 1:  # RMSNorm over each row of X, XB columns a wait
             ss = tl.zeros([MP], tl.float32)
-            for k0 in range(0, K, BK):
-                rk = k0 + tl.arange(0, BK)
-                xv = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=rk[None, :] < K, other=0.0)
+            for k0 in range(0, K, XB):
+                rx = k0 + tl.arange(0, XB)
+                xv = tl.load(X + rm[:, None] * stride_x + rx[None, :], mask=rx[None, :] < K, other=0.0)
                 xv = xv.to(tl.float32)
                 ss += tl.sum(xv * xv, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -172,7 +179,8 @@ if triton is not None:
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                             HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
-                            ONE_GROUP: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                            ONE_GROUP: tl.constexpr, POW2_GROUPS: tl.constexpr, XB: tl.constexpr,
+                            ASM: tl.constexpr, PDL: tl.constexpr):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
@@ -181,7 +189,10 @@ if triton is not None:
         is taken with the codes biased (:func:`biased_codes_at`; with ``EXACT``, the activations'
         16-bit floats, those products are exact), and per word, not per weight, the bias, the
         zero point and the scale are applied: ``s·(dot - (2^b + z)·sum_i x_i)``; with
-        ``ONE_GROUP`` (a scale a row) even that waits for the last K step. Words are summed
+        ``ONE_GROUP`` (a scale a row) even that waits for the last K step; with ``POW2_GROUPS``
+        (groups of a power of two columns) a step reads one scale a group and applies it to the
+        group's words, not one a word, which saves each thread a load and its address per word.
+        Words are summed
         across threads once, after the last K step; ``EVEN`` (whole tiles) reads without bounds
         checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
         itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
@@ -202,14 +213,17 @@ if triton is not None:
         # no step moves x or the sums between layouts through shared memory
         words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
         words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
-        if not ONE_GROUP:
+        NG: tl.constexpr = BK // GS if BK >= GS else 1  # groups a step meets (POW2_GROUPS)
+        if POW2_GROUPS:
+            s, z = step_group_params(S, Z, rn, start, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+        elif not ONE_GROUP:
             s, z = group_params(S, Z, rn, start, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
         await_inputs(PDL)
         rstd = 1.0
         if PROLOGUE == 1:  # RMSNorm over the whole row, whatever columns this program reads
-            ss = tl.zeros([BK], tl.float32)
-            for k0 in range(0, K, BK):
-                rk = k0 + tl.arange(0, BK)
+            ss = tl.zeros([XB], tl.float32)
+            for k0 in range(0, K, XB):  # once for rows up to XB: one wait for x, not one a step
+                rk = k0 + tl.arange(0, XB)
                 xv = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
@@ -226,7 +240,9 @@ if triton is not None:
             words_at += ahead // PER
             rw += ahead // PER
             words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
-            if not ONE_GROUP:
+            if POW2_GROUPS:
+                s, z = step_group_params(S, Z, rn, k0 + ahead, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+            elif not ONE_GROUP:
                 s, z = group_params(S, Z, rn, k0 + ahead, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
             if ONE_GROUP:  # one scale a row: words summed across steps as they are
                 dot = wide
@@ -247,6 +263,11 @@ if triton is not None:
                 wide = dot
                 xsums += xsum
                 xbiases += xbias
+            elif POW2_GROUPS:  # the step's words as [rows, groups, words a group] meet their group's scale
+                d3 = tl.reshape(dot, [BN, NG, BKW // NG])
+                xbias3 = tl.reshape(xbias, [NG, BKW // NG])[None, :, :]
+                xsum3 = tl.reshape(xsum, [NG, BKW // NG])[None, :, :]
+                wide += tl.reshape(this_s[:, :, None] * (d3 - xbias3 - this_z[:, :, None] * xsum3), [BN, BKW])
             else:
                 wide += this_s * (dot - xbias[None, :] - this_z * xsum[None, :])
         if ONE_GROUP:
@@ -432,6 +453,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _norm_block(k: int, rows: int, prologue: int) -> int:
+    """Columns of x a product's RMSNorm prologue reads at once: a whole row up to 4,096 values
+    (a 1,536-wide row in one read, not one a K step); 16 (unused) without the prologue."""
+    return min(_pow2(k), max(16, 4096 // _pow2(rows))) if prologue == RMSNORM else 16
+
+
 def _launch(device: torch.device) -> dict[str, bool]:
     """The step's kernels' launch options: each starts as a programmatic dependent of the kernel
     before it where the device can (:func:`~edgeinfer.quant.kernels.dependent_launch`)."""
@@ -466,8 +493,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         norm_weight if norm_weight is not None else w, y, n, k, x.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, **_launch(x.device),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, XB=_norm_block(k, mp, prologue),
+        **_launch(x.device), num_warps=cfg.warps, num_stages=cfg.stages)
     return y[:m]
 
 
@@ -479,17 +506,23 @@ class PackedGemvConfig:
     bk: int
     warps: int
     split: int = 1
+    registers: int | None = None  # a cap on registers a thread (``maxnreg``): more programs resident
 
 
-# Candidates timed per packed product at load: tiles of 8 to 32 rows by 256 to 1024 columns (a
-# thread then holds one word of each of several rows, and x's work is shared by those rows), K
-# split four ways for ``down``-like products (few outputs, long rows: too few programs unsplit).
+# Candidates timed per packed product at load: tiles of 4 to 32 rows by 256 to 2048 columns (a
+# thread then holds one word of each of several rows, and x's work is shared by those rows; 2048
+# columns read a 1,536-wide row in one step), K split four or eight ways for ``down``-like
+# products (few outputs, long rows: too few programs unsplit).
 PACKED_GEMV_CANDIDATES = (
     PackedGemvConfig(16, 1024, 4), PackedGemvConfig(16, 512, 4), PackedGemvConfig(8, 1024, 4),
     PackedGemvConfig(32, 512, 4), PackedGemvConfig(32, 256, 4), PackedGemvConfig(16, 256, 4),
     PackedGemvConfig(32, 512, 8), PackedGemvConfig(32, 1024, 8), PackedGemvConfig(16, 512, 2),
-    PackedGemvConfig(8, 512, 2), PackedGemvConfig(8, 1024, 4, 4), PackedGemvConfig(16, 512, 4, 4),
-    PackedGemvConfig(8, 512, 4, 4), PackedGemvConfig(16, 256, 4, 4),
+    PackedGemvConfig(8, 512, 2), PackedGemvConfig(16, 2048, 4), PackedGemvConfig(8, 2048, 4),
+    PackedGemvConfig(4, 2048, 2), PackedGemvConfig(8, 1024, 4, 4), PackedGemvConfig(16, 512, 4, 4),
+    PackedGemvConfig(8, 512, 4, 4), PackedGemvConfig(16, 256, 4, 4), PackedGemvConfig(8, 1024, 4, 8),
+    PackedGemvConfig(16, 1024, 4, 8), PackedGemvConfig(8, 2048, 4, 4),
+    # 16-row tiles held to 96 registers a thread: ten (or five) programs an SM rather than eight (four)
+    PackedGemvConfig(16, 512, 2, 1, 96), PackedGemvConfig(16, 1024, 4, 8, 96),
 )
 
 
@@ -512,15 +545,18 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
     y = out if out is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
     parts, arrivals = (workspace or SplitWorkspace(x.device)).take(splits * n, tiles) if splits > 1 else (y, y)
     prologue = SILU_MUL if silu_mul else RMSNORM if norm_weight is not None else NONE
-    codes = w.codes
+    codes, gs = w.codes, layout.group_constexpr
+    registers = {"maxnreg": config.registers} if config.registers else {}
     _packed_gemv_kernel[(tiles, splits)](
         x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
         bias if bias is not None else codes, residual if residual is not None else codes,
         norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, layout.groups, per_split,
         splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BN=config.bn, BK=bk, BITS=layout.bits, GS=layout.group_constexpr, HAS_Z=w.zeros is not None,
+        BN=config.bn, BK=bk, BITS=layout.bits, GS=gs, HAS_Z=w.zeros is not None,
         SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=n % config.bn == 0 and k % bk == 0,
-        ONE_GROUP=layout.groups == 1, ASM=not interpreting(), **_launch(x.device), num_warps=config.warps)
+        ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and _pow2(gs) == gs,
+        XB=_norm_block(k, 1, prologue), ASM=not interpreting(), **_launch(x.device), num_warps=config.warps,
+        **registers)
     return y
 
 
@@ -584,7 +620,7 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
 
 def _config_name(c: GemvConfig | PackedGemvConfig) -> str:
     if isinstance(c, PackedGemvConfig):
-        return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}"
+        return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
     return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s"
 
 
