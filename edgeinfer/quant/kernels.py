@@ -160,37 +160,34 @@ if triton is not None:
         return and_or(moved, MASK, MAGIC, ASM).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
-                     GS: tl.constexpr, HAS_Z: tl.constexpr, EVEN: tl.constexpr = False):
+    def group_params(S, Z, rn, k0, N, G, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                     HAS_Z: tl.constexpr, EVEN: tl.constexpr = False):
         """Scale and zero point (float32) of every word of the tile, [BN, BK·b/32]; the 32/b values
         of a word share a group (groups are 32 columns or more). ``EVEN``: every row and group of
         the tile exists (no bounds checks)."""
         PER: tl.constexpr = 32 // BITS
-        g = (k0 + tl.arange(0, BK // PER) * PER) // GS
-        at = rn[:, None] * G + g[None, :]
-        ok = (rn[:, None] < N) & (g[None, :] < G)
-        s = load_where(S + at, ok, EVEN).to(tl.float32)
-        if HAS_Z:
-            z = load_where(Z + at, ok, EVEN).to(tl.float32)
-        else:
-            z = tl.full([BN, BK // PER], 1 << (BITS - 1), tl.float32)
-        return s, z
+        return params_at(S, Z, rn, (k0 + tl.arange(0, BK // PER) * PER) // GS, N, G, BITS, HAS_Z, EVEN)
 
     @triton.jit
-    def step_group_params(S, Z, rn, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr,
-                          GS: tl.constexpr, HAS_Z: tl.constexpr, EVEN: tl.constexpr = False):
+    def step_group_params(S, Z, rn, k0, N, G, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                          HAS_Z: tl.constexpr, EVEN: tl.constexpr = False):
         """Scale and zero point (float32) of each group that a step of BK columns from ``k0``
         meets, [BN, max(BK / GS, 1)]: one load a group rather than one a word. BK and GS are
         powers of two (the one divides the other)."""
         NG: tl.constexpr = BK // GS if BK >= GS else 1
-        g = k0 // GS + tl.arange(0, NG)
+        return params_at(S, Z, rn, k0 // GS + tl.arange(0, NG), N, G, BITS, HAS_Z, EVEN)
+
+    @triton.jit
+    def params_at(S, Z, rn, g, N, G, BITS: tl.constexpr, HAS_Z: tl.constexpr, EVEN: tl.constexpr):
+        """Scale and zero point (float32) of rows ``rn`` [BN] in groups ``g`` [W], [BN, W]; zero
+        points 2^(b-1) (symmetric) without ``HAS_Z``."""
         at = rn[:, None] * G + g[None, :]
         ok = (rn[:, None] < N) & (g[None, :] < G)
         s = load_where(S + at, ok, EVEN).to(tl.float32)
         if HAS_Z:
             z = load_where(Z + at, ok, EVEN).to(tl.float32)
         else:
-            z = tl.full([BN, NG], 1 << (BITS - 1), tl.float32)
+            z = tl.zeros_like(s) + (1 << (BITS - 1))
         return s, z
 
     @triton.jit
@@ -262,7 +259,7 @@ if triton is not None:
                     z = 1 << (BITS - 1)
                 w = weight_tile(words, z, 1.0, BITS, False, S.dtype.element_ty, dt, ASM)
             else:
-                s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
+                s, z = group_params(S, Z, rn, k0, N, G, BK, BITS, GS, HAS_Z)
                 w = weight_tile(words, z, s, BITS, True, S.dtype.element_ty, dt, ASM)
             if W_A:
                 part = _dot(w, tl.trans(x), IEEE)
@@ -339,7 +336,7 @@ if triton is not None:
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         k0 = tl.program_id(1) * BK
         words = load_words(Q, rn, k0, N, K, BN, BK, BITS)
-        s, z = group_params(S, Z, rn, k0, N, G, BN, BK, BITS, GS, HAS_Z)
+        s, z = group_params(S, Z, rn, k0, N, G, BK, BITS, GS, HAS_Z)
         w = weight_tile(words, z, s, BITS, True, S.dtype.element_ty, W.dtype.element_ty, ASM)
         rk = k0 + tl.arange(0, BK)
         tl.store(W + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=(rn[:, None] < N) & (rk[None, :] < K))

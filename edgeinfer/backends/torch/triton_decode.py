@@ -215,9 +215,9 @@ if triton is not None:
         words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
         NG: tl.constexpr = BK // GS if BK >= GS else 1  # groups a step meets (POW2_GROUPS)
         if POW2_GROUPS:
-            s, z = step_group_params(S, Z, rn, start, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+            s, z = step_group_params(S, Z, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN)
         elif not ONE_GROUP:
-            s, z = group_params(S, Z, rn, start, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+            s, z = group_params(S, Z, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN)
         await_inputs(PDL)
         rstd = 1.0
         if PROLOGUE == 1:  # RMSNorm over the whole row, whatever columns this program reads
@@ -241,9 +241,9 @@ if triton is not None:
             rw += ahead // PER
             words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
             if POW2_GROUPS:
-                s, z = step_group_params(S, Z, rn, k0 + ahead, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+                s, z = step_group_params(S, Z, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN)
             elif not ONE_GROUP:
-                s, z = group_params(S, Z, rn, k0 + ahead, N, G, BN, BK, BITS, GS, HAS_Z, EVEN)
+                s, z = group_params(S, Z, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN)
             if ONE_GROUP:  # one scale a row: words summed across steps as they are
                 dot = wide
             else:
@@ -271,7 +271,7 @@ if triton is not None:
             else:
                 wide += this_s * (dot - xbias[None, :] - this_z * xsum[None, :])
         if ONE_GROUP:
-            s, z = group_params(S, Z, rn, 0, N, G, BN, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
+            s, z = group_params(S, Z, rn, 0, N, G, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
             s, z = tl.sum(s, axis=1), tl.sum(z, axis=1)
             acc = s * (tl.sum(wide, axis=1) - tl.sum(xbiases, axis=0) - z * tl.sum(xsums, axis=0))
         else:
