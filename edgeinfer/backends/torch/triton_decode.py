@@ -192,9 +192,8 @@ if triton is not None:
         ``ONE_GROUP`` (a scale a row) even that waits for the last K step; with ``POW2_GROUPS``
         (groups of a power of two columns) a step reads one scale a group and applies it to the
         group's words, not one a word, which saves each thread a load and its address per word.
-        Words are summed
-        across threads once, after the last K step; ``EVEN`` (whole tiles) reads without bounds
-        checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
+        Words are summed across threads once, after the last K step; ``EVEN`` (whole tiles) reads
+        without bounds checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
         itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
         order (the same sum whichever arrives last), finishes the row and sets the count back to
         zero. A step's words and scales are read while the step before it multiplies, the first
