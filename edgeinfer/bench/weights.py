@@ -19,9 +19,9 @@ from pathlib import Path
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 QUANTIZED_BITS = {"w8a16": 8, "w8a16-h8": 8, "w4a16": 4, "w4a16-h8": 4}
-# Formats whose lm_head is int8 per channel too (``edgeinfer quantize --lm-head int8``): at batch 1
+# ``-h8``: the lm_head is int8 per channel too (``edgeinfer quantize --lm-head int8``): at batch 1
 # a 2B model's bf16 head is two fifths of the bytes a 4-bit step reads, a quarter of an 8-bit one's.
-INT8_HEAD = frozenset({"w4a16-h8", "w8a16-h8"})
+INT8_HEAD_SUFFIX = "-h8"
 FORMATS = (*DTYPE_NAMES.values(), *QUANTIZED_BITS)
 QUANTIZE_METHOD = "rtn"
 # The modules whose code decides what an ``rtn`` checkpoint holds.
@@ -72,11 +72,11 @@ class QuantizedCheckpointSpec:
 
     @classmethod
     def of(cls, fmt: str, source: Path, group_size: int) -> "QuantizedCheckpointSpec":
-        return cls(source, QUANTIZED_BITS[fmt], group_size, lm_head_int8=fmt in INT8_HEAD)
+        return cls(source, QUANTIZED_BITS[fmt], group_size, lm_head_int8=fmt.endswith(INT8_HEAD_SUFFIX))
 
     @property
     def format(self) -> str:
-        return f"w{self.bits}a16" + ("-h8" if self.lm_head_int8 else "")
+        return f"w{self.bits}a16" + (INT8_HEAD_SUFFIX if self.lm_head_int8 else "")
 
     def key(self) -> str:
         """A digest of everything the written checkpoint depends on."""
