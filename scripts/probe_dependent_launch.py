@@ -69,8 +69,7 @@ class Layers:
         self.norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
         self.x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
         self.workspace = kernels.SplitWorkspace(torch.device("cuda"))
-        self.inputs = {name: torch.randn(1, k * (2 if name == "down" else 1), device="cuda", dtype=torch.bfloat16)
-                       for name, (_, k) in SHAPES.items()}
+        self.inputs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in SHAPES.items()}
         self.qkv = torch.randn(1, SHAPES["qkv"][0], device="cuda", dtype=torch.bfloat16)
 
     def product(self, name: str, x: torch.Tensor, w, tile=None, **kw) -> torch.Tensor:
@@ -87,8 +86,8 @@ class Layers:
                                       heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                       new_kv=(self.new_k[i], self.new_v[i]))
             x = self.product("o", attn, w["o"], residual=x)
-            gate_up = self.product("gate_up", x, w["gate_up"], norm_weight=self.norm, eps=1e-6)
-            x = self.product("down", gate_up, w["down"], residual=x, silu_mul=True)
+            act = self.product("gate_up", x, w["gate_up"], norm_weight=self.norm, eps=1e-6, glu=True)
+            x = self.product("down", act, w["down"], residual=x)
         return x
 
     def attention(self, i: int) -> torch.Tensor:
@@ -100,8 +99,8 @@ class Layers:
         """One kernel (``name``: a product, or ``attention`` with its merge) once a layer."""
         if name == "attention":
             return lambda: [self.attention(i) for i in range(LAYERS)][-1]
-        kw = {"qkv": {"norm_weight": self.norm, "eps": 1e-6}, "gate_up": {"norm_weight": self.norm, "eps": 1e-6},
-              "o": {"residual": self.x}, "down": {"residual": self.x, "silu_mul": True}}[name]
+        kw = {"qkv": {"norm_weight": self.norm, "eps": 1e-6}, "o": {"residual": self.x}, "down": {"residual": self.x},
+              "gate_up": {"norm_weight": self.norm, "eps": 1e-6, "glu": True}}[name]
         x = self.inputs[name]
         return lambda: [self.product(name, x, w[name], tile, **kw) for w in self.weights][-1]
 

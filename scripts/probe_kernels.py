@@ -197,7 +197,7 @@ def packed_q(n, k, bits, gs, zeros=False):
 
 if "prod" in which:
     H, I, V = 1536, 8960, 151936
-    prods = {"qkv": (2048, H, "norm"), "o": (H, H, "res"), "gate_up": (2 * I, H, "norm"), "down": (H, I, "silu"),
+    prods = {"qkv": (2048, H, "norm"), "o": (H, H, "res"), "gate_up": (2 * I, H, "glu"), "down": (H, I, "res"),
              "lm_head": (V, H, "norm")}
     total = {}
     for name, (n, k, pro) in prods.items():
@@ -220,15 +220,12 @@ if "prod" in which:
 
                     def product(x, w, c, **kw):
                         return td.packed_gemv(x, w, c, workspace=split_ws, **kw)
-                kin = 2 * k if pro == "silu" else k
-                x = torch.randn(1, kin, dtype=torch.bfloat16, device=dev)
+                x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
                 kw = {}
-                if pro == "norm":
-                    kw = dict(norm_weight=torch.rand(k, dtype=torch.bfloat16, device=dev), eps=1e-6)
-                elif pro == "res":
-                    kw = dict(residual=torch.randn(1, n, dtype=torch.bfloat16, device=dev))
+                if pro in ("norm", "glu"):
+                    kw = dict(norm_weight=torch.rand(k, dtype=torch.bfloat16, device=dev), eps=1e-6, glu=pro == "glu")
                 else:
-                    kw = dict(silu_mul=True, residual=torch.randn(1, n, dtype=torch.bfloat16, device=dev))
+                    kw = dict(residual=torch.randn(1, n, dtype=torch.bfloat16, device=dev))
                 t = {c: graph_time_us([lambda w=w, c=c: product(x, w, c, **kw) for w in ws]) for c in cands}
                 c = min(t, key=t.get)
                 total[fmt] = total.get(fmt, 0) + t[c] * count

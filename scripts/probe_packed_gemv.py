@@ -33,7 +33,7 @@ LAYERS = 28
 res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "layers": LAYERS}
 PRODUCTS = {  # name: (N, K, prologue/epilogue)
     "qkv": (2048, 1536, "norm+bias"), "o": (1536, 1536, "residual"),
-    "gate_up": (17920, 1536, "norm"), "down": (1536, 8960, "silu+residual"),
+    "gate_up": (17920, 1536, "norm+glu"), "down": (1536, 8960, "residual"),
 }
 DENSE_BEST = {"qkv": (4, 1024, 8, 2), "o": (2, 1024, 4, 2), "gate_up": (8, 512, 4, 2), "down": (8, 1024, 8, 2),
               "lm_head": (2, 512, 2, 3)}
@@ -51,7 +51,7 @@ def packed(n, k, bits, gs):
 
 def inputs(name, n, k):
     kind = PRODUCTS.get(name, (0, 0, "norm"))[2]
-    x = torch.randn(1, 2 * k if "silu" in kind else k, device=dev, dtype=bf)
+    x = torch.randn(1, k, device=dev, dtype=bf)
     kw = {}
     if "norm" in kind:
         kw.update(norm_weight=(torch.rand(k, device=dev) + 0.5).to(bf), eps=1e-6)
@@ -59,8 +59,8 @@ def inputs(name, n, k):
         kw["bias"] = torch.randn(n, device=dev, dtype=bf)
     if "residual" in kind:
         kw["residual"] = torch.randn(1, n, device=dev, dtype=bf)
-    if "silu" in kind:
-        kw["silu_mul"] = True
+    if "glu" in kind:
+        kw["glu"] = True
     return x, kw
 
 

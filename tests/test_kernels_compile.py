@@ -59,20 +59,26 @@ def pointers(dt: str, *names: str) -> dict[str, str]:
     return {name: f"*{dt}" for name in names}
 
 
+# (prologue, glu) as the fused step runs them: o and down (a residual), q|k|v (RMSNorm and a bias),
+# gate|up (RMSNorm, a bias, SiLU(gate)·up)
+EPILOGUES = ((0, False), (1, False), (1, True))
+
+
 @pytest.mark.parametrize("bits,dtype", [(4, "bf16"), (8, "bf16"), (4, "fp32")])
 def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype):
     types = {**pointers(dtype, "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
-    # groups of 128 (4 a step) and one group a row, for every prologue; whole tiles and cut ones; a
-    # step within a group of 1024, and groups of 96 (a scale a word), with the RMSNorm prologue
-    cases = [(prologue, split_k, gs, has_z, even) for prologue in (0, 1, 2) for split_k, gs, has_z, even in
+    # groups of 128 (4 a step) and one group a row, for every prologue and epilogue (the residual,
+    # or SiLU(gate)·up); whole tiles and cut ones; a step within a group of 1024, and groups of 96
+    # (a scale a word), with the RMSNorm prologue
+    cases = [(prologue, glu, split_k, gs, has_z, even) for prologue, glu in EPILOGUES for split_k, gs, has_z, even in
              ((False, 128, False, True), (True, 2048, True, False))]
-    cases += [(1, True, 1024, True, False), (1, False, 96, True, False)]
-    for prologue, split_k, gs, has_z, even in cases:
+    cases += [(1, False, True, 1024, True, False), (1, False, False, 96, True, False)]
+    for prologue, glu, split_k, gs, has_z, even in cases:
         sizes = compiled(triton_decode._packed_gemv_kernel, types, dict(
-            PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue != 1, BN=16, BK=512, BITS=bits, GS=gs,
+            PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=bits, GS=gs,
             HAS_Z=has_z, SPLIT_K=split_k, EXACT=dtype != "fp32", EVEN=even, ONE_GROUP=gs == 2048,
-            POW2_GROUPS=gs in (128, 1024), XB=2048 if prologue == 1 else 16, ASM=True))
+            POW2_GROUPS=gs in (128, 1024), XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True))
         assert all(sizes.values())
 
 
@@ -105,10 +111,10 @@ def test_dequantize_compiles(bits):
 def test_dense_gemv_compiles_for_every_prologue():
     types = {**pointers("bf16", "X", "W", "BIAS", "RES", "NORM_W", "Y"),
              **dict.fromkeys(("N", "K", "stride_x", "stride_r", "stride_y"), "i32"), "eps": "fp32"}
-    for prologue in (0, 1, 2):
+    for prologue, glu in EPILOGUES:
         assert all(compiled(triton_decode._gemv_kernel, types, dict(
-            MP=1, PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue != 1, BN=8, BK=512, USE_DOT=False,
-            IEEE=False, XB=2048 if prologue == 1 else 16), stages=2).values())
+            MP=1, PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=8, BK=512, USE_DOT=False,
+            IEEE=False, XB=2048 if prologue == 1 else 16, GLU=glu), stages=2).values())
 
 
 def test_paged_attention_and_its_merge_compile():

@@ -139,21 +139,29 @@ SPLIT_CONFIGS = [PackedGemvConfig(8, bk, 4, split) for bk in (32, 64) for split 
 
 
 @needs_kernels
-@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "rmsnorm_glu"])
 def test_a_split_product_equals_the_whole_row_and_leaves_its_counts_at_zero(quantized, prologue):
     """The last of a tile's splits to arrive adds the partials and writes the row; every count is
-    back to zero after, so the next product (or graph replay) starts clean."""
+    back to zero after, so the next product (or graph replay) starts clean. With ``glu`` the rows
+    are read as gate | up and the row written is SiLU(gate)·up (half as many outputs, the last
+    tile cut short)."""
     from edgeinfer.backends.torch import triton_decode
 
     torch.manual_seed(3)
     packed = pack_product(qkv_parts(quantized("w4_g32_asym"))).to(DEVICE)
     n, k = packed.shape
-    x = torch.randn(1, 2 * k if prologue == "silu_mul" else k, device=DEVICE)
-    kw = {"bias": torch.randn(n, device=DEVICE), "residual": torch.randn(1, n, device=DEVICE)}
-    if prologue == "rmsnorm":
+    x = torch.randn(1, k, device=DEVICE)
+    kw = {}
+    if prologue.startswith("rmsnorm"):
         kw.update(norm_weight=torch.rand(k, device=DEVICE) + 0.5, eps=1e-6)
-    if prologue == "silu_mul":
-        kw["silu_mul"] = True
+    if prologue.endswith("glu"):  # 58 gate | 58 up rows: the last tile of four outputs cut short
+        n = 116
+        packed = PackedMatrix(packed.codes[:n], packed.scales[:n], packed.zeros[:n], packed.bits, packed.group_size,
+                              (n, k))
+        kw["glu"] = True
+    else:
+        kw["residual"] = torch.randn(1, n, device=DEVICE)
+    kw["bias"] = torch.randn(n, device=DEVICE)
     dense = dequantize_with_torch(packed.codes, packed.scales, packed.zeros, packed.layout, torch.float32)
     want = triton_decode.gemv(x, dense, **kw)
     workspace = triton_decode.SplitWorkspace(torch.device(DEVICE))

@@ -54,14 +54,24 @@ def test_gemv_with_norm_bias_and_residual(dtype, m, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_silu_mul_prologue(dtype):
-    torch.manual_seed(0)
-    m, n, k = (2, 40, 96) if DEVICE == "cpu" else (2, 576, 1536)
-    gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=dtype)
-    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5
-    residual = torch.randn(m, n, device=DEVICE, dtype=dtype)
-    want = residual + (F.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.t()
-    _close(triton_decode.gemv(gate_up, w, residual=residual, silu_mul=True), want, dtype)
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_glu_epilogue(dtype, m):
+    """Gate row j and up row j meet in one program: outputs past a whole tile (44 of 8-row halves),
+    gate and up swapped or an output paired with another's up row would fail. Against SiLU(gate)·up
+    of the plain product (itself checked against torch above), rounded as the eager layer rounds."""
+    torch.manual_seed(m)
+    inter, k = (44, 96) if DEVICE == "cpu" else (8960, 1536)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    w = torch.randn(2 * inter, k, device=DEVICE, dtype=dtype) / k**0.5
+    bias = torch.randn(2 * inter, device=DEVICE, dtype=dtype)
+    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    for config in CONFIGS:
+        kw = {"bias": bias, "norm_weight": norm.weight, "eps": norm.eps, "config": config}
+        gate_up = triton_decode.gemv(x, w, **kw)
+        got = triton_decode.gemv(x, w, glu=True, **kw)
+        assert got.shape == (m, inter)
+        _close(got, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], dtype)
 
 
 def _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_heads, hd, norms=None):

@@ -13,8 +13,9 @@ on an H200 they took as long as the products. Here a layer is:
    or returned (single steps);
 3. the merge of the splits;
 4. the o product plus the residual;
-5. RMSNorm fused into the gate|up product;
-6. SiLU(gate)·up fused into the down product, plus the residual.
+5. RMSNorm fused into the gate|up product, and SiLU(gate)·up into its epilogue (a program
+   takes gate row j with up row j, so it writes the activation, half as wide);
+6. the down product plus the residual.
 
 Every product reads its weight ``[out, in]`` row-major, a tile of whole rows per program,
 and keeps the rounding points of the eager layer (bf16 after each product, norm and
@@ -86,7 +87,7 @@ MAX_GEMV_ROWS = 1
 # fill it as well and write fewer partial results to merge.
 ATTENTION_PROGRAMS = 1024
 
-NONE, RMSNORM, SILU_MUL = 0, 1, 2  # what a product does to its input first
+NONE, RMSNORM = 0, 1  # what a product does to its input first
 
 if triton is not None:
 
@@ -94,18 +95,12 @@ if triton is not None:
     def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr = False):
         """f(X)[rk] in ``dt`` for column indices ``rk`` of any shape (``X`` a row, or rows broadcast
         against ``rk``; ``rstd`` 1 / rms of those rows), rounded as the eager layer rounds: RMSNorm
-        or SiLU(gate)·up first. ``EVEN``: every ``rk`` is below K (no bounds checks)."""
-        if PROLOGUE == 2:  # X holds gate | up, each K wide
-            g = load_where(X + rk, rk < K, EVEN).to(tl.float32)
-            u = load_where(X + K + rk, rk < K, EVEN).to(tl.float32)
-            act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-            xv = (act * u).to(dt)
-        else:
-            xv = load_where(X + rk, rk < K, EVEN)
-            if PROLOGUE == 1:
-                nw = load_where(NORM_W + rk, rk < K, EVEN).to(tl.float32)
-                xn = (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)
-                xv = (xn * nw).to(dt)
+        first with ``PROLOGUE`` 1. ``EVEN``: every ``rk`` is below K (no bounds checks)."""
+        xv = load_where(X + rk, rk < K, EVEN)
+        if PROLOGUE == 1:
+            nw = load_where(NORM_W + rk, rk < K, EVEN).to(tl.float32)
+            xn = (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)
+            xv = (xn * nw).to(dt)
         return xv
 
     @triton.jit
@@ -126,18 +121,61 @@ if triton is not None:
         tl.store(out, y, mask=ok)
 
     @triton.jit
+    def _glu_epilogue(acc, bias, rows_ok, out, ok, BH: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """``out`` = SiLU(gate)·up for ``acc`` [M, 2·BH] whose first BH columns are gate rows and
+        the last BH the up rows of the same outputs (``bias`` and ``rows_ok`` theirs; ``out`` and
+        ``ok`` [M, BH]), rounded as the eager layer rounds: the product (plus bias), SiLU, then
+        the product of the two."""
+        dt = out.dtype.element_ty
+        y = acc.to(dt)
+        if HAS_BIAS:
+            y = (y.to(tl.float32) + tl.load(bias, mask=rows_ok, other=0.0).to(tl.float32)).to(dt)
+        pair = tl.reshape(y.to(tl.float32), [acc.shape[0], 2, BH])
+        half = tl.arange(0, 2)[None, :, None]
+        g = tl.sum(tl.where(half == 0, pair, 0.0), axis=1)
+        u = tl.sum(tl.where(half == 1, pair, 0.0), axis=1)
+        act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        tl.store(out, (act * u).to(dt), mask=ok)
+
+    @triton.jit
+    def _write_row(acc, BIAS, RES, Y, rn, n_ok, tile, N, BN: tl.constexpr, GLU: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        """A program's sums ``acc`` [M, BN] of rows ``rn`` (:func:`_glu_rows`) finished and stored:
+        :func:`_epilogue` at columns ``rn`` of ``Y``, or with ``GLU`` :func:`_glu_epilogue` at
+        the BN // 2 outputs of ``tile``; ``RES`` and ``Y`` point at each of the M rows' start."""
+        if GLU:
+            BH: tl.constexpr = BN // 2
+            j = tile * BH + tl.arange(0, BH)
+            _glu_epilogue(acc, BIAS + rn[None, :], n_ok[None, :], Y + j[None, :], (j < N // 2)[None, :], BH,
+                          HAS_BIAS)
+        else:
+            _epilogue(acc, BIAS + rn[None, :], RES + rn[None, :], Y + rn[None, :], n_ok[None, :], HAS_BIAS, HAS_RES)
+
+    @triton.jit
+    def _glu_rows(tile, N, BN: tl.constexpr, GLU: tl.constexpr):
+        """A program's BN weight rows and which are real: ``tile``'s BN rows; with ``GLU`` (rows
+        gate | up, N // 2 each) BN // 2 gate rows and the up rows of the same outputs."""
+        r = tl.arange(0, BN)
+        if GLU:
+            BH: tl.constexpr = BN // 2
+            j = tile * BH + r % BH
+            return j + (r // BH) * (N // 2), j < N // 2
+        rn = tile * BN + r
+        return rn, rn < N
+
+    @triton.jit
     def _gemv_kernel(X, W, BIAS, RES, NORM_W, Y, N, K, stride_x, stride_r, stride_y, eps,
                      MP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
-                     XB: tl.constexpr, PDL: tl.constexpr):
+                     XB: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
         """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs of a
-        dense W. A step's weights are read while the step before it multiplies, the first step's
-        before the kernels before this one have finished (``PDL``, :func:`await_inputs`)."""
+        dense W; with ``GLU`` (:func:`_glu_rows`) SiLU(gate)·up of BN // 2 outputs instead. A
+        step's weights are read while the step before it multiplies, the first step's before the
+        kernels before this one have finished (``PDL``, :func:`await_inputs`)."""
         dt = Y.dtype.element_ty
         pid = tl.program_id(0)
-        rn = pid * BN + tl.arange(0, BN)
+        rn, n_ok = _glu_rows(pid, N, BN, GLU)
         rm = tl.arange(0, MP)
-        n_ok = rn < N
         rows = rn.to(tl.int64) * K
         rk = tl.arange(0, BK)
         w = tl.load(W + rows[:, None] + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
@@ -170,8 +208,8 @@ if triton is not None:
                 acc += tl.sum(xv.to(tl.float32)[:, None, :] * this_w.to(tl.float32)[None, :, :], axis=2)
         if MP == 1 and not USE_DOT:
             acc = tl.sum(wide, axis=1)[None, :]
-        _epilogue(acc, BIAS + rn[None, :], RES + rm[:, None] * stride_r + rn[None, :],
-                  Y + rm[:, None] * stride_y + rn[None, :], n_ok[None, :], HAS_BIAS, HAS_RES)
+        _write_row(acc, BIAS, RES + rm[:, None] * stride_r, Y + rm[:, None] * stride_y, rn, n_ok, pid, N, BN, GLU,
+                   HAS_BIAS, HAS_RES)
 
 
     @triton.jit
@@ -180,7 +218,7 @@ if triton is not None:
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                             HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
                             ONE_GROUP: tl.constexpr, POW2_GROUPS: tl.constexpr, XB: tl.constexpr,
-                            ASM: tl.constexpr, PDL: tl.constexpr):
+                            GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
@@ -196,14 +234,15 @@ if triton is not None:
         without bounds checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
         itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
         order (the same sum whichever arrives last), finishes the row and sets the count back to
-        zero. A step's words and scales are read while the step before it multiplies, the first
-        step's before the kernels before this one have finished (``PDL``, :func:`await_inputs`)."""
+        zero. With ``GLU`` a tile is BN // 2 outputs' gate and up rows (:func:`_glu_rows`) and
+        writes SiLU(gate)·up. A step's words and scales are read while the step before it
+        multiplies, the first step's before the kernels before this one have finished (``PDL``,
+        :func:`await_inputs`)."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
         split = tl.program_id(1)
-        rn = tile * BN + tl.arange(0, BN)
-        n_ok = rn < N
+        rn, n_ok = _glu_rows(tile, N, BN, GLU)
         BKW: tl.constexpr = BK // PER  # words a row per K step
         start = split * per_split
         end = tl.minimum(start + per_split, K)
@@ -278,9 +317,9 @@ if triton is not None:
         if SPLIT_K:
             last, total = split_total(acc, PARTS, ARRIVALS, rn, n_ok, tile, split, splits, N)
             if last:
-                _epilogue(total, BIAS + rn, RES + rn, Y + rn, n_ok, HAS_BIAS, HAS_RES)
+                _write_row(total[None, :], BIAS, RES, Y, rn, n_ok, tile, N, BN, GLU, HAS_BIAS, HAS_RES)
         else:
-            _epilogue(acc, BIAS + rn, RES + rn, Y + rn, n_ok, HAS_BIAS, HAS_RES)
+            _write_row(acc[None, :], BIAS, RES, Y, rn, n_ok, tile, N, BN, GLU, HAS_BIAS, HAS_RES)
 
     @triton.jit
     def _rope(x, partner, sign, c, s, dt: tl.constexpr):
@@ -465,19 +504,28 @@ def _launch(device: torch.device) -> dict[str, bool]:
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
+def _outputs(n: int, glu: bool, residual: torch.Tensor | None) -> int:
+    """Outputs of a product of N weight rows: N, or N / 2 with ``glu`` (rows gate | up)."""
+    if glu and (n % 2 or residual is not None):
+        raise ValueError(f"glu needs gate | up rows (an even count, got {n}) and no residual")
+    return n // 2 if glu else n
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         silu_mul: bool = False, config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] (or [M, 2K] with ``silu_mul``) and a
-    dense ``w`` [N, K] (a packed one: :func:`packed_gemv`).
+         glu: bool = False, config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] and a dense ``w`` [N, K] (a packed
+    one: :func:`packed_gemv`); with ``glu`` (``w``'s rows gate | up, N / 2 each) SiLU(gate)·up
+    of that product, [M, N / 2].
 
-    ``f`` is RMSNorm with ``norm_weight`` or SiLU(gate)·up with ``silu_mul``; M is padded to a
-    power of two inside the kernel's tile (rows past M compute nothing anyone reads).
+    ``f`` is RMSNorm with ``norm_weight``; M is padded to a power of two inside the kernel's
+    tile (rows past M compute nothing anyone reads).
     """
     if isinstance(w, PackedMatrix):
         raise TypeError("gemv multiplies dense weights; a packed one goes through packed_gemv")
     m = x.shape[0]
     n, k = w.shape
+    outputs = _outputs(n, glu, residual)
     mp = _pow2(m)
     cfg = config or GEMV_CANDIDATES[0]
     use_dot = mp >= 16 and cfg.bn >= 16
@@ -485,15 +533,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     if x.shape[0] != mp:  # rows the kernel reads must exist
         x = torch.nn.functional.pad(x, (0, 0, 0, mp - m))
         residual = None if residual is None else torch.nn.functional.pad(residual, (0, 0, 0, mp - m))
-    y = out if out is not None else torch.empty(mp, n, dtype=x.dtype, device=x.device)
-    prologue = SILU_MUL if silu_mul else RMSNORM if norm_weight is not None else NONE
-    _gemv_kernel[(triton.cdiv(n, cfg.bn),)](
+    y = out if out is not None else torch.empty(mp, outputs, dtype=x.dtype, device=x.device)
+    prologue = RMSNORM if norm_weight is not None else NONE
+    _gemv_kernel[(triton.cdiv(outputs, cfg.bn // 2 if glu else cfg.bn),)](
         x, w, bias if bias is not None else w, residual if residual is not None else w,
         norm_weight if norm_weight is not None else w, y, n, k, x.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, XB=_norm_block(k, mp, prologue),
-        **_launch(x.device), num_warps=cfg.warps, num_stages=cfg.stages)
+        GLU=glu, **_launch(x.device), num_warps=cfg.warps, num_stages=cfg.stages)
     return y[:m]
 
 
@@ -527,11 +575,11 @@ PACKED_GEMV_CANDIDATES = (
 
 def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                silu_mul: bool = False, out: torch.Tensor | None = None,
+                glu: bool = False, out: torch.Tensor | None = None,
                 workspace: SplitWorkspace | None = None) -> torch.Tensor:
-    """``f(x) @ W.T (+ bias) (+ residual)`` for one row ``x`` [1, K] (or [1, 2K] with ``silu_mul``)
-    and a packed ``W``; ``f`` as in :func:`gemv`. A split product needs a ``workspace`` (a fresh
-    one is made per call otherwise)."""
+    """``f(x) @ W.T (+ bias) (+ residual)`` for one row ``x`` [1, K] and a packed ``W``; ``f`` and
+    ``glu`` as in :func:`gemv`. A split product needs a ``workspace`` (a fresh one is made per
+    call otherwise)."""
     if x.shape[0] != 1:
         raise ValueError(f"packed_gemv reads one row, got {x.shape[0]}: use edgeinfer.quant.kernels.packed_mm")
     layout = w.layout
@@ -540,10 +588,12 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
     steps = triton.cdiv(k, bk)
     per_split = triton.cdiv(steps, config.split) * bk
     splits = triton.cdiv(k, per_split)
-    tiles = triton.cdiv(n, config.bn)
-    y = out if out is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    outputs = _outputs(n, glu, residual)
+    rows = config.bn // 2 if glu else config.bn  # outputs a tile
+    tiles = triton.cdiv(outputs, rows)
+    y = out if out is not None else torch.empty(1, outputs, dtype=x.dtype, device=x.device)
     parts, arrivals = (workspace or SplitWorkspace(x.device)).take(splits * n, tiles) if splits > 1 else (y, y)
-    prologue = SILU_MUL if silu_mul else RMSNORM if norm_weight is not None else NONE
+    prologue = RMSNORM if norm_weight is not None else NONE
     codes, gs = w.codes, layout.group_constexpr
     registers = {"maxnreg": config.registers} if config.registers else {}
     _packed_gemv_kernel[(tiles, splits)](
@@ -552,10 +602,10 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
         norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, layout.groups, per_split,
         splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BN=config.bn, BK=bk, BITS=layout.bits, GS=gs, HAS_Z=w.zeros is not None,
-        SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=n % config.bn == 0 and k % bk == 0,
+        SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
         ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and _pow2(gs) == gs,
-        XB=_norm_block(k, 1, prologue), ASM=not interpreting(), **_launch(x.device), num_warps=config.warps,
-        **registers)
+        XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(), **_launch(x.device),
+        num_warps=config.warps, **registers)
     return y
 
 
@@ -694,9 +744,8 @@ class FusedDecode:
             "o": ([self.weight(layer.o_t) for layer in layers], {"bias": first.o_bias, "residual": True}),
             "gate_up": ([self.weight(layer.gate_up_t) for layer in layers],
                         {"bias": first.gate_up_bias, "norm_weight": first.post_attention_norm.weight,
-                         "eps": first.post_attention_norm.eps}),
-            "down": ([self.weight(layer.down_t) for layer in layers],
-                     {"bias": first.down_bias, "residual": True, "silu_mul": True}),
+                         "eps": first.post_attention_norm.eps, "glu": True}),
+            "down": ([self.weight(layer.down_t) for layer in layers], {"bias": first.down_bias, "residual": True}),
             "lm_head": ([self.weight(d.lm_head_t)], {"norm_weight": d.norm.weight, "eps": d.norm.eps}),
         }
 
@@ -707,11 +756,11 @@ class FusedDecode:
         dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         for name, (weights, kw) in self._products().items():
             n, k = weights[0].shape
-            x = torch.randn(1, 2 * k if kw.get("silu_mul") else k, dtype=dtype, device=device)
+            x = torch.randn(1, k, dtype=dtype, device=device)
             kw = dict(kw)
             if kw.pop("residual", False):
                 kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
-            outs = [torch.empty(1, n, dtype=dtype, device=device) for _ in weights]
+            outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=dtype, device=device) for _ in weights]
             times = {}
             packed = isinstance(weights[0], PackedMatrix)
             for c in PACKED_GEMV_CANDIDATES if packed else GEMV_CANDIDATES:
@@ -723,8 +772,7 @@ class FusedDecode:
             report = {"shape": [n, k], "weight": f"{weights[0].bits}-bit packed" if packed else str(dtype),
                       "config": _config_name(best), "us": round(times[best], 2), "gb_s": round(mb / times[best] * 1e3, 1)}
             if not packed:
-                xk = x[:, :k]
-                cublas = graph_time_us([lambda w=w: torch.mm(xk, w.t()) for w in weights])
+                cublas = graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in weights])
                 report.update(cublas_us=round(cublas, 2), cublas_gb_s=round(mb / cublas * 1e3, 1))
             report["candidates_us"] = {_config_name(c): round(t, 2) for c, t in times.items()}
             self.report[name] = report
@@ -774,10 +822,9 @@ class FusedDecode:
 
     def _after_gemv(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = self._gemv("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
-        gate_up = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
-                             norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps)
-        return self._gemv("down", gate_up, self.weight(layer.down_t), bias=layer.down_bias, residual=x,
-                          silu_mul=True)
+        act = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
+                         norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps, glu=True)
+        return self._gemv("down", act, self.weight(layer.down_t), bias=layer.down_bias, residual=x)
 
     def _head_gemv(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.decoder.norm
