@@ -140,7 +140,7 @@ if triton is not None:
     @triton.jit
     def _write_row(acc, BIAS, RES, Y, rn, n_ok, tile, N, BN: tl.constexpr, GLU: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-        """A program's sums ``acc`` [M, BN] of rows ``rn`` (:func:`_glu_rows`) finished and stored:
+        """A program's sums ``acc`` [M, BN] of rows ``rn`` (:func:`_tile_rows`) finished and stored:
         :func:`_epilogue` at columns ``rn`` of ``Y``, or with ``GLU`` :func:`_glu_epilogue` at
         the BN // 2 outputs of ``tile``; ``RES`` and ``Y`` point at each of the M rows' start."""
         if GLU:
@@ -152,7 +152,7 @@ if triton is not None:
             _epilogue(acc, BIAS + rn[None, :], RES + rn[None, :], Y + rn[None, :], n_ok[None, :], HAS_BIAS, HAS_RES)
 
     @triton.jit
-    def _glu_rows(tile, N, BN: tl.constexpr, GLU: tl.constexpr):
+    def _tile_rows(tile, N, BN: tl.constexpr, GLU: tl.constexpr):
         """A program's BN weight rows and which are real: ``tile``'s BN rows; with ``GLU`` (rows
         gate | up, N // 2 each) BN // 2 gate rows and the up rows of the same outputs."""
         r = tl.arange(0, BN)
@@ -169,12 +169,12 @@ if triton is not None:
                      BN: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
                      XB: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
         """Y[m, n] = sum_k f(X)[m, k] * W[n, k] (+ bias) (+ residual) for a tile of BN outputs of a
-        dense W; with ``GLU`` (:func:`_glu_rows`) SiLU(gate)·up of BN // 2 outputs instead. A
+        dense W; with ``GLU`` (:func:`_tile_rows`) SiLU(gate)·up of BN // 2 outputs instead. A
         step's weights are read while the step before it multiplies, the first step's before the
         kernels before this one have finished (``PDL``, :func:`await_inputs`)."""
         dt = Y.dtype.element_ty
         pid = tl.program_id(0)
-        rn, n_ok = _glu_rows(pid, N, BN, GLU)
+        rn, n_ok = _tile_rows(pid, N, BN, GLU)
         rm = tl.arange(0, MP)
         rows = rn.to(tl.int64) * K
         rk = tl.arange(0, BK)
@@ -234,7 +234,7 @@ if triton is not None:
         without bounds checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
         itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
         order (the same sum whichever arrives last), finishes the row and sets the count back to
-        zero. With ``GLU`` a tile is BN // 2 outputs' gate and up rows (:func:`_glu_rows`) and
+        zero. With ``GLU`` a tile is BN // 2 outputs' gate and up rows (:func:`_tile_rows`) and
         writes SiLU(gate)·up. A step's words and scales are read while the step before it
         multiplies, the first step's before the kernels before this one have finished (``PDL``,
         :func:`await_inputs`)."""
@@ -242,7 +242,7 @@ if triton is not None:
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
         split = tl.program_id(1)
-        rn, n_ok = _glu_rows(tile, N, BN, GLU)
+        rn, n_ok = _tile_rows(tile, N, BN, GLU)
         BKW: tl.constexpr = BK // PER  # words a row per K step
         start = split * per_split
         end = tl.minimum(start + per_split, K)
