@@ -213,6 +213,17 @@ if triton is not None:
 
 
     @triton.jit
+    def _step_params(S, Z, rn, k0, N, G, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                     HAS_Z: tl.constexpr, EVEN: tl.constexpr, POW2_GROUPS: tl.constexpr):
+        """The scales and zero points a K step from ``k0`` reads: one a group with ``POW2_GROUPS``
+        (:func:`step_group_params`), else one a word (:func:`group_params`)."""
+        if POW2_GROUPS:
+            s, z = step_group_params(S, Z, rn, k0, N, G, BK, BITS, GS, HAS_Z, EVEN)
+        else:
+            s, z = group_params(S, Z, rn, k0, N, G, BK, BITS, GS, HAS_Z, EVEN)
+        return s, z
+
+    @triton.jit
     def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
@@ -252,10 +263,8 @@ if triton is not None:
         words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
         words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
         NG: tl.constexpr = BK // GS if BK >= GS else 1  # groups a step meets (POW2_GROUPS)
-        if POW2_GROUPS:
-            s, z = step_group_params(S, Z, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN)
-        elif not ONE_GROUP:
-            s, z = group_params(S, Z, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN)
+        if not ONE_GROUP:
+            s, z = _step_params(S, Z, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
         await_inputs(PDL)
         rstd = 1.0
         if PROLOGUE == 1:  # RMSNorm over the whole row, whatever columns this program reads
@@ -278,10 +287,8 @@ if triton is not None:
             words_at += ahead // PER
             rw += ahead // PER
             words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
-            if POW2_GROUPS:
-                s, z = step_group_params(S, Z, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN)
-            elif not ONE_GROUP:
-                s, z = group_params(S, Z, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN)
+            if not ONE_GROUP:
+                s, z = _step_params(S, Z, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
             if ONE_GROUP:  # one scale a row: words summed across steps as they are
                 dot = wide
             else:
@@ -760,7 +767,8 @@ class FusedDecode:
             kw = dict(kw)
             if kw.pop("residual", False):
                 kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
-            outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=dtype, device=device) for _ in weights]
+            outs = [torch.empty(1, _outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
+                    for _ in weights]
             times = {}
             packed = isinstance(weights[0], PackedMatrix)
             for c in PACKED_GEMV_CANDIDATES if packed else GEMV_CANDIDATES:
