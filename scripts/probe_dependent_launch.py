@@ -69,7 +69,8 @@ class Layers:
         self.norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
         self.x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
         self.workspace = kernels.SplitWorkspace(torch.device("cuda"))
-        self.inputs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in SHAPES.items()}
+        self.inputs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                       for name, (_, k) in SHAPES.items()}
         self.qkv = torch.randn(1, SHAPES["qkv"][0], device="cuda", dtype=torch.bfloat16)
 
     def product(self, name: str, x: torch.Tensor, w, tile=None, **kw) -> torch.Tensor:
@@ -228,7 +229,7 @@ def main() -> None:
             row["parts"] = parts(layers, args.replays)
             print(fmt, "parts", row["parts"], flush=True)
             save()
-        if args.sweep:
+        if args.sweep and sweep_tiles(fmt):  # bf16 has no tiles to sweep
             row["sweep"] = sweep(layers, args.replays)
             print(fmt, "sweep", row["sweep"], flush=True)
             best = {name: min(times, key=lambda t: times[t] if isinstance(times[t], float) else 1e9)
