@@ -129,3 +129,31 @@ def test_paged_attention_and_its_merge_compile():
             stages=2).values())
     merge = {**pointers("fp32", "OPART", "MPART", "LPART"), "OUT": "*bf16", "stride_out": "i32"}
     assert all(compiled(triton_decode._merge_kernel, merge, dict(H=12, HD=128, HDP=128, SPLITS=32, SP=32)).values())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype):
+    """The 4-bit tensor-core product (Gluon) compiles for Hopper and Orin, whole and split, with and
+    without zero points, for 8 and 16 rows; each compile asserts that the words' layout, taken
+    apart in place, is the MMA's A operand, and no tile goes through shared memory."""
+    from edgeinfer.quant import tensor_core
+
+    if tensor_core.gluon is None:
+        pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = tensor_core._mma_mm_kernel
+    names = fn.arg_names
+    types = {**pointers(dtype, "X", "S", "Z", "Y"), "Q": "*i32", "PARTS": "*fp32", "ARRIVALS": "*i32",
+             **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y", "per_split", "splits"), "i32")}
+    for (bn, bk, warps), split_k, has_z, bm in itertools.product(((64, 64, 4), (128, 128, 4), (256, 64, 8)),
+                                                                (False, True), (False, True), (8, 16)):
+        given = dict(BN=bn, BM=bm, BK=bk, GS=128, HAS_Z=has_z, SPLIT_K=split_k, WARPS=warps,
+                     LW=tensor_core.word_layout(bn, bk, warps), BF16=dtype == "bf16",
+                     MAGIC=128.0 if dtype == "bf16" else 1024.0)
+        for target in TARGETS.values():
+            source = GluonASTSource(fn, {n: types.get(n, "constexpr") for n in names},
+                                    {(names.index(k),): v for k, v in given.items()})
+            kernel = triton.compile(source, target=target, options={"num_warps": warps})
+            # whole: no shared memory at all; split: the arrival count handed to every thread, nothing else
+            assert kernel.asm["cubin"] and kernel.metadata.shared <= (16 if split_k else 0)

@@ -243,6 +243,36 @@ def test_a_16_bit_batched_product_is_the_exact_product_rounded_once(dtype, bits,
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", [(200, 1024, 128), (136, 1024, 64), (72, 1536, 2048)])
+def test_the_tensor_core_product_is_the_dequantized_product_rounded_once(dtype, n, k, group):
+    """The 4-bit tensor-core kernel rebuilds each weight as ``(q - z)·s`` rounded once to the
+    activations' dtype, as the dequantized weight is, so every row equals the float32 product with
+    that weight rounded once: for 1, 5 and 16 rows, tiles cut short at N, K whole and split three
+    (unevenly) and sixteen ways, with and without zero points (a code taken from the wrong nibble,
+    a pair put in the wrong half, or a row of x read as another moves whole outputs)."""
+    from edgeinfer.quant import tensor_core
+
+    if (why := tensor_core.unavailable(torch.empty(1, k, dtype=dtype, device="cuda"), 4, group, n, k)) is not None:
+        pytest.skip(f"the tensor-core kernel cannot run here: {why}")
+    torch.manual_seed(7)
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, device="cuda") * 0.02 + 0.001).to(dtype)
+    for zeros in (None, torch.randint(0, 16, (n, groups), device="cuda").to(dtype)):
+        packed = PackedMatrix(codes, scales, zeros, 4, group, (n, k))
+        dense = dequantize_with_torch(codes, scales, zeros, packed.layout, dtype).float()
+        for rows in (1, 5, 16):
+            x = torch.randn(rows, k, device="cuda").to(dtype)
+            want = (x.float() @ dense.t()).to(dtype).float()
+            for bn, bk, split in ((64, 64, 1), (128, 128 if group % 128 == 0 else 64, 3), (256, 64, 16)):
+                config = kernels.MmConfig(bn, bk, split, mma=True)
+                got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, packed.layout, config).float()
+                torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item(),
+                                           msg=lambda m: f"{rows} rows, {config}, zeros {zeros is not None}: {m}")
+
+
+@needs_cuda
 def test_batched_kernel_in_bfloat16_reads_what_it_dequantizes(quantized):
     torch.manual_seed(2)
     packed = pack_product(qkv_parts(quantized("w4_g32_asym"))).to("cuda")

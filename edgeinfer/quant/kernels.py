@@ -17,7 +17,9 @@ dequantized dense weight up to summation order and rounding.
   and in the fused batch-1 step);
 * :func:`packed_mm` — ``x @ W.T`` for up to :data:`MAX_DOT_ROWS` rows: a tile of weight rebuilt
   in registers meets a tile of x in one tensor-core dot, the scale applied to the dot where the
-  tile lies in one group; split along K when N alone gives too few programs to fill the GPU;
+  tile lies in one group; split along K when N alone gives too few programs to fill the GPU.
+  For 4-bit weights and up to 16 rows it also times :mod:`~edgeinfer.quant.tensor_core`'s
+  kernel (the weight rebuilt in the MMA's own registers) and keeps whichever is faster;
 * :func:`dequantize` — the whole dense weight, for prompts (a GEMM then does the rest).
 """
 
@@ -28,6 +30,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from edgeinfer.quant import tensor_core
 
 try:  # the import decides whether these kernels exist at all
     import triton
@@ -369,6 +373,7 @@ class MmConfig:
     warps: int = 4
     stages: int = 3
     w_a: bool = False  # the weight as the dot's first operand
+    mma: bool = False  # the tensor-core kernel of :mod:`edgeinfer.quant.tensor_core` (4-bit, ≤ 16 rows)
 
 
 class SplitWorkspace:
@@ -453,16 +458,29 @@ def mm_candidates(layout: PackedGeometry) -> list[MmConfig]:
     return out
 
 
+def mma_candidates(layout: PackedGeometry) -> list[MmConfig]:
+    """The tensor-core kernel's tiles :func:`tuned_config` times beside :func:`mm_candidates`: 64 to
+    256 outputs a program (16 a warp, repeated), K steps of 64, K split up to 16 ways where the
+    row has that many steps (the fastest on an H200 for Qwen2-VL-2B's products at 1 to 16 rows
+    were 64 to 256 outputs split four or eight ways)."""
+    tiles = ((64, 1), (64, 4), (64, 8), (128, 1), (128, 4), (128, 8), (128, 16), (256, 4), (256, 8))
+    return [MmConfig(bn, 64, split, mma=True) for bn, split in tiles
+            if layout.k // 64 >= split and layout.group_constexpr % 64 == 0]
+
+
 # Tile choices by (layout, row tile, device), timed once per process on first use outside a CUDA
 # graph capture (a capture uses the heuristic until then): Triton's own autotuner keeps its choices
 # the same way, per kernel and key.
 _TUNED: dict[tuple, MmConfig] = {}
+_REFUSED: dict[tuple, str] = {}  # why the tensor-core kernel failed to compile or run, by the same key
 
 
 def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig:
-    """The fastest of :func:`mm_candidates` for ``x``'s row tile on this device, timed with the L2
-    cache flushed between calls (a decode step reads each weight from memory)."""
-    bm = max(16, pow2(x.shape[0]))
+    """The fastest of :func:`mm_candidates` (and, where it can run, :func:`mma_candidates`) for ``x``'s
+    row tile on this device, timed with the L2 cache flushed between calls (a decode step reads each
+    weight from memory)."""
+    rows = x.shape[0]
+    bm = 8 if rows <= 8 else max(16, pow2(rows))  # the tensor-core kernel's row tiles are 8 and 16
     key = (layout, bm, zeros is not None, x.dtype, x.device)
     if key in _TUNED:
         return _TUNED[key]
@@ -470,9 +488,17 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         return mm_config(layout, x.shape[0], x.device)
     from triton.testing import do_bench
 
+    candidates = mm_candidates(layout)
+    if tensor_core.unavailable(x, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
+        candidates += mma_candidates(layout)
     times = {}
-    for cfg in mm_candidates(layout):
-        times[cfg] = do_bench(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg), warmup=3, rep=8)
+    for cfg in candidates:
+        try:
+            times[cfg] = do_bench(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg), warmup=3, rep=8)
+        except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
+            if not cfg.mma:
+                raise
+            _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
     _TUNED[key] = min(times, key=times.get)
     return _TUNED[key]
 
@@ -486,6 +512,9 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
         raise ValueError(f"packed_mm takes at most {MAX_DOT_ROWS} rows, got {m}: dequantize and use a GEMM")
     x = x.contiguous()
     cfg = config or tuned_config(x, codes, scales, zeros, layout)
+    if cfg.mma:
+        return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
+                                  split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device))
     bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)
@@ -515,5 +544,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
 def tuned_choices() -> list[dict]:
     """The tiles :func:`tuned_config` chose in this process, for benchmark reports."""
     return [{"n": layout.n, "k": layout.k, "bits": layout.bits, "row_tile": bm, "zeros": has_z, "dtype": str(dtype),
-             "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split, "weight_first": cfg.w_a}
-            for (layout, bm, has_z, dtype, _), cfg in _TUNED.items()]
+             "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split, "weight_first": cfg.w_a,
+             "kernel": "tensor_core" if cfg.mma else "dot",
+             **({"tensor_core_refused": _REFUSED[key]} if key in _REFUSED else {})}
+            for key, cfg in _TUNED.items() for layout, bm, has_z, dtype, _ in [key]]

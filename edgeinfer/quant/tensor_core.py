@@ -1,0 +1,206 @@
+"""A 4-bit product of a few rows on the tensor cores, the weight rebuilt in the MMA's own registers.
+
+:func:`~edgeinfer.quant.kernels.packed_mm`'s Triton kernel rebuilds a tile of weight in registers
+and then hands it to ``tl.dot``, which moves it through shared memory into the layout the tensor
+cores read; on an H200 those stores conflict eight ways and the product of 16 rows runs no faster
+than cuBLAS on the dense bf16 weight. This kernel is written in Gluon, Triton's layout-explicit
+dialect, so the layouts are chosen rather than inferred:
+
+* ``mma.sync`` m16n8k16 (Ampere's instruction, so it runs on Orin's sm_87 and on Hopper) with
+  the weight as the A operand in the layout of ``k_width`` 8: a thread's fragment of a row is 8
+  consecutive input columns, which is exactly one packed 32-bit word. The words are loaded in a
+  layout whose values, taken apart in place, *are* that operand (:func:`word_layout`): no data
+  moves between threads, no shared memory.
+* A word becomes its eight values in 16-bit pairs: one ``prmt`` puts byte j (columns 2j, 2j+1)
+  in the low half and, from the word shifted by 4, in the high half; one ``lop3`` masks the two
+  codes into the mantissa of 128 (bf16) or 1024 (fp16); two ``fma.x2`` take off 2^m + z and
+  multiply by the scale: the dequantized weight ``(q - z)·s`` rounded once, as
+  :meth:`~edgeinfer.quant.weights.QuantizedWeight.dequantize` rounds it. Eleven instructions a
+  word, against some 35 in :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`.
+* x is the B operand, read straight from memory into its layout (8 consecutive columns a
+  thread, one 16-byte load); rows past M read zeros.
+* K is split when N alone gives too few programs; each split writes its partial sums and the
+  last to arrive adds them in split order (the same bits on every run) and writes the output.
+
+Gluon is experimental in Triton 3.6; where it is missing or refuses the kernel, the Triton
+kernel runs instead (:func:`unavailable` says why).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # the import decides whether this kernel exists at all
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - CPU builds of torch come without Triton; older Triton without Gluon
+    gluon = None
+
+
+def _dequantize_asm(magic: int, one: int, fma: str) -> str:
+    """PTX for word ``$8``'s eight values as 16-bit floats ``$0..$7`` in column order, scale ``$9``
+    and ``-(2^m + z)`` ``$10`` (16-bit floats); ``magic`` is 2^m twice, ``one`` 1.0 twice."""
+    lines = [".reg .b32 h, p, m, o, one, nz, s2, z2;", "mov.b32 m, 0x000F000F;", f"mov.b32 o, {magic:#010x};",
+             f"mov.b32 one, {one:#010x};", "mov.b32 nz, 0x80008000;", "mov.b32 s2, {$9, $9};",
+             "mov.b32 z2, {$10, $10};", "shr.u32 h, $8, 4;"]
+    for j in range(4):
+        select = j | j << 4 | (4 + j) << 8 | (4 + j) << 12  # byte j of the word low, of the word >> 4 high
+        lines += [f"prmt.b32 p, $8, h, {select:#06x};", "lop3.b32 p, p, m, o, 0xea;", f"{fma} p, p, one, z2;",
+                  f"{fma} p, p, s2, nz;", f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, p;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# (2^m as two 16-bit floats, 1.0 as two, the paired fma) for bf16 (2^7: 7 mantissa bits hold a 4-bit
+# code) and fp16 (2^10)
+BF16_DEQUANTIZE = _dequantize_asm(0x43004300, 0x3F803F80, "fma.rn.bf16x2")
+F16_DEQUANTIZE = _dequantize_asm(0x64006400, 0x3C003C00, "fma.rn.f16x2")
+MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, fma.rn.bf16x2
+
+
+def word_layout(bn: int, bk: int, warps: int):
+    """The layout of ``[bn, bk / 8]`` packed words whose values, each word's 8 joined in place, are
+    the A operand (mma v2, ``k_width`` 8, ``warps`` along the rows) of a ``[bn, bk]`` tile: that
+    operand's bases with the three register bits of a word's columns taken out (the kernel asserts
+    that the two agree, so a Triton that lays the operand out otherwise refuses to compile it)."""
+    registers = [[8, 0]] + [[0, (1 << b) // 8] for b in range(5, bk.bit_length() - 1)]
+    rows = 16 * warps
+    while rows < bn:
+        registers.append([rows, 0])
+        rows *= 2
+    return gl.DistributedLinearLayout(
+        reg_bases=registers, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[bn, bk // 8])
+
+
+if gluon is not None:
+    _BF16_DEQUANTIZE = gl.constexpr(BF16_DEQUANTIZE)
+    _F16_DEQUANTIZE = gl.constexpr(F16_DEQUANTIZE)
+
+    @gluon.jit
+    def _join4(a, b, c, d):
+        """[R, W] four times -> [R, W, 2, 2], read in order a, b, c, d once flattened."""
+        return gl.join(gl.join(a, c), gl.join(b, d))
+
+    @gluon.jit
+    def _weight_tile(words, s, nb, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, BF16: gl.constexpr):
+        """``(q - z)·s`` of ``words`` [BN, BK/8] as the A operand [BN, BK] (``nb`` = -(2^m + z))."""
+        if BF16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+                _BF16_DEQUANTIZE, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, nb], dtype=(gl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+                _F16_DEQUANTIZE, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, nb], dtype=(gl.float16,) * 8,
+                is_pure=True, pack=1)
+        tile = gl.reshape(gl.join(_join4(v0, v2, v4, v6), _join4(v1, v3, v5, v7)), [BN, BK])
+        return gl.convert_layout(tile, LA, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y, per_split, splits,
+                       BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GS: gl.constexpr,
+                       HAS_Z: gl.constexpr, SPLIT_K: gl.constexpr, WARPS: gl.constexpr, LW: gl.constexpr,
+                       BF16: gl.constexpr, MAGIC: gl.constexpr):
+        """Y[m, n] = sum_k X[m, k] · W[n, k] for BN outputs and the BM (≤ 16) rows of X, over columns
+        [split · per_split, (split + 1) · per_split); a K step of BK columns lies in one group. ``BF16``:
+        X is bf16 (else fp16), whose mantissa holds a code over ``MAGIC`` (2^m)."""
+        dt = X.dtype.element_ty
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        tile = gl.program_id(0)
+        split = gl.program_id(1)
+        start = split * per_split
+        end = gl.minimum(start + per_split, K)
+        rn = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+        n_ok = rn < N
+        words_at = Q + gl.expand_dims(rn * (K // 8), 1) + gl.expand_dims(gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LW)), 0)
+        words_ok = gl.expand_dims(n_ok, 1)
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, lb))
+        rm = gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
+        x_at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(rk, 1)
+        x_ok = gl.expand_dims(rm < M, 0)
+        acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+        words = gl.load(words_at + start // 8, mask=words_ok, other=0)
+        for k0 in range(start, end, BK):
+            this = words
+            # the next step's words while this one multiplies (the last step reads its own again)
+            words = gl.load(words_at + gl.minimum(k0 + BK, end - BK) // 8, mask=words_ok, other=0)
+            at = rn * G + k0 // GS
+            s = gl.load(S + at, mask=n_ok, other=0.0).to(dt)
+            if HAS_Z:
+                nb = (-MAGIC - gl.load(Z + at, mask=n_ok, other=0.0).to(gl.float32)).to(dt)
+            else:
+                nb = gl.full([BN], -MAGIC - 8.0, dt, layout=gl.SliceLayout(1, LW))
+            w = _weight_tile(this, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16)
+            acc = mma_v2(w, gl.load(x_at + k0, mask=x_ok, other=0.0), acc)
+        rn_o = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        rm_o = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        ok = gl.expand_dims(rm_o < M, 0) & gl.expand_dims(rn_o < N, 1)
+        out = Y + gl.expand_dims(rm_o * stride_y, 0) + gl.expand_dims(rn_o, 1)
+        if SPLIT_K:  # partials at [split, m, n]; the last split to arrive adds them in split order
+            at = gl.expand_dims(rm_o * N, 0) + gl.expand_dims(rn_o, 1)
+            gl.store(PARTS + split * (M * N) + at, acc, mask=ok)
+            gl.thread_barrier()  # every thread's partials are written before the count says so
+            if gl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == splits - 1:
+                total = gl.zeros([BN, BM], gl.float32, layout=mma)
+                for j in range(0, splits):
+                    total += gl.load(PARTS + j * (M * N) + at, mask=ok, other=0.0, cache_modifier=".cg")
+                gl.store(out, total.to(Y.dtype.element_ty), mask=ok)
+                gl.atomic_xchg(ARRIVALS + tile, 0)
+        else:
+            gl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def unavailable(x: torch.Tensor, bits: int, group: int, n: int, k: int) -> str | None:
+    """None when :func:`mma_mm` can take this product, else why not."""
+    if gluon is None:
+        return "Triton's Gluon is not installed"
+    if x.device.type != "cuda":
+        return "not a CUDA device"
+    if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) < MIN_CAPABILITY:
+        return "the tensor cores' bf16 mma needs sm_80 or later"
+    if bits != 4:
+        return f"{bits}-bit weights (the kernel reads 4-bit codes)"
+    if x.dtype not in MAGIC:
+        return f"{x.dtype} activations (the kernel multiplies in bf16 or fp16)"
+    if x.shape[0] > 16:
+        return f"{x.shape[0]} rows (the kernel takes up to 16)"
+    if k % 64 or group % 64:
+        return f"groups of {group} over {k} columns (K steps of 64 must each lie in one group)"
+    if k // 8 * n >= 2 ** 31:
+        return f"{n}×{k} codes (the kernel indexes them in 32 bits)"
+    return None
+
+
+def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, n: int,
+           group: int, *, bn: int, bk: int, split: int, warps: int, workspace) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` [M ≤ 16, K] (bf16 or fp16) and W packed 4-bit [N, K] in groups of
+    ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
+    ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials."""
+    m, k = x.shape
+    if group % bk or k % bk or bk % 64 or bn % 64:
+        raise ValueError(f"K steps of {bk} must divide the row ({k}) and lie in one group ({group}); "
+                         f"steps and tiles are multiples of 64 (got {bk}, {bn})")
+    x = x.contiguous()
+    steps = triton.cdiv(k, bk)
+    per_split = triton.cdiv(steps, split) * bk
+    splits = triton.cdiv(k, per_split)
+    tiles = triton.cdiv(n, bn)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts, arrivals = workspace.take(splits * m * n, tiles) if splits > 1 else (y, y)
+    _mma_mm_kernel[(tiles, splits)](
+        x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, n, k, scales.shape[1],
+        x.stride(0), y.stride(0), per_split, splits, BN=bn, BM=8 if m <= 8 else 16, BK=bk, GS=group,
+        HAS_Z=zeros is not None, SPLIT_K=splits > 1, WARPS=warps, LW=word_layout(bn, bk, warps),
+        BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype], num_warps=warps)
+    return y
