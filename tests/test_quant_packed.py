@@ -253,7 +253,7 @@ def test_the_tensor_core_product_is_the_dequantized_product_rounded_once(dtype, 
     a pair put in the wrong half, or a row of x read as another moves whole outputs)."""
     from edgeinfer.quant import tensor_core
 
-    if (why := tensor_core.unavailable(torch.empty(1, k, dtype=dtype, device="cuda"), 4, group, n, k)) is not None:
+    if (why := tensor_core.unavailable(torch.empty(1, k, dtype=dtype, device="cuda"), dtype, 4, group, n, k)) is not None:
         pytest.skip(f"the tensor-core kernel cannot run here: {why}")
     torch.manual_seed(7)
     codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")

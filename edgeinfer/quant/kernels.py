@@ -489,7 +489,7 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     from triton.testing import do_bench
 
     candidates = mm_candidates(layout)
-    if tensor_core.unavailable(x, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
+    if tensor_core.unavailable(x, scales.dtype, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
         candidates += mma_candidates(layout)
     times = {}
     for cfg in candidates:

@@ -161,7 +161,7 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def unavailable(x: torch.Tensor, bits: int, group: int, n: int, k: int) -> str | None:
+def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: int, n: int, k: int) -> str | None:
     """None when :func:`mma_mm` can take this product, else why not."""
     if gluon is None:
         return "Triton's Gluon is not installed"
@@ -173,6 +173,8 @@ def unavailable(x: torch.Tensor, bits: int, group: int, n: int, k: int) -> str |
         return f"{bits}-bit weights (the kernel reads 4-bit codes)"
     if x.dtype not in MAGIC:
         return f"{x.dtype} activations (the kernel multiplies in bf16 or fp16)"
+    if scales_dtype != x.dtype:  # the weight is rounded once, in the scales' dtype, as the dequantization does
+        return f"{scales_dtype} scales with {x.dtype} activations (the kernel rounds the weight in one dtype)"
     if x.shape[0] > 16:
         return f"{x.shape[0]} rows (the kernel takes up to 16)"
     if k % 64 or group % 64:
