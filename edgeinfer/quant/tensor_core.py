@@ -15,8 +15,10 @@ dialect, so the layouts are chosen rather than inferred:
   in the low half and, from the word shifted by 4, in the high half; one ``lop3`` masks the two
   codes into the mantissa of 128 (bf16) or 1024 (fp16); two ``fma.x2`` take off 2^m + z and
   multiply by the scale: the dequantized weight ``(q - z)·s`` rounded once, as
-  :meth:`~edgeinfer.quant.weights.QuantizedWeight.dequantize` rounds it. Eleven instructions a
-  word, against some 35 in :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`.
+  :meth:`~edgeinfer.quant.weights.QuantizedWeight.dequantize` rounds it: 17 instructions a word
+  (a shift, then four ``prmt``, four ``lop3``, eight ``fma.x2``), the multiply-adds left to the
+  tensor cores, where :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`'s K loop spends
+  some 35 a word and does its own.
 * x is the B operand, read straight from memory into its layout (8 consecutive columns a
   thread, one 16-byte load); rows past M read zeros.
 * K is split when N alone gives too few programs; each split writes its partial sums and the
