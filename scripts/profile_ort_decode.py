@@ -5,7 +5,8 @@
         --graph int4=ENGINES2/m/cpu/decoder.onnx --rounds 5 --out profile.json
 
 For each round and each graph (in turn, each in its own session): the wall time of unprofiled
-decode steps (one token, a past of ``--context`` positions in a pool of ``--blocks`` blocks), then
+decode steps (one token, a past of ``--context`` positions in a pool of ``--blocks`` blocks, the
+sequence's block table as the engine passes it: its own blocks only), then
 the same steps under ORT's profiler, summed by operator type per step. The weight products are
 ``DynamicQuantizeMatMul`` / ``MatMulInteger`` (int8) and ``MatMulNBits`` (int4). The load average is
 recorded around every round; nothing here is a pass/fail check.
@@ -38,7 +39,8 @@ def feeds_for(session, context: int, blocks: int, block_size: int) -> dict[str, 
             "position_ids": np.array([[context]], dtype=np.int64),
             "k_pool": rng.standard_normal(pool, dtype=np.float32) * 0.1,
             "v_pool": rng.standard_normal(pool, dtype=np.float32) * 0.1,
-            "block_tables": np.arange(blocks, dtype=np.int64)[None, :],
+            # the sequence's own blocks, as the engine passes them (runner.block_tables): its past and this token
+            "block_tables": np.arange(-(-(context + 1) // block_size), dtype=np.int64)[None, :],
             "context_lens": np.array([context], dtype=np.int64)}
 
 
