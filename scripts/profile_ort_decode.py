@@ -9,7 +9,8 @@ decode steps (one token, a past of ``--context`` positions in a pool of ``--bloc
 sequence's block table as the engine passes it: its own blocks only), then
 the same steps under ORT's profiler, summed by operator type per step. The weight products are
 ``DynamicQuantizeMatMul`` / ``MatMulInteger`` (int8) and ``MatMulNBits`` (int4). The load average is
-recorded around every round; nothing here is a pass/fail check.
+recorded around every round; nothing here is a pass/fail check. ``--no-spin`` runs the sessions
+as the engine runs its decoder, with ORT's worker threads sleeping as soon as they run out of work.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def profile_graph(path: str, args, scratch: str) -> dict:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = args.threads
+        if args.no_spin:  # as the engine runs its decoder (backends/onnx/runtime.py: open_engines)
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if profile:
             options.enable_profiling = True
             options.profile_file_prefix = os.path.join(scratch, "ort")
@@ -91,6 +94,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-spin", action="store_true", help="ORT's threads sleep between operators, as the engine's do")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     graphs = dict(g.split("=", 1) for g in args.graph)
