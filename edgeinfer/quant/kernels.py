@@ -464,8 +464,7 @@ def mma_candidates(layout: PackedGeometry) -> list[MmConfig]:
     row has that many steps (the fastest on an H200 for Qwen2-VL-2B's products at 1 to 16 rows
     were 64 to 256 outputs split four or eight ways)."""
     tiles = ((64, 1), (64, 4), (64, 8), (128, 1), (128, 4), (128, 8), (128, 16), (256, 4), (256, 8))
-    return [MmConfig(bn, 64, split, mma=True) for bn, split in tiles
-            if layout.k // 64 >= split and layout.group_constexpr % 64 == 0]
+    return [MmConfig(bn, 64, split, mma=True) for bn, split in tiles if layout.k // 64 >= split]
 
 
 # Tile choices by (layout, row tile, device), timed once per process on first use outside a CUDA
@@ -543,8 +542,13 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
 
 def tuned_choices() -> list[dict]:
     """The tiles :func:`tuned_config` chose in this process, for benchmark reports."""
-    return [{"n": layout.n, "k": layout.k, "bits": layout.bits, "row_tile": bm, "zeros": has_z, "dtype": str(dtype),
-             "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split, "weight_first": cfg.w_a,
-             "kernel": "tensor_core" if cfg.mma else "dot",
-             **({"tensor_core_refused": _REFUSED[key]} if key in _REFUSED else {})}
-            for key, cfg in _TUNED.items() for layout, bm, has_z, dtype, _ in [key]]
+    choices = []
+    for key, cfg in _TUNED.items():
+        layout, bm, has_z, dtype, _ = key
+        choice = {"n": layout.n, "k": layout.k, "bits": layout.bits, "row_tile": bm, "zeros": has_z,
+                  "dtype": str(dtype), "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split, "weight_first": cfg.w_a,
+                  "kernel": "tensor_core" if cfg.mma else "dot"}
+        if key in _REFUSED:
+            choice["tensor_core_refused"] = _REFUSED[key]
+        choices.append(choice)
+    return choices

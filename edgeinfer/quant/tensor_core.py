@@ -22,7 +22,9 @@ dialect, so the layouts are chosen rather than inferred:
 * x is the B operand, read straight from memory into its layout (8 consecutive columns a
   thread, one 16-byte load); rows past M read zeros.
 * K is split when N alone gives too few programs; each split writes its partial sums and the
-  last to arrive adds them in split order (the same bits on every run) and writes the output.
+  last to arrive adds them in split order (the same bits on every run) and writes the output,
+  as :func:`~edgeinfer.quant.kernels.split_total` does for the Triton kernels (a Gluon kernel
+  calls Gluon functions only, so this one and ``_join4`` are written again here).
 
 Gluon is experimental in Triton 3.6; where it is missing or refuses the kernel, the Triton
 kernel runs instead (:func:`unavailable` says why).
@@ -64,6 +66,7 @@ MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, fma.rn.bf16x2
 
 
+@functools.cache  # one layout object per tile, not one a call
 def word_layout(bn: int, bk: int, warps: int):
     """The layout of ``[bn, bk / 8]`` packed words whose values, each word's 8 joined in place, are
     the A operand (mma v2, ``k_width`` 8, ``warps`` along the rows) of a ``[bn, bk]`` tile: that
@@ -158,13 +161,10 @@ if gluon is not None:
             gl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: int, n: int, k: int) -> str | None:
     """None when :func:`mma_mm` can take this product, else why not."""
+    from edgeinfer.quant.kernels import _capability  # kernels imports this module
+
     if gluon is None:
         return "Triton's Gluon is not installed"
     if x.device.type != "cuda":
