@@ -161,10 +161,14 @@ if gluon is not None:
             gl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    # kernels has the same lookup, but it imports this module, and modules import without cycles
+    return torch.cuda.get_device_capability(index)
+
+
 def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: int, n: int, k: int) -> str | None:
     """None when :func:`mma_mm` can take this product, else why not."""
-    from edgeinfer.quant.kernels import _capability  # kernels imports this module
-
     if gluon is None:
         return "Triton's Gluon is not installed"
     if x.device.type != "cuda":
