@@ -146,11 +146,11 @@ def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype
     names = fn.arg_names
     types = {**pointers(dtype, "X", "S", "Z", "Y"), "Q": "*i32", "PARTS": "*fp32", "ARRIVALS": "*i32",
              **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y", "per_split", "splits"), "i32")}
-    for (bn, bk, warps), split_k, has_z, bm in itertools.product(((64, 64, 4), (128, 128, 4), (256, 64, 8)),
-                                                                (False, True), (False, True), (8, 16)):
+    for (bn, bk, warps, ahead), split_k, has_z, bm in itertools.product(
+            ((64, 64, 4, 1), (128, 128, 4, 2), (256, 64, 8, 3)), (False, True), (False, True), (8, 16)):
         given = dict(BN=bn, BM=bm, BK=bk, GS=128, HAS_Z=has_z, SPLIT_K=split_k, WARPS=warps,
                      LW=tensor_core.word_layout(bn, bk, warps), BF16=dtype == "bf16",
-                     MAGIC=128.0 if dtype == "bf16" else 1024.0)
+                     MAGIC=128.0 if dtype == "bf16" else 1024.0, AHEAD=ahead)
         for target in TARGETS.values():
             source = GluonASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                                     {(names.index(k),): v for k, v in given.items()})

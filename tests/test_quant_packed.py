@@ -265,11 +265,37 @@ def test_the_tensor_core_product_is_the_dequantized_product_rounded_once(dtype, 
         for rows in (1, 5, 16):
             x = torch.randn(rows, k, device="cuda").to(dtype)
             want = (x.float() @ dense.t()).to(dtype).float()
-            for bn, bk, split in ((64, 64, 1), (128, 128 if group % 128 == 0 else 64, 3), (256, 64, 16)):
-                config = kernels.MmConfig(bn, bk, split, mma=True)
+            for bn, bk, split, stages in ((64, 64, 1, 2), (128, 128 if group % 128 == 0 else 64, 3, 3), (256, 64, 16, 4)):
+                config = kernels.MmConfig(bn, bk, split, stages=stages, mma=True)
                 got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, packed.layout, config).float()
                 torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item(),
                                            msg=lambda m: f"{rows} rows, {config}, zeros {zeros is not None}: {m}")
+
+
+@needs_cuda
+def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one():
+    """On first use ``packed_mm`` times its tiles (the tensor-core kernel's among them where it can
+    run) over copies of the weight that miss the L2 cache, keeps one for the shape and row tile,
+    frees the copies, and the kept tile computes what any other does."""
+    torch.manual_seed(8)
+    n, k, group = 512, 2048, 128
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(n, k // group, device="cuda") * 0.02 + 0.001).bfloat16()
+    packed = PackedMatrix(codes, scales, None, 4, group, (n, k))
+    x = torch.randn(5, k, device="cuda").bfloat16()
+    kernels._TUNED.clear()
+    kernels.packed_mm(x, codes, scales, None, packed.layout, kernels.MmConfig(32, 128, 1))  # workspace, compiles
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    chosen = kernels.tuned_config(x, codes, scales, None, packed.layout)
+    assert torch.cuda.memory_allocated() <= before + 2 ** 20  # the copies are gone (the split workspace may grow)
+    assert chosen in kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout)
+    assert kernels.tuned_config(x, codes, scales, None, packed.layout) is chosen  # kept, not timed again
+    [choice] = [c for c in kernels.tuned_choices() if (c["n"], c["k"], c["row_tile"]) == (n, k, 8)]
+    assert choice["kernel"] == ("tensor_core" if chosen.mma else "dot")
+    want = kernels.packed_mm(x, codes, scales, None, packed.layout, kernels.MmConfig(32, 128, 1)).float()
+    got = kernels.packed_mm(x, codes, scales, None, packed.layout).float()
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
 
 
 @needs_cuda

@@ -460,24 +460,59 @@ def mm_candidates(layout: PackedGeometry) -> list[MmConfig]:
 
 def mma_candidates(layout: PackedGeometry) -> list[MmConfig]:
     """The tensor-core kernel's tiles :func:`tuned_config` times beside :func:`mm_candidates`: 64 to
-    256 outputs a program (16 a warp, repeated), K steps of 64, K split up to 16 ways where the
-    row has that many steps (the fastest on an H200 for Qwen2-VL-2B's products at 1 to 16 rows
-    were 64 to 256 outputs split four or eight ways)."""
-    tiles = ((64, 1), (64, 4), (64, 8), (128, 1), (128, 4), (128, 8), (128, 16), (256, 4), (256, 8))
-    return [MmConfig(bn, 64, split, mma=True) for bn, split in tiles if layout.k // 64 >= split]
+    256 outputs a program (16 a warp, repeated), K steps of 64 (and 128 where groups are that
+    long), K split up to 16 ways where the row has that many steps, and the next one or three
+    steps' operands in flight (``stages`` 2 or 4). On an H200 the fastest for Qwen2-VL-2B's
+    products at 1 to 16 rows were among these, and none of them everywhere: one step ahead for
+    gate|up (more costs it registers), three for q|k|v and down."""
+    tiles = ((64, 64, 1), (64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (128, 64, 16), (256, 64, 4),
+             (256, 64, 8), (64, 128, 4), (128, 128, 4), (128, 128, 8))
+    return [MmConfig(bn, bk, split, stages=stages, mma=True) for bn, bk, split in tiles for stages in (2, 4)
+            if layout.k // bk >= split and layout.group_constexpr % bk == 0]
+
+
+def graph_time_us(calls: list, repeats: int = 5) -> float:
+    """Device microseconds per call of ``calls`` (functions), replayed from one CUDA graph so that
+    launches cost what they cost in the decode step's graph."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (repeats * len(calls)) * 1e3
+
+
+def cold_copies(nbytes: int, device: torch.device) -> int:
+    """How many copies of a weight of ``nbytes`` a timing goes through so that none is still in the
+    L2 cache when it is read again (three times the cache, as a decode step reads each weight once
+    among far more bytes), at least 2 and at most 256."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(2, min(256, -(-3 * l2 // max(1, nbytes))))
 
 
 # Tile choices by (layout, row tile, device), timed once per process on first use outside a CUDA
 # graph capture (a capture uses the heuristic until then): Triton's own autotuner keeps its choices
-# the same way, per kernel and key.
+# the same way, per kernel and key. Timed as the decode step runs them: back to back from a CUDA
+# graph, each call on weights the L2 cache does not hold. Timing single calls with events
+# (``triton.testing.do_bench``) picked tiles up to 2.4× slower than the best on an H200: a few-µs
+# kernel is lost in the events' own cost.
 _TUNED: dict[tuple, MmConfig] = {}
 _REFUSED: dict[tuple, str] = {}  # why the tensor-core kernel failed to compile or run, by the same key
 
 
 def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig:
     """The fastest of :func:`mm_candidates` (and, where it can run, :func:`mma_candidates`) for ``x``'s
-    row tile on this device, timed with the L2 cache flushed between calls (a decode step reads each
-    weight from memory)."""
+    row tile on this device, each timed over :func:`cold_copies` copies of the weight replayed from
+    a CUDA graph (the copies live for the timing only: three times the L2 cache at most)."""
     rows = x.shape[0]
     bm = 8 if rows <= 8 else max(16, pow2(rows))  # the tensor-core kernel's row tiles are 8 and 16
     key = (layout, bm, zeros is not None, x.dtype, x.device)
@@ -485,15 +520,17 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         return _TUNED[key]
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return mm_config(layout, x.shape[0], x.device)
-    from triton.testing import do_bench
-
     candidates = mm_candidates(layout)
     if tensor_core.unavailable(x, scales.dtype, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
         candidates += mma_candidates(layout)
+    nbytes = sum(t.numel() * t.element_size() for t in (codes, scales, zeros) if t is not None)
+    weights = [(codes, scales, zeros)] + [
+        (codes.clone(), scales.clone(), None if zeros is None else zeros.clone())
+        for _ in range(cold_copies(nbytes, x.device) - 1)]
     times = {}
     for cfg in candidates:
         try:
-            times[cfg] = do_bench(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg), warmup=3, rep=8)
+            times[cfg] = graph_time_us([lambda w=w, cfg=cfg: packed_mm(x, *w, layout, cfg) for w in weights])
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
             if not cfg.mma:
                 raise
@@ -513,7 +550,8 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     cfg = config or tuned_config(x, codes, scales, zeros, layout)
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
-                                  split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device))
+                                  split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),
+                                  ahead=cfg.stages - 1)
     bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)

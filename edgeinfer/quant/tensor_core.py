@@ -106,14 +106,29 @@ if gluon is not None:
         return gl.convert_layout(tile, LA, assert_trivial=True)
 
     @gluon.jit
+    def _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, k0,
+                       GS: gl.constexpr, HAS_Z: gl.constexpr, MAGIC: gl.constexpr, LW: gl.constexpr):
+        """One K step's words, scales, ``-(2^m + z)`` and x, issued together (nothing here waits)."""
+        dt = x_at.dtype.element_ty
+        words = gl.load(words_at + k0 // 8, mask=words_ok, other=0)
+        at = rn * G + k0 // GS
+        s = gl.load(S + at, mask=n_ok, other=0.0).to(dt)
+        if HAS_Z:
+            nb = (-MAGIC - gl.load(Z + at, mask=n_ok, other=0.0).to(gl.float32)).to(dt)
+        else:
+            nb = gl.full(s.shape, -MAGIC - 8.0, dt, layout=gl.SliceLayout(1, LW))
+        return words, s, nb, gl.load(x_at + k0, mask=x_ok, other=0.0)
+
+    @gluon.jit
     def _mma_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y, per_split, splits,
                        BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GS: gl.constexpr,
                        HAS_Z: gl.constexpr, SPLIT_K: gl.constexpr, WARPS: gl.constexpr, LW: gl.constexpr,
-                       BF16: gl.constexpr, MAGIC: gl.constexpr):
+                       BF16: gl.constexpr, MAGIC: gl.constexpr, AHEAD: gl.constexpr):
         """Y[m, n] = sum_k X[m, k] · W[n, k] for BN outputs and the BM (≤ 16) rows of X, over columns
         [split · per_split, (split + 1) · per_split); a K step of BK columns lies in one group. ``BF16``:
-        X is bf16 (else fp16), whose mantissa holds a code over ``MAGIC`` (2^m)."""
-        dt = X.dtype.element_ty
+        X is bf16 (else fp16), whose mantissa holds a code over ``MAGIC`` (2^m). ``AHEAD`` (1 to 3)
+        steps' operands are in flight while one multiplies: a step's words, scales and x all come from
+        memory, and a product of a few rows has too few warps to hide one step's wait."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -121,6 +136,7 @@ if gluon is not None:
         split = gl.program_id(1)
         start = split * per_split
         end = gl.minimum(start + per_split, K)
+        last = end - BK  # steps past the end read the last one again (no mask, no branch)
         rn = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
         n_ok = rn < N
         words_at = Q + gl.expand_dims(rn * (K // 8), 1) + gl.expand_dims(gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LW)), 0)
@@ -130,19 +146,30 @@ if gluon is not None:
         x_at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(rk, 1)
         x_ok = gl.expand_dims(rm < M, 0)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-        words = gl.load(words_at + start // 8, mask=words_ok, other=0)
+        w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, start, GS, HAS_Z, MAGIC, LW)
+        if AHEAD >= 2:
+            w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
+                                            gl.minimum(start + BK, last), GS, HAS_Z, MAGIC, LW)
+        if AHEAD >= 3:
+            w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
+                                            gl.minimum(start + 2 * BK, last), GS, HAS_Z, MAGIC, LW)
         for k0 in range(start, end, BK):
-            this = words
-            # the next step's words while this one multiplies (the last step reads its own again)
-            words = gl.load(words_at + gl.minimum(k0 + BK, end - BK) // 8, mask=words_ok, other=0)
-            at = rn * G + k0 // GS
-            s = gl.load(S + at, mask=n_ok, other=0.0).to(dt)
-            if HAS_Z:
-                nb = (-MAGIC - gl.load(Z + at, mask=n_ok, other=0.0).to(gl.float32)).to(dt)
+            w, s, nb, x = w0, s0, z0, x0
+            ahead = gl.minimum(k0 + AHEAD * BK, last)
+            if AHEAD == 1:
+                w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
+                                                MAGIC, LW)
+            elif AHEAD == 2:
+                w0, s0, z0, x0 = w1, s1, z1, x1
+                w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
+                                                MAGIC, LW)
             else:
-                nb = gl.full([BN], -MAGIC - 8.0, dt, layout=gl.SliceLayout(1, LW))
-            w = _weight_tile(this, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16)
-            acc = mma_v2(w, gl.load(x_at + k0, mask=x_ok, other=0.0), acc)
+                w0, s0, z0, x0 = w1, s1, z1, x1
+                w1, s1, z1, x1 = w2, s2, z2, x2
+                w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
+                                                MAGIC, LW)
+            a = _weight_tile(w, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16)
+            acc = mma_v2(a, x, acc)
         rn_o = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         rm_o = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         ok = gl.expand_dims(rm_o < M, 0) & gl.expand_dims(rn_o < N, 1)
@@ -191,7 +218,7 @@ def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: in
 
 
 def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, n: int,
-           group: int, *, bn: int, bk: int, split: int, warps: int, workspace) -> torch.Tensor:
+           group: int, *, bn: int, bk: int, split: int, warps: int, workspace, ahead: int = 2) -> torch.Tensor:
     """``x @ W.T`` for ``x`` [M ≤ 16, K] (bf16 or fp16) and W packed 4-bit [N, K] in groups of
     ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
     ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials."""
@@ -210,5 +237,5 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
         x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, n, k, scales.shape[1],
         x.stride(0), y.stride(0), per_split, splits, BN=bn, BM=8 if m <= 8 else 16, BK=bk, GS=group,
         HAS_Z=zeros is not None, SPLIT_K=splits > 1, WARPS=warps, LW=word_layout(bn, bk, warps),
-        BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype], num_warps=warps)
+        BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype], AHEAD=ahead, num_warps=warps)
     return y

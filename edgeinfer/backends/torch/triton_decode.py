@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.models.decoder import DecoderLayer
-from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, interpreting
+from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, graph_time_us, interpreting
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this path exists at all
@@ -683,26 +683,6 @@ def _config_name(c: GemvConfig | PackedGemvConfig) -> str:
 def _nbytes(w: torch.Tensor | PackedMatrix) -> int:
     """Bytes a product reads of its weight."""
     return w.nbytes if isinstance(w, PackedMatrix) else w.numel() * w.element_size()
-
-
-def graph_time_us(calls: list, repeats: int = 5) -> float:
-    """Device microseconds per call of ``calls`` (functions), replayed from one CUDA graph so that
-    launches cost what they cost in the decode step's graph."""
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (repeats * len(calls)) * 1e3
 
 
 class FusedDecode:
