@@ -288,6 +288,30 @@ def test_a_generate_run_keeps_what_finished_kinds_measured(checkpoint, tmp_path)
     assert set(data["runs"]) == {"transformers", "ours"} and not data["problems"]
 
 
+def test_int4_options_reach_the_int4_builds_only_and_the_build_command_takes_them():
+    """``bench onnxruntime --int4-block-size/--int4-symmetric`` builds the int4 kinds that way (the
+    int8 ones as before), records it in the spec and says it above the table; the flags are ones
+    ``edgeinfer build`` itself parses to those values."""
+    from typer.main import get_command
+
+    from edgeinfer.bench.generate import GenerateSpec, _int4_note
+
+    spec = GenerateSpec(Path("m"), kinds=("transformers", "onnxruntime-int8", "onnxruntime-int4",
+                                          "onnxruntime-int4-vision-int8"), int4_block_size=128, int4_symmetric=True)
+    assert spec.build_flags("onnxruntime-int8") == ()
+    assert spec.build_flags("onnxruntime-int4") == ("--int4-block-size", "128", "--int4-symmetric")
+    assert spec.build_flags("onnxruntime-int4-vision-int8") == (
+        "--vision-precision", "int8", "--int4-block-size", "128", "--int4-symmetric")
+    assert GenerateSpec.from_json(spec.to_json()) == spec
+    assert _int4_note(spec.to_json()) == " int4 kinds built with blocks of 128, symmetric."
+    assert GenerateSpec(Path("m")).build_flags("onnxruntime-int4") == () and _int4_note(GenerateSpec(Path("m")).to_json()) == ""
+    build = get_command(app).commands["build"]
+    params = build.make_context("build", ["--precision", "int4", *spec.build_flags("onnxruntime-int4-vision-int8")]).params
+    assert (params["int4_block_size"], params["int4_symmetric"], params["vision_precision"].value) == (128, True, "int8")
+    asym = GenerateSpec(Path("m"), int4_symmetric=False).build_flags("onnxruntime-int4")
+    assert build.make_context("build", list(asym)).params["int4_symmetric"] is False
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_code_paths_on_a_cpu(checkpoint, tmp_path):
     """The GPU benchmark's workers on a CPU (no timing meaning): pairs of calls at two batch sizes,

@@ -52,6 +52,9 @@ class GenerateSpec:
     device: str = "cpu"
     kinds: tuple[str, ...] = (PEER, "ours")
     engines: Path | None = None  # where ONNX Runtime kinds are built (default: beside the checkpoint)
+    # How the int4 kinds are quantized (`edgeinfer build --int4-block-size / --int4-symmetric`); None: the build's default
+    int4_block_size: int | None = None
+    int4_symmetric: bool | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(KINDS)
@@ -69,6 +72,16 @@ class GenerateSpec:
         data = {k: v for k, v in data.items() if k in names}
         return cls(**{**data, "model": Path(data["model"]), "kinds": tuple(data["kinds"]),
                       "engines": Path(data["engines"]) if data.get("engines") else None})
+
+    def build_flags(self, kind: str) -> tuple[str, ...]:
+        """The ``edgeinfer build`` options of an ONNX Runtime kind beyond its precision."""
+        flags = list(ONNX_BUILD_FLAGS.get(kind, ()))
+        if ONNX_KINDS.get(kind) == "int4":
+            if self.int4_block_size is not None:
+                flags += ["--int4-block-size", str(self.int4_block_size)]
+            if self.int4_symmetric is not None:
+                flags.append("--int4-symmetric" if self.int4_symmetric else "--int4-asymmetric")
+        return tuple(flags)
 
     def onnx_engines(self, kind: str) -> Path:
         """Engines root of an ONNX Runtime kind; one per kind, so fp32 and int8 never replace each other."""
@@ -140,7 +153,7 @@ def build_onnx(spec: GenerateSpec, kind: str) -> None:
 
     cmd = [sys.executable, "-m", "edgeinfer.cli.main", "build", "--backend", "onnxruntime", "--model", str(spec.model),
            "--profile", "cpu", "--out", str(spec.onnx_engines(kind)), "--set", f"build.precision={ONNX_KINDS[kind]}",
-           *ONNX_BUILD_FLAGS.get(kind, ())]
+           *spec.build_flags(kind)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{kind} build failed:\n{done.stderr[-4000:]}{done.stdout[-2000:]}")
@@ -192,11 +205,19 @@ def _cell(s: Spread, digits: int) -> str:
     return f"{s.median:.{digits}f} ({s.min:.{digits}f}–{s.max:.{digits}f})" if s.n else "–"
 
 
+def _int4_note(spec: dict[str, Any]) -> str:
+    """How the int4 kinds were built, where not as the build's default."""
+    given = [f"blocks of {spec['int4_block_size']}"] if spec.get("int4_block_size") is not None else []
+    if spec.get("int4_symmetric") is not None:
+        given.append("symmetric" if spec["int4_symmetric"] else "asymmetric")
+    return f" int4 kinds built with {', '.join(given)}." if given else ""
+
+
 def markdown(data: dict[str, Any]) -> str:
     summary, by_kind = data["summary"], data["ratios"]
     spec = data["spec"]
     lines = [f"Medians of {spec['repeats']} runs (min–max), after {spec['warmup']} untimed; {spec['new_tokens']} "
-             f"tokens; {spec['threads']} threads.", "",
+             f"tokens; {spec['threads']} threads.{_int4_note(spec)}", "",
              "| engine | prompt tokens | time to first token (s) | decode (tok/s) | whole request (tok/s) | "
              "peak RSS (MB) |", "|---|---|---|---|---|---|"]
     for kind in (k for k in KINDS if k in summary):

@@ -14,6 +14,7 @@ import typer
 
 from edgeinfer.bench.common import SHAPES
 from edgeinfer.bench.quiet import QUIET_LOAD
+from edgeinfer.cli.build import Int4BlockSizeOption, Int4SymmetricOption
 from edgeinfer.cli.errors import cli_errors
 
 bench_app = typer.Typer(help="Benchmarks against transformers (and our other backends), measured in the same run.",
@@ -108,6 +109,8 @@ def onnxruntime(
         metavar="N", help="Instead of the speed run: answer N held-out demo questions with torch and ORT fp32, "
                           "int8, int4 and int4 with the int8 vision graph, and report their accuracy.")] = 0,
     seed: Annotated[int, typer.Option(help="Held-out seed of --demo-accuracy.")] = 1234,
+    int4_block_size: Int4BlockSizeOption = None,
+    int4_symmetric: Int4SymmetricOption = None,
 ) -> None:
     """ONNX Runtime fp32, int8 and int4 against transformers and our torch backend on a CPU (or demo accuracy)."""
     from edgeinfer.bench import onnxruntime as ort
@@ -119,7 +122,8 @@ def onnxruntime(
             return
         spec = _spec(GenerateSpec, _model(model, shape, cache), image_size=image_size, new_tokens=new_tokens,
                             repeats=repeats, warmup=warmup, threads=threads,
-                            kinds=_kinds(kinds) if kinds else KINDS)
+                            kinds=_kinds(kinds) if kinds else KINDS, int4_block_size=int4_block_size,
+                            int4_symmetric=int4_symmetric)
         _done(ort.speed(spec, out, max_load=max_load, allow_noisy=allow_noisy, log=typer.echo))
 
 
