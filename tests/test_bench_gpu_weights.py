@@ -109,6 +109,31 @@ def test_the_gpu_command_refuses_options_it_cannot_run(checkpoint, args, needle)
 
 # --- the quantized checkpoints and their cache ----------------------------------------------------------
 
+def _scale_dtypes(folder: Path) -> set:
+    from safetensors import safe_open
+
+    dtypes = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            dtypes |= {f.get_slice(name).get_dtype() for name in f.keys() if name.endswith("weight_scale")}
+    return dtypes
+
+
+def test_the_benchmark_quantizes_in_the_dtype_it_runs(quantized):
+    """A bf16 run's 4-bit checkpoint is quantized from the weights in bf16 (`quantize --dtype`), so its
+    scales are bf16, as a checkpoint quantized from bf16 weights has them; the float32 source quantized
+    as it is keeps float32 scales, in another folder."""
+    from edgeinfer.bench.gpu import prepare_weights
+    from edgeinfer.quant.compress import REPORT_NAME
+
+    source, cache, as_is = quantized
+    spec = GpuBenchSpec(source, kinds=("ours",), weights=("bf16", "w4a16"), group_size=GROUP)
+    folder = prepare_weights(spec, cache, log=lambda _: None)["w4a16"]
+    assert folder != as_is
+    assert _scale_dtypes(folder) == {"BF16"} and _scale_dtypes(as_is) == {"F32"}
+    assert json.loads((folder / REPORT_NAME).read_text())["dtype"] == "bfloat16"
+
+
 def test_a_quantized_checkpoint_is_written_once_under_a_key_of_what_it_depends_on(quantized, monkeypatch):
     source, cache, folder = quantized
     spec = QuantizedCheckpointSpec(source, 4, GROUP)
@@ -123,6 +148,7 @@ def test_a_quantized_checkpoint_is_written_once_under_a_key_of_what_it_depends_o
 
     key = spec.key()
     assert QuantizedCheckpointSpec(source, 8, GROUP).key() != key
+    assert QuantizedCheckpointSpec(source, 4, GROUP, dtype="bfloat16").key() != key
     assert QuantizedCheckpointSpec(source, 4, 16).key() != key
     # A changed checkpoint (here its config) is another source.
     changed = Path(shutil.copytree(source, cache / "changed" / "qwen2_vl"))

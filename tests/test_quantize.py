@@ -289,6 +289,7 @@ def test_cli_writes_the_report_naming_every_quantized_layer(checkpoint, tmp_path
     (["--group-size", "48"], 2, "takes 64"),
     (["--samples", "0", "--method", "awq"], 2, "--samples"),
     (["--calibration", "."], 2, "awq (rtn needs no calibration data)"),
+    (["--dtype", "int8"], 2, "--dtype is int8; allowed: float32, float16, bfloat16"),
 ])
 def test_cli_refuses_settings_it_cannot_honour(checkpoint, tmp_path, args, code, needle):
     got, answer = quantize_cli(str(checkpoint("llava")), str(tmp_path / "q"), *args)

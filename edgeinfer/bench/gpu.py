@@ -235,7 +235,7 @@ def prepare_weights(spec: GpuBenchSpec, cache: Path, steps=None,
     if OURS not in spec.kinds:
         return checkpoints
     for fmt in filter(is_quantized, spec.formats):
-        quantized = QuantizedCheckpointSpec.of(fmt, spec.model, spec.group_size)
+        quantized = QuantizedCheckpointSpec.of(fmt, spec.model, spec.group_size, spec.dtype)
         folder = quantized.folder(cache)
         if not (folder / "config.json").is_file():
             log(f"[bench gpu] quantizing {spec.model.name} to {fmt} (rtn, group {spec.group_size}) into {folder}")
@@ -492,7 +492,8 @@ def markdown(report: GpuReport) -> str:
 def _weights_line(spec: GpuBenchSpec) -> str:
     quantized = [f for f in spec.formats if is_quantized(f)]
     return (f"Weights: ours runs {', '.join(spec.formats)}; {', '.join(quantized)} quantized once from the "
-            f"{spec.dense} checkpoint by `edgeinfer quantize --method rtn --group-size {spec.group_size}`. "
+            f"{spec.dense} checkpoint by `edgeinfer quantize --method rtn --group-size {spec.group_size} "
+            f"--dtype {spec.dtype}`. "
             f"The transformers peers run the {spec.dense} checkpoint only.")
 
 

@@ -12,6 +12,7 @@ quantizer gets a new folder; an unchanged one is reused.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -69,10 +70,16 @@ class QuantizedCheckpointSpec:
     group_size: int
     method: str = QUANTIZE_METHOD
     lm_head_int8: bool = False
+    # The dtype the source is quantized in (`edgeinfer quantize --dtype`): the one the benchmark runs,
+    # so that scales are in the activations' dtype, as a checkpoint quantized from bf16 weights has them
+    dtype: str | None = None
 
     @classmethod
-    def of(cls, fmt: str, source: Path, group_size: int) -> "QuantizedCheckpointSpec":
-        return cls(source, QUANTIZED_BITS[fmt], group_size, lm_head_int8=fmt.endswith(INT8_HEAD_SUFFIX))
+    def of(cls, fmt: str, source: Path, group_size: int, dtype: str | None = None) -> "QuantizedCheckpointSpec":
+        """``dtype``: the one the benchmark runs; None where it is the checkpoint's own (quantized as it is)."""
+        if dtype is not None and dtype == checkpoint_dtype(source):
+            dtype = None
+        return cls(source, QUANTIZED_BITS[fmt], group_size, lm_head_int8=fmt.endswith(INT8_HEAD_SUFFIX), dtype=dtype)
 
     @property
     def format(self) -> str:
@@ -84,8 +91,9 @@ class QuantizedCheckpointSpec:
 
         digest = hashlib.sha256()
         head = ("lm_head int8",) if self.lm_head_int8 else ()  # absent otherwise: older keys stay valid
+        dtype = (f"dtype {self.dtype}",) if self.dtype else ()  # likewise
         for part in (checkpoint_fingerprint(self.source), str(self.bits), str(self.group_size), self.method, *head,
-                     quantizer_identity()):
+                     *dtype, quantizer_identity()):
             digest.update(part.encode())
             digest.update(b"\0")
         return digest.hexdigest()
@@ -93,6 +101,17 @@ class QuantizedCheckpointSpec:
     def folder(self, cache: Path) -> Path:
         """Where it is kept: beside its source's name under ``cache``, the key in the name."""
         return cache / f"{self.source.name}-{self.format}-g{self.group_size}-{self.method}-{self.key()[:16]}"
+
+
+def checkpoint_dtype(source: Path) -> str | None:
+    """The dtype a checkpoint's config.json declares (``dtype``, or ``torch_dtype`` before transformers
+    v5), or None where it says none or there is no readable config."""
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or {}
+    return config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
 
 
 def quantizer_identity() -> str:
@@ -121,7 +140,7 @@ def quantized_checkpoint(spec: QuantizedCheckpointSpec, cache: Path, steps=None)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache))
     try:
         options = QuantizeOptions(spec.source, scratch, QuantSpec(spec.bits, spec.group_size, lm_head_int8=spec.lm_head_int8),
-                                   Method(spec.method))
+                                   Method(spec.method), dtype=spec.dtype)
         quantize_checkpoint(options, steps)
         scratch.rename(path)
     finally:

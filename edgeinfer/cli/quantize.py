@@ -54,6 +54,10 @@ def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint
                  help="Also quantize the output projection (lm_head), int8 per row. Default: kept as it is.")] = None,
              symmetric: Annotated[bool, typer.Option(
                  "--symmetric/--asymmetric", help="Symmetric scales, or scales with a zero point.")] = True,
+             dtype: Annotated[Optional[str], typer.Option(
+                 help="Load MODEL in this dtype first (float32, float16 or bfloat16): the scales and the weights "
+                      "kept unquantized are written in it, as llm-compressor writes a model loaded in that dtype. "
+                      "Default: the checkpoint's own.")] = None,
              force: Annotated[bool, typer.Option(help="Write into OUT even when it is not empty.")] = False,
              json_: JsonOption = False) -> None:
     """Quantize the language model's linear layers of MODEL and write OUT as a compressed-tensors
@@ -61,7 +65,7 @@ def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint
     the embeddings keep their dtype."""
     with cli_errors(json_):
         report = _quantize(model, out, bits, group_size, method, calibration, samples, lm_head, symmetric, force,
-                           quiet=json_)
+                           quiet=json_, dtype=dtype)
     if json_:
         typer.echo(json.dumps(report.to_json(), indent=2))
         return
@@ -69,12 +73,12 @@ def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint
 
 
 def _quantize(model: Path, out: Path, bits: int, group_size: int, method: QuantMethod, calibration: Path | None,
-              samples: int, lm_head: LmHead | None, symmetric: bool, force: bool, quiet: bool):
+              samples: int, lm_head: LmHead | None, symmetric: bool, force: bool, quiet: bool, dtype: str | None = None):
     from edgeinfer.quant.compress import Method, QuantizeOptions, QuantSpec
     from edgeinfer.quant.quantize import quantize_checkpoint
 
     spec = QuantSpec.from_options(bits, group_size, symmetric, lm_head is LmHead.int8)
-    options = QuantizeOptions(model, out, spec, Method(method.value), calibration, samples, force)
+    options = QuantizeOptions(model, out, spec, Method(method.value), calibration, samples, force, dtype=dtype)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), disable=quiet)
     with progress:

@@ -105,8 +105,13 @@ class QuantizeOptions:
     # Calibration rows kept per layer group for the scale search (bounds memory).
     max_tokens: int = 512
     seed: int = 0
+    # The dtype the checkpoint is loaded in, and so the scales and the unquantized weights are
+    # written in (llm-compressor quantizes a model in the dtype it was loaded in); None: its own.
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in LOAD_DTYPES:
+            raise QuantizeSettingsError("--dtype", self.dtype, ", ".join(LOAD_DTYPES))
         if self.samples < 1:
             raise QuantizeSettingsError("--samples", self.samples, "1 or more")
         if self.calibration is not None and self.method is not Method.awq:
@@ -143,6 +148,7 @@ class QuantizeReport:
     calibration: str | None
     samples: int
     layers: list[LayerReport] = field(default_factory=list)
+    dtype: str | None = None  # the dtype the model was quantized in (its scales' and unquantized weights')
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -226,8 +232,12 @@ def check_out(out: Path, force: bool) -> None:
                                     "a folder that does not exist or is empty (override: --force)")
 
 
-def load_model(folder: Path) -> torch.nn.Module:
-    """The checkpoint in transformers, in its own dtype, after checking edgeinfer knows its family."""
+LOAD_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def load_model(folder: Path, dtype: str | None = None) -> torch.nn.Module:
+    """The checkpoint in transformers, in ``dtype`` (one of :data:`LOAD_DTYPES`; None: its own),
+    after checking edgeinfer knows its family."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from edgeinfer.models.registry import (
@@ -244,7 +254,7 @@ def load_model(folder: Path) -> torch.nn.Module:
         raise UnsupportedArchitectureError(architectures, supported_architectures(), not_yet_supported(architectures))
     if getattr(config, "quantization_config", None) is not None:
         raise QuantizeSettingsError("MODEL", f"{folder} (already quantized)", "a checkpoint in full precision")
-    return AutoModelForImageTextToText.from_pretrained(folder, dtype="auto").eval()
+    return AutoModelForImageTextToText.from_pretrained(folder, dtype=getattr(torch, dtype) if dtype else "auto").eval()
 
 
 def untie_lm_head(model: torch.nn.Module) -> None:

@@ -28,7 +28,7 @@ def quantize_checkpoint(options: QuantizeOptions, steps: Steps | None = None) ->
     """Quantize ``options.model`` into ``options.out``; returns (and writes beside it) the report."""
     steps = steps or NoSteps()
     check_out(options.out, options.force)
-    model = load_model(options.model)
+    model = load_model(options.model, options.dtype)
     linears = language_linears(model)
     check_group_size(linears, options.spec)
     smoothing: dict[str, tuple[float, float]] = {}
@@ -41,6 +41,7 @@ def quantize_checkpoint(options: QuantizeOptions, steps: Steps | None = None) ->
     report = QuantizeReport(str(options.model), str(options.out), options.method.value, options.spec.bits,
                             options.spec.group_size, options.spec.symmetric,
                             str(options.calibration) if options.calibration else None,
-                            options.samples if options.method is Method.awq else 0, layers)
+                            options.samples if options.method is Method.awq else 0, layers,
+                            str(next(model.parameters()).dtype).removeprefix("torch."))
     (options.out / REPORT_NAME).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return report
