@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeinfer.bench.common import cpu_identity
+
 PRODUCTS = ("DynamicQuantizeMatMul", "MatMulInteger", "MatMulNBits")
 
 
@@ -108,9 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     graphs = dict(g.split("=", 1) for g in args.graph)
     report = {"args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
-              "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                           if line.startswith("model name")), None),
-              "cores": os.cpu_count(), "load_before": os.getloadavg(), "rounds": []}
+              **cpu_identity(), "cores": os.cpu_count(), "load_before": os.getloadavg(), "rounds": []}
     with tempfile.TemporaryDirectory() as scratch:
         for _ in range(args.rounds):
             report["rounds"].append({"load": os.getloadavg(),

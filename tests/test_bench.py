@@ -288,6 +288,19 @@ def test_a_generate_run_keeps_what_finished_kinds_measured(checkpoint, tmp_path)
     assert set(data["runs"]) == {"transformers", "ours"} and not data["problems"]
 
 
+def test_the_raw_file_names_the_cpu_and_the_instructions_its_kernels_depend_on(tmp_path):
+    """An int8 product runs other code with VNNI or AMX than without: the raw file records the CPU's
+    model and those features, read from the first processor of /proc/cpuinfo."""
+    from edgeinfer.bench.common import cpu_identity
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu avx2 avx512f avx512_vnni sse4_2\n\n"
+                    "processor\t: 1\nmodel name\t: Other\nflags\t\t: amx_int8\n")
+    assert cpu_identity(info) == {"cpu": "Some CPU 9000", "cpu_features": ["avx2", "avx512f", "avx512_vnni"]}
+    missing = cpu_identity(tmp_path / "none")
+    assert missing["cpu_features"] is None and missing["cpu"]
+
+
 def test_int4_options_reach_the_int4_builds_only_and_the_build_command_takes_them():
     """``bench onnxruntime --int4-block-size/--int4-symmetric`` builds the int4 kinds that way (the
     int8 ones as before), records it in the spec and says it above the table; the flags are ones

@@ -100,6 +100,24 @@ def git_state(root: Path | None = None) -> dict[str, Any]:
     return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
+# The vector and matrix instructions that change which CPU kernels ONNX Runtime and torch run
+# (int8 products with or without VNNI, bf16 and int8 on AMX): two runs compare only where they match.
+CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU's model name and which of :data:`CPU_FEATURES` it has, from Linux's ``/proc/cpuinfo``
+    (its first processor); elsewhere the platform's processor string and no features."""
+    try:
+        fields = dict(line.split(":", 1) for line in cpuinfo.read_text().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return {"cpu": platform.processor() or platform.machine(), "cpu_features": None}
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+
+
 def environment(device: str, threads: int | None = None) -> dict[str, Any]:
     """Versions and hardware of this run, as the raw file records them."""
     import torch
@@ -107,8 +125,7 @@ def environment(device: str, threads: int | None = None) -> dict[str, Any]:
 
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "machine": platform.machine(),
-                           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                           "threads": threads, "device": device}
+                           **cpu_identity(), "cores": os.cpu_count(), "threads": threads, "device": device}
     try:
         import onnxruntime
 
