@@ -438,8 +438,20 @@ def rebuild_command(manifest: Manifest) -> str:
     tensorrt = manifest.tensorrt is not None or manifest.fingerprint.tensorrt is not None
     backend = "tensorrt" if tensorrt else manifest.backend
     precision = manifest.precision if backend == "onnxruntime" else None
-    return build_command(backend, manifest.model_dir or manifest.model or manifest.folder.parent.name,
-                         manifest.profile, precision)
+    command = build_command(backend, manifest.model_dir or manifest.model or manifest.folder.parent.name,
+                            manifest.profile, precision)
+    return command + (_int4_flags(manifest) if precision == "int4" else "")
+
+
+def _int4_flags(manifest: Manifest) -> str:
+    """Every int4 option the build recorded, spelled out: the defaults of a later edgeinfer may differ."""
+    decoder = manifest.engines.get("decoder")
+    options = ((decoder.document.get("quantization") or {}).get("options") or {}) if decoder else {}
+    flags = [f" --int4-{name.replace('_', '-')} {options[name]}" for name in ("block_size", "accuracy_level", "format",
+                                                                            "head") if name in options]
+    if "symmetric" in options:
+        flags.append(" --int4-symmetric" if options["symmetric"] else " --int4-asymmetric")
+    return "".join(flags)
 
 
 # --------------------------------------------------------------------------- staleness

@@ -79,6 +79,12 @@ def test_the_rebuild_command_rebuilds_what_was_built(tmp_path):
                                      "--precision int8")
     fp32 = write_manifest(tmp_path, manifest_document(precision="fp32", profile="custom"))
     assert rebuild_command(fp32) == "edgeinfer build --backend onnxruntime --model /models/m"
+    options = {"block_size": 32, "symmetric": False, "accuracy_level": 4, "format": "matmulnbits", "head": "int4"}
+    document = manifest_document(precision="int4")
+    document["engines"]["decoder"]["quantization"] = {"options": options}
+    assert rebuild_command(write_manifest(tmp_path, document)) == (
+        "edgeinfer build --backend onnxruntime --model /models/m --profile cpu --precision int4 --int4-block-size 32 "
+        "--int4-accuracy-level 4 --int4-format matmulnbits --int4-head int4 --int4-asymmetric")
     plans = write_manifest(tmp_path, manifest_document(fingerprint={"model": "a" * 64, "tensorrt": "10.3.0"}))
     assert rebuild_command(plans) == "edgeinfer build --backend tensorrt --model /models/m --profile cpu"
 

@@ -72,7 +72,8 @@ def load_dequantized(decoder, graph, weight_matmuls: int = WEIGHT_MATMULS) -> di
 def test_int4_graph_holds_matmulnbits_and_equals_torch_on_dequantized_weights(exported_graphs, tmp_path):
     model, folder = exported_graphs("smolvlm")
     target = tmp_path / DECODER_FILE
-    record = quantize_decoder_int4(folder / DECODER_FILE, target, Int4Options(block_size=32, accuracy_level=0))
+    record = quantize_decoder_int4(folder / DECODER_FILE, target, Int4Options(block_size=32, symmetric=False,
+                                                                                accuracy_level=0))
     check_graph(target)
     nodes = onnx.load(str(target)).graph.node
     nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
@@ -225,24 +226,24 @@ def test_cli_builds_int4_with_int8_vision_and_the_manifest_says_so(checkpoint, t
 
     path = checkpoint("smolvlm")
     args = ["build", "--model", str(path), "--profile", "cpu", "--out", str(tmp_path), "--precision", "int4",
-            "--int4-block-size", "64", "--int4-symmetric", "--vision-precision", "int8", "--json"]
+            "--int4-block-size", "64", "--int4-asymmetric", "--vision-precision", "int8", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = json.loads(result.stdout)["manifest"]
     decoder, vision = manifest["engines"]["decoder"], manifest["engines"]["vision"]
     assert manifest["precision"] == "int4" == decoder["precision"]
-    assert decoder["quantization"]["options"] == {"block_size": 64, "symmetric": True, "accuracy_level": 4,
+    assert decoder["quantization"]["options"] == {"block_size": 64, "symmetric": False, "accuracy_level": 4,
                                                   "format": "matmulnbits", "head": "int4"}
     assert vision["precision"] == "int8" and vision["quantization"]["check"]["cosine"] >= 0.8
     folder = tmp_path / path.name / "cpu"
     from edgeinfer.profiles import load_profile
 
-    spec = BuildSpec.from_profile(load_profile("cpu"), "int4", int4=Int4Options(block_size=64, symmetric=True),
+    spec = BuildSpec.from_profile(load_profile("cpu"), "int4", int4=Int4Options(block_size=64, symmetric=False),
                                   vision_precision="int8")
     fp = read_manifest(folder).fingerprint.model
     assert engine_problems(folder, spec, fp) == []
     assert engine_problems(folder, BuildSpec.from_profile(load_profile("cpu"), "int4"), fp) == [
-        "int4 block_size 64 -> 32", "int4 symmetric True -> False", "vision precision int8 -> fp32"]
+        "int4 block_size 64 -> 128", "int4 symmetric False -> True", "vision precision int8 -> fp32"]
     # A run takes the build as it is, on ORT: the int8 vision graph answers the picture.
     engine = Engine.load(path, profile="cpu", backend="auto", engines_root=tmp_path)
     assert (engine.engines.backend, engine.engines.precision) == ("onnxruntime", "int4")
@@ -267,7 +268,7 @@ def test_unknown_precisions_and_options_are_typed_errors(checkpoint, tmp_path):
     with pytest.raises(EngineBuildError, match="qdq"):
         Int4Options(format="qdq", symmetric=True, head="int8")
     with pytest.raises(EngineBuildError, match="symmetric"):
-        Int4Options(format="qdq")
+        Int4Options(format="qdq", symmetric=False)
     runner = CliRunner()
     base = ["build", "--model", str(checkpoint("smolvlm")), "--out", str(tmp_path)]
     unknown = runner.invoke(app, [*base, "--precision", "int5"])

@@ -47,10 +47,10 @@ class VisionPrecision(str, Enum):
 
 # Defaults of the int4 options are edgeinfer.backends.onnx.quantize.Int4Options'; None: not given.
 Int4BlockSizeOption = Annotated[Optional[int], typer.Option(
-    "--int4-block-size", help="int4: weights per scale along the input dimension: 32, 64 or 128. Default 32.")]
+    "--int4-block-size", help="int4: weights per scale along the input dimension: 32, 64 or 128. Default 128.")]
 Int4SymmetricOption = Annotated[Optional[bool], typer.Option(
     "--int4-symmetric/--int4-asymmetric", help="int4: blocks without (symmetric) or with 4-bit zero points. "
-                                               "Default asymmetric.")]
+                                               "Default symmetric.")]
 Int4AccuracyOption = Annotated[Optional[int], typer.Option(
     "--int4-accuracy-level", help="int4: MatMulNBits accuracy_level, 0 (float32 activations) to 4 (int8 "
                                   "activations). Default 4, measured faster than 0 on a 2-core CPU (docs/onnxruntime.md).")]

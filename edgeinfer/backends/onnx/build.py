@@ -156,7 +156,8 @@ def _option_flags(spec: BuildSpec) -> str:
     """The ``edgeinfer build`` flags of the spec's non-default int4 options and vision precision."""
     flags = [f" --int4-{name.replace('_', '-')} {value}" for name, value in spec.int4.to_json().items()
              if value != getattr(Int4Options(), name) and not isinstance(value, bool)]
-    flags += [" --int4-symmetric"] if spec.int4.symmetric else []
+    if spec.int4.symmetric != Int4Options().symmetric:
+        flags.append(" --int4-symmetric" if spec.int4.symmetric else " --int4-asymmetric")
     flags += [f" --vision-precision {spec.vision_precision}"] if spec.vision_precision != "fp32" else []
     return "".join(flags)
 
