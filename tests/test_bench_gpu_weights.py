@@ -132,6 +132,13 @@ def test_the_benchmark_quantizes_in_the_dtype_it_runs(quantized):
     assert folder != as_is
     assert _scale_dtypes(folder) == {"BF16"} and _scale_dtypes(as_is) == {"F32"}
     assert json.loads((folder / REPORT_NAME).read_text())["dtype"] == "bfloat16"
+    # Loaded for a bf16 run, the packed products keep bf16 scales: the tensor-core kernel's condition
+    from edgeinfer.models.loader import load_model
+
+    weights = load_model(folder, torch.bfloat16, keep_packed=True).quantized.weights
+    assert weights and {w.scales.dtype for w in weights.values()} == {torch.bfloat16}
+    before = load_model(as_is, torch.bfloat16, keep_packed=True).quantized.weights  # what the last run had
+    assert {w.scales.dtype for w in before.values()} == {torch.float32}
 
 
 def test_a_quantized_checkpoint_is_written_once_under_a_key_of_what_it_depends_on(quantized, monkeypatch):
