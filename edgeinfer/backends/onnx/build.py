@@ -49,7 +49,7 @@ from edgeinfer.backends.onnx.quantize import Int4Options, quantize_decoder, quan
 from edgeinfer.errors import EngineBuildError
 
 # Bumped whenever the exported graphs change, so that engines built by an older edgeinfer rebuild.
-EXPORT_REVISION = 7
+EXPORT_REVISION = 8  # 8: attention per K/V head (the past gathered head-major)
 GRAPH_FORMAT = GraphFormat(EXPORT_REVISION, OPSET)
 # fp32 graph vs torch: largest absolute logit difference allowed, relative to the logits' scale.
 FP32_TOLERANCE = 1e-3

@@ -71,66 +71,68 @@ def decoder_inputs(cfg) -> tuple[str, ...]:
 
 
 def past_rows(block_tables: torch.Tensor, blocks, block_size, kv_heads: int, layers: int) -> list[torch.Tensor]:
-    """Per layer, the rows [1, B, W*bs*kvh] of its past in a pool viewed as [layers*blocks*bs*kvh, hd].
+    """Per layer, the rows [1, B, kvh, W*bs] of its past in a pool viewed as [layers*blocks*bs*kvh, hd].
 
-    Row ``s * kvh + h`` of a sequence's past is slot ``s`` of K/V head ``h``: one Gather of
-    these rows reads a layer's past as the rows :class:`GraphLayer` attends to, copying
-    only the blocks of the table (``pool[layer]`` would copy the whole layer first). Each
-    layer's rows are the previous layer's plus one layer of the pool: one Add a layer.
+    Row ``[h, s]`` of a sequence's past is slot ``s`` of K/V head ``h`` (pool row ``s * kvh + h``
+    of the slot's block): one Gather of these rows reads a layer's past head-major, as
+    :class:`GraphLayer` attends to it, copying only the blocks of the table (``pool[layer]``
+    would copy the whole layer first). Each layer's rows are the previous layer's plus one
+    layer of the pool: one Add a layer.
     """
     per_block = block_size * kv_heads
-    slots = torch.arange(per_block, device=block_tables.device)
-    rows = [(block_tables[..., None] * per_block + slots).flatten(1)[None]]
+    slots = torch.arange(block_size, device=block_tables.device) * kv_heads
+    heads = torch.arange(kv_heads, device=block_tables.device)[:, None]
+    first = (block_tables[..., None] * per_block + slots).flatten(1)  # [B, W*bs]: head 0 of every slot
+    rows = [(first[:, None, :] + heads)[None]]
     layer = blocks * per_block
     for _ in range(layers - 1):
         rows.append(rows[-1] + layer)
     return rows
 
 
-def folded_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size, tokens, heads: int,
-                kv_heads: int, image_groups: torch.Tensor | None = None,
-                window: int | None = None) -> torch.Tensor:
-    """Additive mask [B, T*heads, W*bs*kvh] of the folded attention of :class:`GraphLayer`.
+def grouped_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size, tokens, heads: int,
+                 kv_heads: int, image_groups: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
+    """Additive mask [B, 1, T*groups, W*bs] of :class:`GraphLayer`'s attention, the same for
+    every K/V head (``groups = heads / kvh`` query heads share one).
 
-    Query row ``t * heads + h`` (new token ``t``, query head ``h``) may see key row
-    ``s * kvh + j`` when slot ``s`` is at most the token's own position, ``context + t``,
-    and ``j`` is the K/V head of ``h``. Built once for every layer (once more for sliding
+    Query row ``t * groups + g`` (new token ``t``) may see slot ``s`` when ``s`` is at most the
+    token's own position, ``context + t``. Built once for every layer (once more for sliding
     layers). With ``image_groups`` [B, T] a new token also sees the new tokens of its own
     image run; with a ``window`` only the slots less than ``window`` before it.
     """
     device = block_tables.device
-    rows = torch.arange(tokens * heads, device=device)
-    row_token, row_head = rows // heads, (rows % heads) // (heads // kv_heads)
-    keys = torch.arange(block_tables.shape[1] * block_size * kv_heads, device=device)
-    key_slot = keys // kv_heads
-    query_slot = (context_lens[:, None] + row_token[None, :])[..., None]  # [B, T*heads, 1]
+    groups = heads // kv_heads
+    row_token = torch.arange(tokens * groups, device=device) // groups
+    key_slot = torch.arange(block_tables.shape[1] * block_size, device=device)
+    query_slot = (context_lens[:, None] + row_token[None, :])[..., None]  # [B, T*groups, 1]
     seen = key_slot[None, None, :] <= query_slot
     if image_groups is not None:
         seen = seen | _same_image(image_groups, context_lens, key_slot, row_token, tokens)
     if window is not None:
         seen = seen & (key_slot[None, None, :] > query_slot - window)
-    ok = seen & ((keys % kv_heads)[None, :] == row_head[:, None])[None]
-    return torch.where(ok, 0.0, float("-inf"))
+    return torch.where(seen, 0.0, float("-inf"))[:, None]
 
 
 def _same_image(groups: torch.Tensor, context_lens: torch.Tensor, key_slot: torch.Tensor, row_token: torch.Tensor,
                 tokens) -> torch.Tensor:
-    """[B, T*heads, K] bool: key slot is a new token of the query row's image run."""
+    """[B, rows, K] bool: key slot is a new token of the query row's image run."""
     new_index = key_slot[None, :] - context_lens[:, None]  # [B, K] which new token a slot holds
     is_new = (new_index >= 0) & (new_index < tokens)
     key_group = groups.gather(1, torch.where(is_new, new_index, torch.zeros_like(new_index)))
-    row_group = groups[:, row_token]  # [B, T*heads]
+    row_group = groups[:, row_token]  # [B, rows]
     return is_new[:, None, :] & (key_group[:, None, :] == row_group[..., None]) & (row_group[..., None] >= 0)
 
 
 def new_rows(context_lens: torch.Tensor, tokens, kv_heads: int) -> torch.Tensor:
-    """ScatterND indices [1, B, T*kvh, 3] of the new tokens' K/V rows in a layer's past rows:
-    new token ``t`` sits at slot ``context + t`` of its sequence's table."""
-    batch = context_lens.shape[0]
-    offsets = torch.arange(tokens * kv_heads, device=context_lens.device)
-    rows = context_lens[:, None] * kv_heads + offsets  # [B, T*kvh]
-    seqs = torch.arange(batch, device=context_lens.device)[:, None].expand_as(rows)
-    return torch.stack((torch.zeros_like(rows), seqs, rows), dim=-1)[None]
+    """ScatterND indices [1, B, kvh, T, 4] of the new tokens' K/V rows in a layer's past
+    [1, B, kvh, W*bs, hd]: new token ``t`` sits at slot ``context + t`` of its sequence's table."""
+    batch, device = context_lens.shape[0], context_lens.device
+    slots = (context_lens[:, None] + torch.arange(tokens, device=device))[:, None, :]  # [B, 1, T]
+    shape = (batch, kv_heads, slots.shape[-1])
+    seqs = torch.arange(batch, device=device)[:, None, None].expand(shape)
+    heads = torch.arange(kv_heads, device=device)[None, :, None].expand(shape)
+    return torch.stack((torch.zeros_like(seqs), seqs, heads, slots.expand(shape)), dim=-1)[None]
 
 
 class _PutRows(torch.autograd.Function):
@@ -140,7 +142,7 @@ class _PutRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, past: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         out = past.clone()
-        out[index[..., 0], index[..., 1], index[..., 2]] = rows
+        out[tuple(index.unbind(-1))] = rows
         return out
 
     @staticmethod
@@ -171,13 +173,13 @@ class GraphLayer(nn.Module):
     Activations carry a leading axis of 1, ``[1, B, T, ...]``, so that the layers' new K/V
     concatenate into the ``[layers, B, T, kvh, hd]`` outputs without a node a layer. RoPE,
     the attention scale and the q/k/v split take one pass over the heads of the fused
-    projection (:func:`rope_tables`). Attention folds the query heads into rows
-    ``[1, B, T*heads, hd]`` against the table's K/V rows ``[1, B, W*bs*kvh, hd]`` straight
-    from the gather (:func:`past_rows`): the past is never transposed nor concatenated,
-    the new tokens' rows are written over their own (not yet filled) slots of the table
-    (:class:`_PutRows`), and a query row's products with the other K/V heads' rows (a few
-    thousand multiply-adds) are masked out by :func:`folded_mask`. Gemma's per-head q/k norms
-    run before RoPE, its sandwich norms and activation as in ``DecoderLayer.forward``.
+    projection (:func:`rope_tables`). Attention runs per K/V head: the query heads that share
+    one are rows ``[1, B, kvh, T*groups, hd]`` against its past ``[1, B, kvh, W*bs, hd]``,
+    which the gather reads head-major (:func:`past_rows`), so the past is never transposed
+    nor concatenated; the new tokens' rows are written over their own (not yet filled)
+    slots of the table (:class:`_PutRows`), under one mask for every head
+    (:func:`grouped_mask`). Gemma's per-head q/k norms run before RoPE, its sandwich norms
+    and activation as in ``DecoderLayer.forward``.
     """
 
     def __init__(self, layer: nn.Module) -> None:
@@ -187,8 +189,8 @@ class GraphLayer(nn.Module):
         self.rotation = list(range(half, 2 * half)) + list(range(half))
 
     def forward(self, x, cos, sin, past_k, past_v, mask, index):
-        """x [1,B,T,H]; cos/sin from :func:`rope_tables`; past_k/v [1,B,W*bs*kvh,hd]; mask from
-        :func:`folded_mask`; index from :func:`new_rows`. Returns (x, k, v), k/v [1,B,T,kvh,hd]."""
+        """x [1,B,T,H]; cos/sin from :func:`rope_tables`; past_k/v [1,B,kvh,W*bs,hd]; mask from
+        :func:`grouped_mask`; index from :func:`new_rows`. Returns (x, k, v), k/v [1,B,T,kvh,hd]."""
         layer, cfg = self.layer, self.layer.cfg
         heads = reshape_tail(_linear(layer.input_norm(x), layer.qkv_t, layer.qkv_bias), 3,
                              cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
@@ -196,11 +198,14 @@ class GraphLayer(nn.Module):
             heads = qk_normed(heads, layer)
         heads = heads * cos + heads[..., torch.tensor(self.rotation)] * sin
         q, k, v = heads.split((cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), dim=3)
-        q = reshape_tail(q, 2, -1, cfg.head_dim)
-        keys = _PutRows.apply(past_k, index, reshape_tail(k, 2, -1, cfg.head_dim))
-        values = _PutRows.apply(past_v, index, reshape_tail(v, 2, -1, cfg.head_dim))
-        probs = torch.softmax(q @ keys.transpose(2, 3) + mask, dim=-1)
-        attn = reshape_tail(probs @ values, 2, -1, cfg.q_size)
+        kvh, hd = cfg.num_kv_heads, cfg.head_dim
+        # [1,B,T,heads,hd] -> [1,B,kvh,T*groups,hd]: each K/V head with the query heads that share it
+        q = reshape_tail(reshape_tail(q, 3, kvh, -1, hd).permute(0, 1, 3, 2, 4, 5), 3, -1, hd)
+        keys = _PutRows.apply(past_k, index, k.transpose(2, 3))
+        values = _PutRows.apply(past_v, index, v.transpose(2, 3))
+        probs = torch.softmax(q @ keys.transpose(3, 4) + mask, dim=-1)
+        attn = reshape_tail(reshape_tail(probs @ values, 3, -1, cfg.num_heads // kvh, hd).permute(0, 1, 3, 2, 4, 5),
+                            3, cfg.q_size)
         x = x + _normed(layer.attn_out_norm, _linear(attn, layer.o_t, layer.o_bias))
         gate_up = _linear(layer.post_attention_norm(x), layer.gate_up_t, layer.gate_up_bias)
         gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
@@ -229,10 +234,10 @@ class DecoderGraph(nn.Module):
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         tokens = inputs_embeds.shape[1]
         masking = (block_tables, context_lens, k_pool.shape[2], tokens, heads, kv_heads, image_groups)
-        mask = folded_mask(*masking)
+        mask = grouped_mask(*masking)
         index = new_rows(context_lens, tokens, kv_heads)
         cos_sin = rope_tables(*decoder.rope(position_ids, inputs_embeds.dtype), heads, kv_heads, hd, cfg.attn_scale)
-        local = (folded_mask(*masking, window=cfg.sliding_window),
+        local = (grouped_mask(*masking, window=cfg.sliding_window),
                  rope_tables(*decoder.rope(position_ids, inputs_embeds.dtype, local=True), heads, kv_heads, hd,
                              cfg.attn_scale)) if cfg.has_sliding_layers else None
         rows = past_rows(block_tables, k_pool.shape[1], k_pool.shape[2], kv_heads, cfg.num_layers)
