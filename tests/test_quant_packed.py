@@ -272,6 +272,14 @@ def test_the_tensor_core_product_is_the_dequantized_product_rounded_once(dtype, 
                                            msg=lambda m: f"{rows} rows, {config}, zeros {zeros is not None}: {m}")
 
 
+def test_tuning_copies_a_weight_until_the_copies_fill_three_l2_caches_and_no_further():
+    mb = 2 ** 20
+    assert kernels.cold_copies(mb, 60 * mb) == 180  # an H200's 60 MB L2: 180 one-MB copies
+    assert kernels.cold_copies(14 * mb, 60 * mb) == 13 and kernels.cold_copies(14 * mb, 4 * mb) == 1  # Orin: none
+    assert kernels.cold_copies(1024, 60 * mb) == 256  # a tiny weight: capped
+    assert kernels.cold_copies(233 * mb, 60 * mb) == 1  # a vocabulary's int8 head: read as it is
+
+
 @needs_cuda
 def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one():
     """On first use ``packed_mm`` times its tiles (the tensor-core kernel's among them where it can

@@ -491,12 +491,12 @@ def graph_time_us(calls: list, repeats: int = 5) -> float:
     return start.elapsed_time(end) / (repeats * len(calls)) * 1e3
 
 
-def cold_copies(nbytes: int, device: torch.device) -> int:
-    """How many copies of a weight of ``nbytes`` a timing goes through so that none is still in the
-    L2 cache when it is read again (three times the cache, as a decode step reads each weight once
-    among far more bytes), at least 2 and at most 256."""
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return max(2, min(256, -(-3 * l2 // max(1, nbytes))))
+def cold_copies(nbytes: int, l2_bytes: int) -> int:
+    """How many copies of a weight of ``nbytes`` (the weight itself counted) a timing goes through so
+    that none is still in an L2 cache of ``l2_bytes`` when it is read again, as a decode step reads
+    each weight once among far more bytes: three times the cache together, at most 256 copies, and
+    the weight alone where it is that large already (no copy: a Jetson's L2 is a few MB)."""
+    return max(1, min(256, -(-3 * l2_bytes // max(1, nbytes))))
 
 
 # Tile choices by (layout, row tile, device), timed once per process on first use outside a CUDA
@@ -526,7 +526,7 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     nbytes = sum(t.numel() * t.element_size() for t in (codes, scales, zeros) if t is not None)
     weights = [(codes, scales, zeros)] + [
         (codes.clone(), scales.clone(), None if zeros is None else zeros.clone())
-        for _ in range(cold_copies(nbytes, x.device) - 1)]
+        for _ in range(cold_copies(nbytes, torch.cuda.get_device_properties(x.device).L2_cache_size) - 1)]
     times = {}
     for cfg in candidates:
         try:
