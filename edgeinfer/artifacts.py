@@ -440,18 +440,23 @@ def rebuild_command(manifest: Manifest) -> str:
     precision = manifest.precision if backend == "onnxruntime" else None
     command = build_command(backend, manifest.model_dir or manifest.model or manifest.folder.parent.name,
                             manifest.profile, precision)
-    return command + (_int4_flags(manifest) if precision == "int4" else "")
-
-
-def _int4_flags(manifest: Manifest) -> str:
-    """Every int4 option the build recorded, spelled out: the defaults of a later edgeinfer may differ."""
+    if precision != "int4":
+        return command
+    # Every int4 option the build recorded, spelled out: the defaults of a later edgeinfer may differ.
     decoder = manifest.engines.get("decoder")
     options = ((decoder.document.get("quantization") or {}).get("options") or {}) if decoder else {}
-    flags = [f" --int4-{name.replace('_', '-')} {options[name]}" for name in ("block_size", "accuracy_level", "format",
-                                                                            "head") if name in options]
-    if "symmetric" in options:
-        flags.append(" --int4-symmetric" if options["symmetric"] else " --int4-asymmetric")
-    return "".join(flags)
+    return " ".join((command, *int4_flags(options)))
+
+
+def int4_flags(options: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """``edgeinfer build`` arguments of int4 ``options`` (``Int4Options.to_json()`` names; None: not
+    given), leaving out those equal to ``defaults``: valued options first, then the symmetry switch."""
+    given = {k: v for k, v in options.items() if v is not None and (defaults is None or defaults.get(k) != v)}
+    flags = [part for name, value in given.items() if not isinstance(value, bool)
+             for part in (f"--int4-{name.replace('_', '-')}", str(value))]
+    if "symmetric" in given:
+        flags.append("--int4-symmetric" if given["symmetric"] else "--int4-asymmetric")
+    return flags
 
 
 # --------------------------------------------------------------------------- staleness

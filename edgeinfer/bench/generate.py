@@ -75,13 +75,10 @@ class GenerateSpec:
 
     def build_flags(self, kind: str) -> tuple[str, ...]:
         """The ``edgeinfer build`` options of an ONNX Runtime kind beyond its precision."""
-        flags = list(ONNX_BUILD_FLAGS.get(kind, ()))
-        if ONNX_KINDS.get(kind) == "int4":
-            if self.int4_block_size is not None:
-                flags += ["--int4-block-size", str(self.int4_block_size)]
-            if self.int4_symmetric is not None:
-                flags.append("--int4-symmetric" if self.int4_symmetric else "--int4-asymmetric")
-        return tuple(flags)
+        from edgeinfer.artifacts import int4_flags
+
+        int4 = int4_flags({"block_size": self.int4_block_size, "symmetric": self.int4_symmetric})
+        return (*ONNX_BUILD_FLAGS.get(kind, ()), *(int4 if ONNX_KINDS.get(kind) == "int4" else ()))
 
     def onnx_engines(self, kind: str) -> Path:
         """Engines root of an ONNX Runtime kind; one per kind, so fp32 and int8 never replace each other."""

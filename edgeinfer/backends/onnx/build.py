@@ -27,6 +27,7 @@ from edgeinfer.artifacts import (
     engine_dir,
     file_sha256,
     folder_problems,
+    int4_flags,
     read_manifest,
     write_manifest,
 )
@@ -154,12 +155,9 @@ def build_command(model_dir: str | Path, spec: BuildSpec) -> str:
 
 def _option_flags(spec: BuildSpec) -> str:
     """The ``edgeinfer build`` flags of the spec's non-default int4 options and vision precision."""
-    flags = [f" --int4-{name.replace('_', '-')} {value}" for name, value in spec.int4.to_json().items()
-             if value != getattr(Int4Options(), name) and not isinstance(value, bool)]
-    if spec.int4.symmetric != Int4Options().symmetric:
-        flags.append(" --int4-symmetric" if spec.int4.symmetric else " --int4-asymmetric")
-    flags += [f" --vision-precision {spec.vision_precision}"] if spec.vision_precision != "fp32" else []
-    return "".join(flags)
+    flags = int4_flags(spec.int4.to_json(), Int4Options().to_json())
+    flags += ["--vision-precision", spec.vision_precision] if spec.vision_precision != "fp32" else []
+    return "".join(f" {flag}" for flag in flags)
 
 
 def library_versions() -> dict[str, str]:
