@@ -12,7 +12,6 @@ quantizer gets a new folder; an unchanged one is reused.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -104,14 +103,14 @@ class QuantizedCheckpointSpec:
 
 
 def checkpoint_dtype(source: Path) -> str | None:
-    """The dtype a checkpoint's config.json declares (``dtype``, or ``torch_dtype`` before transformers
-    v5), or None where it says none or there is no readable config."""
-    try:
-        config = json.loads((source / "config.json").read_text())
-    except (OSError, ValueError):
+    """The dtype a checkpoint's config declares, as transformers reads it (``float32``), or None where
+    it declares none or there is no config.json."""
+    from edgeinfer.models.loader import read_config
+
+    if not (source / "config.json").is_file():
         return None
-    text = config.get("text_config") or {}
-    return config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    dtype = read_config(source).dtype
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def quantizer_identity() -> str:
