@@ -297,7 +297,7 @@ def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one():
     before = torch.cuda.memory_allocated()
     chosen = kernels.tuned_config(x, codes, scales, None, packed.layout)
     assert torch.cuda.memory_allocated() <= before + 2 ** 20  # the copies are gone (the split workspace may grow)
-    assert chosen in kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout)
+    assert chosen in kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout, 8)
     assert kernels.tuned_config(x, codes, scales, None, packed.layout) is chosen  # kept, not timed again
     [choice] = [c for c in kernels.tuned_choices() if (c["n"], c["k"], c["row_tile"]) == (n, k, 8)]
     assert choice["kernel"] == ("tensor_core" if chosen.mma else "dot")

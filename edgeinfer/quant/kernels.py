@@ -458,8 +458,10 @@ def mm_candidates(layout: PackedGeometry) -> list[MmConfig]:
     return out
 
 
-def mma_candidates(layout: PackedGeometry) -> list[MmConfig]:
-    """The tensor-core kernel's tiles :func:`tuned_config` times beside :func:`mm_candidates`: 64 to
+def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
+    """The tensor-core kernel's tiles :func:`tuned_config` times beside :func:`mm_candidates` for a
+    row tile of 8 (none for 16: there the dot kernel was the faster on every product of the H200's
+    sweep, and each tile timed is a compile at first use): 64 to
     256 outputs a program (16 a warp, repeated), K steps of 64 (and 128 where groups are that
     long), K split up to 16 ways where the row has that many steps, and the next one or three
     steps' operands in flight (``stages`` 2 or 4). On an H200 the fastest for Qwen2-VL-2B's
@@ -468,7 +470,7 @@ def mma_candidates(layout: PackedGeometry) -> list[MmConfig]:
     tiles = ((64, 64, 1), (64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (128, 64, 16), (256, 64, 4),
              (256, 64, 8), (64, 128, 4), (128, 128, 4), (128, 128, 8))
     return [MmConfig(bn, bk, split, stages=stages, mma=True) for bn, bk, split in tiles for stages in (2, 4)
-            if layout.k // bk >= split and layout.group_constexpr % bk == 0]
+            if row_tile <= 8 and layout.k // bk >= split and layout.group_constexpr % bk == 0]
 
 
 def graph_time_us(calls: list, repeats: int = 5) -> float:
@@ -522,7 +524,7 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         return mm_config(layout, x.shape[0], x.device)
     candidates = mm_candidates(layout)
     if tensor_core.unavailable(x, scales.dtype, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
-        candidates += mma_candidates(layout)
+        candidates += mma_candidates(layout, bm)
     nbytes = sum(t.numel() * t.element_size() for t in (codes, scales, zeros) if t is not None)
     weights = [(codes, scales, zeros)] + [
         (codes.clone(), scales.clone(), None if zeros is None else zeros.clone())
