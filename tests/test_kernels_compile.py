@@ -44,11 +44,13 @@ def compiled(fn, types: dict[str, str], constexprs: dict, warps: int = 4, stages
 def test_dependent_launch_waits_in_the_binary():
     """On Hopper a kernel launched as a dependent carries the wait for the kernels before it; on Orin
     (no such launch) it does not."""
-    types = {**pointers("fp32", "OPART", "MPART", "LPART"), "OUT": "*bf16", "stride_out": "i32"}
-    names = triton_decode._merge_kernel.arg_names
+    types = {**pointers("bf16", "X", "W", "BIAS", "RES", "NORM_W", "Y"),
+             **dict.fromkeys(("N", "K", "stride_x", "stride_r", "stride_y"), "i32"), "eps": "fp32"}
+    names = triton_decode._gemv_kernel.arg_names
     for target, pdl in ((TARGETS["sm_90 (Hopper)"], True), (TARGETS["sm_87 (Orin)"], False)):
-        given = dict(H=12, HD=128, HDP=128, SPLITS=32, SP=32, PDL=pdl)
-        source = ASTSource(triton_decode._merge_kernel, {n: types.get(n, "constexpr") for n in names},
+        given = dict(MP=1, PROLOGUE=0, HAS_BIAS=False, HAS_RES=True, BN=8, BK=512, USE_DOT=False, IEEE=False, XB=16,
+                     GLU=False, PDL=pdl)
+        source = ASTSource(triton_decode._gemv_kernel, {n: types.get(n, "constexpr") for n in names},
                            {(names.index(k),): v for k, v in given.items()})
         ptx = triton.compile(source, target=target, options={"launch_pdl": pdl}).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl
@@ -117,18 +119,18 @@ def test_dense_gemv_compiles_for_every_prologue():
             IEEE=False, XB=2048 if prologue == 1 else 16, GLU=glu), stages=2).values())
 
 
-def test_paged_attention_and_its_merge_compile():
-    types = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW"),
+def test_paged_attention_compiles_split_and_whole():
+    """Split (the last split merges: atomics, a loop over the partials in chunks) and unsplit."""
+    types = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
              **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
-             **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks"), "i32"),
+             "ARRIVALS": "*i32",
+             **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks", "stride_out"), "i32"),
              "scale": "fp32", "eps": "fp32"}
-    for write_pool, qk_norm in ((False, False), (True, True)):
+    for write_pool, qk_norm, splits in ((False, False, 32), (True, True, 1)):
         assert all(compiled(triton_decode._attention_kernel, types, dict(
             KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK,
-            TILE=triton_decode.ATTENTION_TILE, SPLITS=32, WRITE_POOL=write_pool, IEEE=False, QK_NORM=qk_norm),
-            stages=2).values())
-    merge = {**pointers("fp32", "OPART", "MPART", "LPART"), "OUT": "*bf16", "stride_out": "i32"}
-    assert all(compiled(triton_decode._merge_kernel, merge, dict(H=12, HD=128, HDP=128, SPLITS=32, SP=32)).values())
+            TILE=triton_decode.ATTENTION_TILE, SPLITS=splits, MC=4, WRITE_POOL=write_pool, IEEE=False,
+            QK_NORM=qk_norm), stages=2).values())
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -1,4 +1,4 @@
-"""A decode step over the paged pool: at batch 1 in six Triton kernels per layer.
+"""A decode step over the paged pool: at batch 1 in five Triton kernels per layer.
 
 At batch 1 a decode step reads every weight once and does almost no arithmetic, so it
 runs as fast as its matrix-vector products stream memory and as slowly as the small
@@ -10,12 +10,12 @@ on an H200 they took as long as the products. Here a layer is:
 2. attention over the paged pool, split along the context (flash decoding): RoPE of the
    query and the new key applied on the fly, the past read through the block table where
    it lies, the new token's K/V taken from the product and written to the pool (bursts)
-   or returned (single steps);
-3. the merge of the splits;
-4. the o product plus the residual;
-5. RMSNorm fused into the gate|up product, and SiLU(gate)·up into its epilogue (a program
+   or returned (single steps); the last split of a row and KV head to finish merges the
+   splits, so no second kernel (and no launch) comes between the attention and the o product;
+3. the o product plus the residual;
+4. RMSNorm fused into the gate|up product, and SiLU(gate)·up into its epilogue (a program
    takes gate row j with up row j, so it writes the activation, half as wide);
-6. the down product plus the residual.
+5. the down product plus the residual.
 
 Every product reads its weight ``[out, in]`` row-major, a tile of whole rows per program,
 and keeps the rounding points of the eager layer (bf16 after each product, norm and
@@ -86,6 +86,10 @@ MAX_GEMV_ROWS = 1
 # little work to fill a GPU, so the context is split; with many rows, fewer and longer splits
 # fill it as well and write fewer partial results to merge.
 ATTENTION_PROGRAMS = 1024
+# Partial outputs the last split of a row and KV head merges at a time (splits × the group's
+# heads × head_dim, padded): for Qwen2-VL's groups (6 heads of 128) 8 splits a step, and the
+# kernel keeps its 128 registers a thread with no spills (ptxas, sm_90 and sm_87).
+MERGE_VALUES = 16384
 
 NONE, RMSNORM = 0, 1  # what a product does to its input first
 
@@ -354,18 +358,24 @@ if triton is not None:
         return k, v
 
     @triton.jit
-    def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART, QW, KW,
-                          stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, scale, eps,
+    def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART, ARRIVALS,
+                          OUT, QW, KW, stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, stride_out, scale, eps,
                           KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                           HDP: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                          SPLITS: tl.constexpr, WRITE_POOL: tl.constexpr, IEEE: tl.constexpr,
+                          SPLITS: tl.constexpr, MC: tl.constexpr, WRITE_POOL: tl.constexpr, IEEE: tl.constexpr,
                           QK_NORM: tl.constexpr, PDL: tl.constexpr):
         """One (row, KV head, split): the group's query heads against positions
         [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls.
         With ``QK_NORM`` each head of q and of the new k is RMSNorm'd (weights ``QW``/``KW``)
         before RoPE, as Qwen3's attention does. A tile of the past is read while the tile before
         it is multiplied, the first before the q|k|v product has finished (``PDL``,
-        :func:`await_inputs`: the product writes q, k and v, not the past)."""
+        :func:`await_inputs`: the product writes q, k and v, not the past).
+
+        Unsplit, the program writes its heads' outputs. Split, each program writes its partial
+        output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV
+        head); the last of the group's splits to arrive merges them (:func:`_merge_splits`),
+        writes the heads' outputs and sets the count back to zero: no second kernel, and no
+        launch between the attention and the product after it."""
         HALF: tl.constexpr = HD // 2
         dt = KP.dtype.element_ty
         m = tl.program_id(0)
@@ -450,31 +460,48 @@ if triton is not None:
                 tl.store(KOUT + out + rd, kn, mask=d_ok)
                 tl.store(VOUT + out + rd, vn, mask=d_ok)
 
-        part = (m * KVH * G + heads) * SPLITS + s  # [GP]
-        g1 = rg < G
-        tl.store(MPART + part, m_i, mask=g1)
-        tl.store(LPART + part, l_i, mask=g1)
-        tl.store(OPART + part[:, None] * HD + rd[None, :], acc, mask=q_ok)
+        out_at = OUT + m * stride_out + heads[:, None] * HD + rd[None, :]
+        if SPLITS == 1:
+            tl.store(out_at, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=q_ok)
+        else:
+            part = (m * KVH * G + heads) * SPLITS  # [GP]: each head's first split
+            g1 = rg < G
+            tl.store(MPART + part + s, m_i, mask=g1)
+            tl.store(LPART + part + s, l_i, mask=g1)
+            tl.store(OPART + (part + s)[:, None] * HD + rd[None, :], acc, mask=q_ok)
+            tl.debug_barrier()  # every thread's partials are written before the count says so
+            group = m * KVH + kvh
+            if tl.atomic_add(ARRIVALS + group, 1, sem="acq_rel") == SPLITS - 1:
+                out = _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, GP, HD, HDP, SPLITS, MC)
+                tl.store(out_at, out.to(OUT.dtype.element_ty), mask=q_ok)
+                tl.atomic_xchg(ARRIVALS + group, 0)
 
     @triton.jit
-    def _merge_kernel(OPART, MPART, LPART, OUT, stride_out,
-                      H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                      PDL: tl.constexpr):
-        """Softmax-weighted sum of one (row, head)'s splits."""
-        await_inputs(PDL)
-        m = tl.program_id(0)
-        h = tl.program_id(1)
-        rs = tl.arange(0, SP)
-        rd = tl.arange(0, HDP)
-        s_ok = rs < SPLITS
-        base = (m * H + h) * SPLITS
-        mi = tl.load(MPART + base + rs, mask=s_ok, other=float("-inf"))
-        li = tl.load(LPART + base + rs, mask=s_ok, other=0.0)
-        top = tl.max(mi, axis=0)
-        w = tl.where(s_ok & (mi > float("-inf")), tl.exp(mi - top), 0.0)
-        o = tl.load(OPART + (base + rs[:, None]) * HD + rd[None, :], mask=s_ok[:, None] & (rd[None, :] < HD), other=0.0)
-        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w * li, axis=0)
-        tl.store(OUT + m * stride_out + h * HD + rd, out.to(OUT.dtype.element_ty), mask=rd < HD)
+    def _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, GP: tl.constexpr, HD: tl.constexpr,
+                      HDP: tl.constexpr, SPLITS: tl.constexpr, MC: tl.constexpr):
+        """Softmax-weighted sum of a group's heads' splits [GP, HDP]: their maximum first, then
+        ``MC`` splits at a time (the partials of every head of the group at once, so that a
+        step's loads are all in flight together). Splits that saw no position (maximum -inf)
+        weigh nothing. Reads through L2 (``.cg``): other programs wrote the partials."""
+        top = tl.full([GP], float("-inf"), tl.float32)
+        rc = tl.arange(0, MC)
+        for j0 in range(0, SPLITS, MC):
+            ok = g1[:, None] & (j0 + rc < SPLITS)[None, :]
+            mi = tl.load(MPART + part[:, None] + j0 + rc[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+            top = tl.maximum(top, tl.max(mi, axis=1))
+        num = tl.zeros([GP, HDP], tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        for j0 in range(0, SPLITS, MC):
+            ok = g1[:, None] & (j0 + rc < SPLITS)[None, :]
+            at = part[:, None] + j0 + rc[None, :]  # [GP, MC]
+            mi = tl.load(MPART + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            li = tl.load(LPART + at, mask=ok, other=0.0, cache_modifier=".cg")
+            o = tl.load(OPART + at[:, :, None] * HD + rd[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                        other=0.0, cache_modifier=".cg")
+            w = tl.where(mi > float("-inf"), tl.exp(mi - top[:, None]), 0.0)
+            num += tl.sum(w[:, :, None] * o, axis=1)
+            den += tl.sum(w * li, axis=1)
+        return num / den[:, None]
 
 
 @dataclass(frozen=True)
@@ -633,7 +660,8 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
                     v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, *, heads: int,
                     kv_heads: int, head_dim: int, valid: torch.Tensor | None = None,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                    workspace: SplitWorkspace | None = None) -> torch.Tensor:
     """Attention of one new token per row over its past in the pool and itself.
 
     ``qkv`` [M, (heads + 2 kv_heads) · head_dim] straight from the product (RoPE not yet
@@ -642,7 +670,9 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     With ``valid`` [M] the new K/V go into the pool at slot ``context_lens`` of each valid
     row; with ``new_kv`` (two [M, kv_heads, head_dim] tensors) they are returned there
     instead. ``qk_norm`` (q weight [head_dim], k weight [head_dim], eps): each head of q and
-    of the new k is RMSNorm'd before RoPE (Qwen3). Returns [M, heads · head_dim].
+    of the new k is RMSNorm'd before RoPE (Qwen3). Where the context is split, the splits
+    count their arrivals in ``workspace`` (one count a row and KV head, grown outside captures
+    only; a fresh one per call otherwise). Returns [M, heads · head_dim].
     """
     if (valid is None) == (new_kv is None):
         raise ValueError("pass exactly one of valid (write the pool) and new_kv (return K/V)")
@@ -654,23 +684,25 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     block_size = k_pool.shape[1]
     chunk = attention_chunk(m, kv_heads, tables.shape[1] * block_size)
     splits = triton.cdiv(tables.shape[1] * block_size, chunk)
-    parts_o = torch.empty(m, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
-    parts_m = torch.empty(m, heads, splits, dtype=torch.float32, device=qkv.device)
-    parts_l = torch.empty_like(parts_m)
+    out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    parts_o = parts_m = parts_l = arrivals = out
+    if splits > 1:
+        parts_o = torch.empty(m, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
+        parts_m = torch.empty(m, heads, splits, dtype=torch.float32, device=qkv.device)
+        parts_l = torch.empty_like(parts_m)
+        _, arrivals = (workspace or SplitWorkspace(qkv.device)).take(0, m * kv_heads)
     k_out, v_out = new_kv if new_kv is not None else (k_pool, v_pool)
     ieee = qkv.dtype == torch.float32
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    gp, hdp = max(16, _pow2(groups)), max(16, _pow2(head_dim))
     _attention_kernel[(m, kv_heads, splits)](
         qkv, cos, sin, k_pool, v_pool, tables, context_lens, valid if valid is not None else context_lens,
-        k_out, v_out, parts_o, parts_m, parts_l, q_weight, k_weight,
-        qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), head_dim ** -0.5, eps,
-        KVH=kv_heads, G=groups, GP=max(16, _pow2(groups)), HD=head_dim, HDP=max(16, _pow2(head_dim)), BS=block_size,
-        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, WRITE_POOL=valid is not None, IEEE=ieee,
-        QK_NORM=qk_norm is not None, **_launch(qkv.device), num_warps=4, num_stages=2)
-    out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    _merge_kernel[(m, heads)](parts_o, parts_m, parts_l, out, out.stride(0), H=heads, HD=head_dim,
-                              HDP=max(16, _pow2(head_dim)), SPLITS=splits, SP=_pow2(splits), **_launch(qkv.device),
-                              num_warps=4)
+        k_out, v_out, parts_o, parts_m, parts_l, arrivals, out, q_weight, k_weight,
+        qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), out.stride(0),
+        head_dim ** -0.5, eps, KVH=kv_heads, G=groups, GP=gp, HD=head_dim, HDP=hdp, BS=block_size,
+        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, MC=max(1, min(_pow2(splits), MERGE_VALUES // (gp * hdp))),
+        WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **_launch(qkv.device), num_warps=4,
+        num_stages=2)
     return out
 
 
@@ -686,7 +718,7 @@ def _nbytes(w: torch.Tensor | PackedMatrix) -> int:
 
 
 class FusedDecode:
-    """The decoder's layers around the paged attention kernel: the six kernels above for
+    """The decoder's layers around the paged attention kernel: the five kernels above for
     ``MAX_GEMV_ROWS`` rows or fewer; for more rows, the layer's own :meth:`DecoderLayer.qkv`
     and :meth:`DecoderLayer.after_attention` (cuBLAS products; ``halves`` may give them
     compiled) on either side of the same attention, which reads the past where it lies in the
@@ -710,6 +742,8 @@ class FusedDecode:
         self.report: dict[str, dict] = {}
         # Partial sums of split packed products: sized by tuning, before any capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
+        # The attention's split arrivals, a count a row and KV head: sized by the run before each capture.
+        self.attention_counts = SplitWorkspace(decoder.norm.weight.device)
 
     @staticmethod
     def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
@@ -800,7 +834,8 @@ class FusedDecode:
                                    heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, valid=valid,
                                    new_kv=None if valid is not None else (new_k[i], new_v[i]),
                                    qk_norm=None if layer.q_norm is None else
-                                   (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps))
+                                   (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps),
+                                   workspace=self.attention_counts)
             x = after(layer, x, attn)
         return head(x), new_k, new_v
 
