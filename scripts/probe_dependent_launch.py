@@ -69,7 +69,6 @@ class Layers:
         self.norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
         self.x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
         self.workspace = kernels.SplitWorkspace(torch.device("cuda"))
-        self.attention_counts = kernels.SplitWorkspace(torch.device("cuda"))  # the attention's split arrivals
         self.inputs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
                        for name, (_, k) in SHAPES.items()}
         self.qkv = torch.randn(1, SHAPES["qkv"][0], device="cuda", dtype=torch.bfloat16)
@@ -86,7 +85,7 @@ class Layers:
             qkv = self.product("qkv", x, w["qkv"], norm_weight=self.norm, eps=1e-6)
             attn = td.paged_attention(qkv, self.cos, self.sin, self.k_pool[i], self.v_pool[i], self.tables, self.lens,
                                       heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                      new_kv=(self.new_k[i], self.new_v[i]), workspace=self.attention_counts)
+                                      new_kv=(self.new_k[i], self.new_v[i]), workspace=self.workspace)
             x = self.product("o", attn, w["o"], residual=x)
             act = self.product("gate_up", x, w["gate_up"], norm_weight=self.norm, eps=1e-6, glu=True)
             x = self.product("down", act, w["down"], residual=x)
@@ -95,7 +94,7 @@ class Layers:
     def attention(self, i: int) -> torch.Tensor:
         return td.paged_attention(self.qkv, self.cos, self.sin, self.k_pool[i], self.v_pool[i], self.tables,
                                   self.lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                  new_kv=(self.new_k[i], self.new_v[i]), workspace=self.attention_counts)
+                                  new_kv=(self.new_k[i], self.new_v[i]), workspace=self.workspace)
 
     def part(self, name: str, tile=None):
         """One kernel (``name``: a product, or ``attention``) once a layer."""

@@ -202,6 +202,15 @@ if triton is not None:
         return tl.load(at, mask=ok, other=0.0)
 
     @triton.jit
+    def arrived_last(ARRIVALS, at, splits):
+        """Counts this program in ``ARRIVALS[at]`` once every thread's partial results are stored, and
+        returns whether it is the last of ``splits`` to arrive (then every other's partials are
+        visible to it: read them through L2, ``.cg``). The last sets the count back to zero once it
+        has read them, so the next kernel (or graph replay) through the same counts starts clean."""
+        tl.debug_barrier()  # every thread's partials are written before the count says so
+        return tl.atomic_add(ARRIVALS + at, 1, sem="acq_rel") == splits - 1
+
+    @triton.jit
     def split_total(acc, PARTS, ARRIVALS, at, ok, tile, split, splits, split_stride):
         """For a product whose K is split ``splits`` ways: stores this split's partial sums ``acc``
         at ``PARTS + split·split_stride + at`` and counts them in ``ARRIVALS[tile]``. Returns
@@ -209,8 +218,7 @@ if triton is not None:
         split order (the same sum whichever arrives last); the last sets the count back to zero,
         so the next product (or graph replay) through the same counts starts clean."""
         tl.store(PARTS + split * split_stride + at, acc, mask=ok)
-        tl.debug_barrier()  # every thread's partials are written before the count says so
-        last = tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == splits - 1
+        last = arrived_last(ARRIVALS, tile, splits)
         total = tl.zeros_like(acc)
         if last:
             for j in range(0, splits):
@@ -377,9 +385,10 @@ class MmConfig:
 
 
 class SplitWorkspace:
-    """The partial sums and arrival counts of split products, for one stream of kernels: products
-    that run one after another share it (every kernel leaves its counts at zero). It grows outside
-    captures only, and keeps the buffers it outgrew: a graph captured before keeps reading them."""
+    """The partial sums and arrival counts of split kernels (products, the decode step's attention),
+    for one stream of kernels: kernels that run one after another share it (every kernel leaves
+    its counts at zero). It grows outside captures only, and keeps the buffers it outgrew: a graph
+    captured before keeps reading them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -58,6 +58,7 @@ try:  # the import decides whether this path exists at all
     import triton.language as tl
 
     from edgeinfer.quant.kernels import (
+        arrived_last,
         await_inputs,
         biased_codes_at,
         group_params,
@@ -373,9 +374,9 @@ if triton is not None:
 
         Unsplit, the program writes its heads' outputs. Split, each program writes its partial
         output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV
-        head); the last of the group's splits to arrive merges them (:func:`_merge_splits`),
-        writes the heads' outputs and sets the count back to zero: no second kernel, and no
-        launch between the attention and the product after it."""
+        head, :func:`arrived_last`); the last of the group's splits to arrive merges them
+        (:func:`_merge_splits`), writes the heads' outputs and sets the count back to zero: no
+        second kernel, and no launch between the attention and the product after it."""
         HALF: tl.constexpr = HD // 2
         dt = KP.dtype.element_ty
         m = tl.program_id(0)
@@ -469,9 +470,8 @@ if triton is not None:
             tl.store(MPART + part + s, m_i, mask=g1)
             tl.store(LPART + part + s, l_i, mask=g1)
             tl.store(OPART + (part + s)[:, None] * HD + rd[None, :], acc, mask=q_ok)
-            tl.debug_barrier()  # every thread's partials are written before the count says so
             group = m * KVH + kvh
-            if tl.atomic_add(ARRIVALS + group, 1, sem="acq_rel") == SPLITS - 1:
+            if arrived_last(ARRIVALS, group, SPLITS):
                 out = _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, GP, HD, HDP, SPLITS, MC)
                 tl.store(out_at, out.to(OUT.dtype.element_ty), mask=q_ok)
                 tl.atomic_xchg(ARRIVALS + group, 0)
@@ -740,10 +740,9 @@ class FusedDecode:
         self.halves = halves or (DecoderLayer.qkv, DecoderLayer.after_attention)
         self.configs: dict[str, GemvConfig | PackedGemvConfig] = {}
         self.report: dict[str, dict] = {}
-        # Partial sums of split packed products: sized by tuning, before any capture.
+        # Partial sums and arrival counts of split packed products and of the attention's splits, one
+        # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
-        # The attention's split arrivals, a count a row and KV head: sized by the run before each capture.
-        self.attention_counts = SplitWorkspace(decoder.norm.weight.device)
 
     @staticmethod
     def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
@@ -835,7 +834,7 @@ class FusedDecode:
                                    new_kv=None if valid is not None else (new_k[i], new_v[i]),
                                    qk_norm=None if layer.q_norm is None else
                                    (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps),
-                                   workspace=self.attention_counts)
+                                   workspace=self.workspace)
             x = after(layer, x, attn)
         return head(x), new_k, new_v
 
