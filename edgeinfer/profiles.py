@@ -271,6 +271,10 @@ class ImageLimits:
         _require_positive(self, "max_side", "max_pixels", "max_images", "max_file_mb")
 
 
+# Seconds of load the fused decode step spends choosing its tiles by the whole step's time.
+STEP_TUNING_S = 8.0
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
     """Where and how the engine runs; ``threads`` None uses every core."""
@@ -290,6 +294,9 @@ class RuntimeConfig:
     # (cuda_graphs only), so that live traffic never compiles or captures one; 0: each is
     # captured the first time it is needed. Graphs left when the budget runs out are captured then.
     capture_budget_s: float = 0.0
+    # Seconds of load the fused decode step (cuda_graphs with Triton) spends choosing its tiles by
+    # the whole step's time, after choosing them product by product; 0: product by product only.
+    step_tuning_s: float = STEP_TUNING_S
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -304,6 +311,7 @@ class RuntimeConfig:
         _require(self.threads is None or self.threads >= 1, "threads", f"must be >= 1 or null, got {self.threads}")
         _require(self.prefill_graphs >= 0, "prefill_graphs", f"must be >= 0, got {self.prefill_graphs}")
         _require(self.capture_budget_s >= 0, "capture_budget_s", f"must be >= 0, got {self.capture_budget_s}")
+        _require(self.step_tuning_s >= 0, "step_tuning_s", f"must be >= 0, got {self.step_tuning_s}")
         _require(not self.cuda_graphs or self.device == "cuda", "cuda_graphs",
                  "CUDA graphs need device 'cuda'")
 

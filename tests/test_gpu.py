@@ -142,7 +142,14 @@ def test_fused_kernels_agree_with_compiled_layers(checkpoint, family):
     path = checkpoint(family)
     compiled, _ = tokens(path, device="cuda", dtype="bfloat16", cuda_graphs=True, fused_decode=False)
     fused, engine = tokens(path, device="cuda", dtype="bfloat16", cuda_graphs=True)
-    assert engine.decoder_engine.kernel_report["fused"]
+    report = engine.decoder_engine.kernel_report
+    assert report["fused"]
+    # the tiles were chosen by whole-step time too, and the step ran with the ones it kept
+    step = report["step"]
+    print(f"{family}: tiles chosen in the step: {step}")
+    assert step["trials"] > 0 and step["in_step_us"] <= step["alone_us"]
+    kept = {name: p["config"] for name, p in report["products"].items()}
+    assert kept == {name: triton_decode._config_name(c) for name, c in engine.decoder_engine._fused.configs.items()}
     positions = [first_divergence(a, b) for a, b in zip(compiled, fused)]
     print(f"{family}: first divergence fused vs compiled per request (None = identical): {positions}")
     assert all(p is None or p > 0 for p in positions)

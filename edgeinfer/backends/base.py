@@ -114,6 +114,7 @@ class RunSettings(Protocol):
     max_context: int
     cuda_graphs: bool
     fused_decode: bool
+    step_tuning_s: float
     prefill_graphs: int
     unified_memory: bool
 

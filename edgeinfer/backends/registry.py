@@ -264,7 +264,8 @@ def torch_engines(model, config: RunSettings) -> Engines:
 
         max_blocks = -(-config.max_context // config.block_size)
         decoder = CudaGraphDecoderEngine(model.decoder, config.max_batch_size, max_blocks, fused=config.fused_decode,
-                                         prefill_graphs=config.prefill_graphs, take_decoder=True)
+                                         prefill_graphs=config.prefill_graphs, take_decoder=True,
+                                         step_tuning_s=config.step_tuning_s)
         return Engines(decoder, vision, Backend.TORCH.value, precision, bursts=decoder, compiler=vision,
                        graphs=decoder)
     return Engines(TorchDecoderEngine(model.decoder), vision, Backend.TORCH.value, precision, compiler=vision)

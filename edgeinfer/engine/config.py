@@ -9,7 +9,7 @@ import torch
 from edgeinfer.kv.disk import default_cache_dir
 from edgeinfer.kv.manager import KVManagerConfig
 from edgeinfer.kv.sizing import block_bytes, pool_blocks
-from edgeinfer.profiles import parse_size
+from edgeinfer.profiles import STEP_TUNING_S, parse_size
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,6 +39,9 @@ class EngineConfig:
     # CUDA graphs: seconds of load spent capturing every decode graph the buckets allow, and a prompt's
     # first chunk per length bucket (0: on first use).
     capture_budget_s: float = 0.0
+    # CUDA graphs, fused step: seconds of load spent choosing its tiles by the whole step's time
+    # after choosing them product by product (0: product by product only).
+    step_tuning_s: float = STEP_TUNING_S
     # Image sizes (width, height) the torch vision tower is compiled for at load (CUDA only).
     vision_compile_sizes: tuple[tuple[int, int], ...] = ()
     profile_name: str = "custom"
@@ -59,6 +62,8 @@ class EngineConfig:
         for name in ("block_size", "max_batch_size", "prefill_chunk", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.step_tuning_s < 0:
+            raise ValueError(f"step_tuning_s must be >= 0, not {self.step_tuning_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -102,6 +107,7 @@ class EngineConfig:
             cuda_graphs=profile.runtime.cuda_graphs,
             prefill_graphs=profile.runtime.prefill_graphs,
             capture_budget_s=profile.runtime.capture_budget_s,
+            step_tuning_s=profile.runtime.step_tuning_s,
             vision_compile_sizes=tuple(parse_size(v) for v in profile.runtime.vision_compile_sizes),
             profile_name=profile.name,
             host_precision=profile.kv.host_precision,

@@ -238,8 +238,10 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
     """
 
     def __init__(self, decoder: Decoder, max_batch_size: int, max_blocks: int, compile_layers: bool = True,
-                 fused: bool = True, prefill_graphs: int = 8, *, take_decoder: bool = False) -> None:
+                 fused: bool = True, prefill_graphs: int = 8, *, take_decoder: bool = False,
+                 step_tuning_s: float = 0.0) -> None:
         super().__init__(decoder)
+        self.step_tuning_s = step_tuning_s  # for the fused step's tiles, by whole-step time (0: none)
         self.batch_buckets = buckets(max_batch_size)
         self.width_buckets = buckets(max_blocks, start=8)
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
@@ -277,13 +279,14 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self._tune_fused()
 
     def _tune_fused(self) -> None:
-        """Time the fused step's tiles at load. Left to its first use, the timing (a few seconds of
-        compiling and replaying every candidate) fell on the first request whose prompt was mostly a
-        cached prefix. A failure falls back to the compiled layers, with a warning."""
+        """Time the fused step's tiles at load, product by product and then, for up to
+        ``step_tuning_s`` seconds, in the whole step. Left to its first use, the timing (a few
+        seconds of compiling and replaying every candidate) fell on the first request whose prompt
+        was mostly a cached prefix. A failure falls back to the compiled layers, with a warning."""
         if self._fused is None or self.device.type != "cuda":
             return
         try:
-            self._fused.tune()
+            self._fused.tune(self.step_tuning_s)
         except Exception as exc:  # noqa: BLE001 - any kernel or compiler failure has a fallback
             self.fused_off = f"{type(exc).__name__}: {exc}"[:500]
             self._fused = None
@@ -309,7 +312,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         if self._fused is None:
             return {"fused": False, "reason": self.fused_off}
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
-                "dependent_launch": dependent_launch(self.device), "products": self._fused.report}
+                "dependent_launch": dependent_launch(self.device), "products": self._fused.report,
+                "step": self._fused.step_report}
 
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and

@@ -44,11 +44,18 @@ eager layers run instead.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.backends.torch.step_tuning import (
+    STEP_TUNING_BLOCK,
+    STEP_TUNING_CONTEXT,
+    descend,
+    step_time_us,
+)
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, graph_time_us, interpreting
 from edgeinfer.quant.packed import PackedMatrix
@@ -739,7 +746,8 @@ class FusedDecode:
         # (qkv, after_attention) as functions of (layer, ...): the rows past MAX_GEMV_ROWS
         self.halves = halves or (DecoderLayer.qkv, DecoderLayer.after_attention)
         self.configs: dict[str, GemvConfig | PackedGemvConfig] = {}
-        self.report: dict[str, dict] = {}
+        self.report: dict[str, dict] = {}  # per product: its tile and timings
+        self.step_report: dict | None = None  # what choosing the tiles by whole-step time changed
         # Partial sums and arrival counts of split packed products and of the attention's splits, one
         # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
@@ -769,11 +777,22 @@ class FusedDecode:
             "lm_head": ([self.weight(d.lm_head_t)], {"norm_weight": d.norm.weight, "eps": d.norm.eps}),
         }
 
-    def tune(self) -> None:
+    def tune(self, step_budget_s: float = 0.0) -> None:
+        """Choose every product's tile at batch 1: first alone (:meth:`_tune_alone`), then, for up
+        to ``step_budget_s`` seconds, by the whole step's time (:meth:`_tune_in_step`; 0 skips it).
+        Each trial of the second is a capture of two steps and their replays; it ends sooner
+        where a round of the products changes nothing."""
+        ranked = self._tune_alone()
+        if step_budget_s > 0:
+            self._tune_in_step(ranked, step_budget_s)
+
+    def _tune_alone(self) -> dict[str, list[GemvConfig | PackedGemvConfig]]:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
         (as a step does: from memory, not from the L2 cache), and keep the fastest; cuBLAS is timed
-        beside it for the report (on the dense weights; a packed product has no cuBLAS twin)."""
+        beside it for the report (on the dense weights; a packed product has no cuBLAS twin).
+        Returns each product's candidates, fastest first."""
         dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
+        ranked = {}
         for name, (weights, kw) in self._products().items():
             n, k = weights[0].shape
             x = torch.randn(1, k, dtype=dtype, device=device)
@@ -797,6 +816,46 @@ class FusedDecode:
                 report.update(cublas_us=round(cublas, 2), cublas_gb_s=round(mb / cublas * 1e3, 1))
             report["candidates_us"] = {_config_name(c): round(t, 2) for c, t in times.items()}
             self.report[name] = report
+            ranked[name] = sorted(times, key=times.get)
+        return ranked
+
+    def _tune_in_step(self, ranked: dict[str, list[GemvConfig | PackedGemvConfig]], budget_s: float) -> None:
+        """Change the tiles where the whole step gets faster (:func:`.step_tuning.descend`), timing
+        a batch-1 step over a past of :data:`STEP_TUNING_CONTEXT` positions in a scratch pool."""
+        step = self._scratch_step(STEP_TUNING_CONTEXT)
+
+        def step_us(configs):
+            self.configs = configs
+            return step_time_us(step)
+
+        started = time.monotonic()
+        found = descend(self.configs, ranked, step_us, budget_s)
+        self.configs = found.choices
+        for name, (alone, chosen) in found.changed.items():
+            report = self.report[name]
+            report.update(alone=report["config"], config=_config_name(chosen),
+                          us=report["candidates_us"][_config_name(chosen)])
+            report["gb_s"] = round(_nbytes(self._products()[name][0][0]) / 1e3 / report["us"], 1)
+        self.step_report = {"context": STEP_TUNING_CONTEXT, "alone_us": round(found.start_us, 1),
+                            "in_step_us": round(found.best_us, 1), "trials": found.trials, "rounds": found.rounds,
+                            "out_of_time": found.out_of_time, "seconds": round(time.monotonic() - started, 1)}
+
+    def _scratch_step(self, context: int) -> Callable[[], object]:
+        """One batch-1 step of all layers and the head over a past of ``context`` positions, in a
+        pool of its own (blocks of 16), writing its new K/V at slot ``context``."""
+        cfg = self.cfg
+        weight = self.decoder.norm.weight
+        blocks = -(-(context + 1) // STEP_TUNING_BLOCK)
+        pool = (cfg.num_layers, blocks, STEP_TUNING_BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        k_pool = torch.randn(pool, dtype=weight.dtype, device=weight.device)
+        v_pool = torch.randn_like(k_pool)
+        x = torch.randn(1, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
+        cos = torch.ones(1, cfg.head_dim, dtype=weight.dtype, device=weight.device)
+        sin = torch.zeros_like(cos)
+        tables = torch.arange(blocks, device=weight.device)[None]
+        context_lens = torch.tensor([context], device=weight.device)
+        valid = torch.ones(1, dtype=torch.long, device=weight.device)
+        return lambda: self.layers(x, cos, sin, k_pool, v_pool, tables, context_lens, valid)
 
     def _product(self, x, w, config, **kw):
         if isinstance(w, PackedMatrix):

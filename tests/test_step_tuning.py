@@ -1,0 +1,75 @@
+"""Choosing tiles by whole-step time: the descent over a step whose cost is a known table.
+
+The step's time is given as a function of the tiles (what a CUDA-graph timing returns on a
+device), so the descent's choices can be checked exactly, without a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from edgeinfer.backends.torch.step_tuning import MIN_GAIN, descend
+
+# Two products whose best tiles depend on each other (as a product's overlap with the kernel
+# next to it does): with b1, a2 is slower than a1; once b2 is chosen, a2 is the fastest.
+COSTS = {("a1", "b1"): 1000.0, ("a2", "b1"): 1005.0, ("a3", "b1"): 1100.0,
+         ("a1", "b2"): 980.0, ("a2", "b2"): 900.0, ("a3", "b2"): 1100.0}
+CANDIDATES = {"a": ["a1", "a2", "a3"], "b": ["b1", "b2"]}
+
+
+def table_step(calls: list | None = None):
+    def step_us(choices):
+        if calls is not None:
+            calls.append(dict(choices))
+        return COSTS[(choices["a"], choices["b"])]
+    return step_us
+
+
+def test_descent_finds_the_pair_that_only_a_second_look_at_the_first_product_shows():
+    found = descend({"a": "a1", "b": "b1"}, CANDIDATES, table_step(), budget_s=60)
+    assert found.choices == {"a": "a2", "b": "b2"}
+    assert (found.start_us, found.best_us) == (1000.0, 900.0)
+    assert found.changed == {"a": ("a1", "a2"), "b": ("b1", "b2")}
+    assert not found.out_of_time
+
+
+def test_descent_keeps_the_start_where_nothing_is_faster():
+    calls = []
+    found = descend({"a": "a2", "b": "b2"}, CANDIDATES, table_step(calls), budget_s=60)
+    assert found.choices == {"a": "a2", "b": "b2"} and found.changed == {}
+    assert found.rounds == 1  # a round that changed nothing ends it
+    # the start once, then every other tile of each product once, the others' tiles as chosen
+    assert calls == [{"a": "a2", "b": "b2"}, {"a": "a1", "b": "b2"}, {"a": "a3", "b": "b2"}, {"a": "a2", "b": "b1"}]
+
+
+def test_a_gain_within_the_timings_spread_is_not_taken():
+    costs = {"x1": 1000.0, "x2": 1000.0 * (1 - MIN_GAIN / 2), "x3": 1000.0 * (1 - 2 * MIN_GAIN)}
+    found = descend({"x": "x1"}, {"x": ["x2"]}, lambda c: costs[c["x"]], budget_s=60)
+    assert found.choices == {"x": "x1"}
+    found = descend({"x": "x1"}, {"x": ["x2", "x3"]}, lambda c: costs[c["x"]], budget_s=60)
+    assert found.choices == {"x": "x3"}
+
+
+def test_the_budget_stops_the_descent_and_keeps_the_best_so_far():
+    ticks = itertools.count()
+    calls = []
+    # each clock reading is a second later: the start's timing and two trials fit in 2.5 s
+    found = descend({"a": "a3", "b": "b1"}, CANDIDATES, table_step(calls), budget_s=2.5,
+                    clock=lambda: float(next(ticks)))
+    assert found.out_of_time
+    assert found.trials == 2 and len(calls) == 3
+    assert found.choices == {"a": "a1", "b": "b1"} and found.best_us == 1000.0
+
+
+def test_rounds_bound_the_descent():
+    found = descend({"a": "a1", "b": "b1"}, CANDIDATES, table_step(), budget_s=60, rounds=1)
+    assert found.rounds == 1 and not found.out_of_time
+    assert found.choices == {"a": "a1", "b": "b2"} and found.best_us == 980.0
+
+
+@pytest.mark.parametrize("start", [{"a": "a3", "b": "b1"}, {"a": "a1", "b": "b2"}])
+def test_every_start_reaches_the_table_minimum(start):
+    found = descend(start, CANDIDATES, table_step(), budget_s=60, rounds=3)
+    assert found.best_us == min(COSTS.values())
