@@ -69,6 +69,15 @@ def test_rounds_bound_the_descent():
     assert found.choices == {"a": "a1", "b": "b2"} and found.best_us == 980.0
 
 
+def test_a_product_changed_and_changed_back_is_not_reported_as_changed():
+    # a2 wins with b1 (990); once b2 is chosen, a1 is faster again (890): a ends where it began
+    costs = {("a1", "b1"): 1000.0, ("a2", "b1"): 990.0, ("a1", "b2"): 890.0, ("a2", "b2"): 950.0}
+    found = descend({"a": "a1", "b": "b1"}, {"a": ["a1", "a2"], "b": ["b1", "b2"]},
+                    lambda c: costs[(c["a"], c["b"])], budget_s=60)
+    assert found.choices == {"a": "a1", "b": "b2"} and found.best_us == 890.0
+    assert found.changed == {"b": ("b1", "b2")}
+
+
 @pytest.mark.parametrize("start", [{"a": "a3", "b": "b1"}, {"a": "a1", "b": "b2"}])
 def test_every_start_reaches_the_table_minimum(start):
     found = descend(start, CANDIDATES, table_step(), budget_s=60, rounds=3)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,15 +27,21 @@ STEP_TUNING_BLOCK = 16
 
 @dataclass
 class Descent:
-    """What :func:`descend` found: the choices, the step's time with them and with the ones it
-    started from, the trials it timed, and whether it stopped for its time budget."""
+    """What :func:`descend` found: the choices it started from and the ones it kept, the step's
+    time with each, the trials it timed, and whether it stopped for its time budget."""
+    start: dict[str, Hashable]
     choices: dict[str, Hashable]
     start_us: float
     best_us: float
     trials: int = 0
     rounds: int = 0
     out_of_time: bool = False
-    changed: dict[str, tuple[Hashable, Hashable]] = field(default_factory=dict)  # name -> (from, to)
+
+    @property
+    def changed(self) -> dict[str, tuple[Hashable, Hashable]]:
+        """name -> (tile it started from, tile kept) for every product whose tile differs at the end
+        (a product changed and later changed back is not among them)."""
+        return {name: (self.start[name], tile) for name, tile in self.choices.items() if tile != self.start[name]}
 
 
 def descend(start: Mapping[str, Hashable], candidates: Mapping[str, Sequence[Hashable]],
@@ -50,7 +56,7 @@ def descend(start: Mapping[str, Hashable], candidates: Mapping[str, Sequence[Has
     nothing, or once ``budget_s`` seconds have passed (the best found so far is kept)."""
     started = clock()
     best = dict(start)
-    result = Descent(choices=best, start_us=step_us(dict(best)), best_us=0.0)
+    result = Descent(start=dict(start), choices=best, start_us=step_us(dict(best)), best_us=0.0)
     result.best_us = result.start_us
     for _ in range(rounds):
         result.rounds += 1
@@ -65,10 +71,8 @@ def descend(start: Mapping[str, Hashable], candidates: Mapping[str, Sequence[Has
                 t = step_us({**best, name: tile})
                 result.trials += 1
                 if t < result.best_us * (1 - MIN_GAIN):
-                    origin = result.changed.get(name, (start[name], None))[0]
                     best[name] = tile
                     result.best_us = t
-                    result.changed[name] = (origin, tile)
                     improved = True
         if not improved:
             break
