@@ -20,7 +20,8 @@ on an H200 they took as long as the products. Here a layer is:
 Every product reads its weight ``[out, in]`` row-major, a tile of whole rows per program,
 and keeps the rounding points of the eager layer (bf16 after each product, norm and
 product-sum), so it gives the eager layer's tokens within the dtype's tolerance. The
-tile sizes are chosen once per matrix shape by timing a few candidates on the device.
+tile sizes are chosen at load by timing candidates on the device: each product alone, then
+in whole steps (:mod:`.step_tuning`), where a tile's overlap with the kernel before it shows.
 
 Packed 4-bit and 8-bit weights (:class:`~edgeinfer.quant.packed.PackedMatrix`) take
 :func:`packed_gemv`, with the same prologues and epilogues: a tile of x is read once, contiguous,
