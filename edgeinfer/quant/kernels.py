@@ -492,14 +492,20 @@ def graph_time_us(calls: list, repeats: int = 5) -> float:
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
+    return replay_ms(graph, repeats) / len(calls) * 1e3
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Device milliseconds of one replay of ``graph``, over ``replays`` back to back after one
+    untimed (the first replay uploads the graph)."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(repeats):
+    for _ in range(replays):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / (repeats * len(calls)) * 1e3
+    return start.elapsed_time(end) / replays
 
 
 def cold_copies(nbytes: int, l2_bytes: int) -> int:

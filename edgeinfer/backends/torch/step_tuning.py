@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.quant.kernels import replay_ms
+
 # Below this share of a step, a faster time is taken for the timing's own spread.
 MIN_GAIN = 0.003
 # The past each timed step reads, in blocks of this many positions: a picture's prompt.
@@ -90,17 +92,6 @@ def step_time_us(step: Callable[[], object], steps_a_graph: int = 2, min_replay_
     with torch.cuda.graph(graph):
         for _ in range(steps_a_graph):
             step()
-    first = _replay_ms(graph, 1)
+    first = replay_ms(graph, 1)
     replays = max(3, int(min_replay_s * 1e3 / max(first, 1e-3)))
-    return _replay_ms(graph, replays) / steps_a_graph * 1e3
-
-
-def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    graph.replay()  # the first replay uploads the graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    return replay_ms(graph, replays) / steps_a_graph * 1e3
