@@ -82,3 +82,32 @@ def test_a_product_changed_and_changed_back_is_not_reported_as_changed():
 def test_every_start_reaches_the_table_minimum(start):
     found = descend(start, CANDIDATES, table_step(), budget_s=60, rounds=3)
     assert found.best_us == min(COSTS.values())
+
+
+def test_the_fused_step_keeps_and_reports_the_tile_the_whole_step_prefers(checkpoint, monkeypatch):
+    """FusedDecode.tune on a tiny checkpoint, the device's two timers replaced by known costs (the
+    GPU is the boundary): alone, every product's first candidate is the fastest; in the step,
+    o's third candidate saves 5%. The engine must run with it and report both choices."""
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.backends.torch.cuda_graphs import _relayout
+    from edgeinfer.models.loader import load_model
+
+    decoder = load_model(checkpoint("qwen2_vl")).decoder
+    _relayout(decoder, out_major=True)
+    fused = triton_decode.FusedDecode(decoder)
+    alone_times = itertools.count(1.0)  # each candidate timed alone is slower than the one before
+    monkeypatch.setattr(triton_decode, "graph_time_us", lambda calls: float(next(alone_times)))
+    preferred = triton_decode.GEMV_CANDIDATES[2]
+    monkeypatch.setattr(triton_decode, "step_time_us",
+                        lambda step: 950.0 if fused.configs["o"] == preferred else 1000.0)
+    fused.tune(step_budget_s=60)
+
+    first = triton_decode.GEMV_CANDIDATES[0]
+    assert fused.configs["o"] == preferred
+    assert all(c == first for name, c in fused.configs.items() if name != "o")
+    o = fused.report["o"]
+    assert (o["alone"], o["config"]) == (triton_decode._config_name(first), triton_decode._config_name(preferred))
+    assert o["us"] == o["candidates_us"][o["config"]] and o["gb_s"] == round(o["mb"] / o["us"] * 1e3, 1)
+    assert all("alone" not in r for name, r in fused.report.items() if name != "o")
+    assert (fused.step_report["alone_us"], fused.step_report["in_step_us"]) == (1000.0, 950.0)
+    assert not fused.step_report["out_of_time"] and fused.step_report["trials"] > 0

@@ -58,8 +58,8 @@ def descend(start: Mapping[str, Hashable], candidates: Mapping[str, Sequence[Has
     nothing, or once ``budget_s`` seconds have passed (the best found so far is kept)."""
     started = clock()
     best = dict(start)
-    result = Descent(start=dict(start), choices=best, start_us=step_us(dict(best)), best_us=0.0)
-    result.best_us = result.start_us
+    start_us = step_us(dict(best))
+    result = Descent(start=dict(start), choices=best, start_us=start_us, best_us=start_us)
     for _ in range(rounds):
         result.rounds += 1
         improved = False

@@ -811,7 +811,8 @@ class FusedDecode:
             self.configs[name] = best
             mb = _nbytes(weights[0]) / 1e6
             report = {"shape": [n, k], "weight": f"{weights[0].bits}-bit packed" if packed else str(dtype),
-                      "config": _config_name(best), "us": round(times[best], 2), "gb_s": round(mb / times[best] * 1e3, 1)}
+                      "mb": round(mb, 3), "config": _config_name(best), "us": round(times[best], 2),
+                      "gb_s": round(mb / times[best] * 1e3, 1)}
             if not packed:
                 cublas = graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in weights])
                 report.update(cublas_us=round(cublas, 2), cublas_gb_s=round(mb / cublas * 1e3, 1))
@@ -832,11 +833,11 @@ class FusedDecode:
         started = time.monotonic()
         found = descend(self.configs, ranked, step_us, budget_s)
         self.configs = found.choices
-        for name, (alone, chosen) in found.changed.items():
+        for name, (alone, chosen) in found.changed.items():  # the kept tile's own timing, from the first pass
             report = self.report[name]
-            report.update(alone=report["config"], config=_config_name(chosen),
-                          us=report["candidates_us"][_config_name(chosen)])
-            report["gb_s"] = round(_nbytes(self._products()[name][0][0]) / 1e3 / report["us"], 1)
+            us = report["candidates_us"][_config_name(chosen)]
+            report.update(alone=_config_name(alone), config=_config_name(chosen), us=us,
+                          gb_s=round(report["mb"] / us * 1e3, 1))
         self.step_report = {"context": STEP_TUNING_CONTEXT, "alone_us": round(found.start_us, 1),
                             "in_step_us": round(found.best_us, 1), "trials": found.trials, "rounds": found.rounds,
                             "out_of_time": found.out_of_time, "seconds": round(time.monotonic() - started, 1)}
