@@ -7,7 +7,8 @@ kernel reads its first weights while that one drains, so how a tile overlaps its
 counts as much as its own time: the fastest tile alone is not always the fastest in the step.
 
 :func:`descend` changes one product's tile at a time, keeps a change only where the whole step
-gets faster, and goes round the products again while a round changed something and time is left.
+gets faster, and goes round the products a second time where the first round changed something
+and time is left.
 """
 
 from __future__ import annotations
