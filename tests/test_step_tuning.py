@@ -111,3 +111,34 @@ def test_the_fused_step_keeps_and_reports_the_tile_the_whole_step_prefers(checkp
     assert all("alone" not in r for name, r in fused.report.items() if name != "o")
     assert (fused.step_report["alone_us"], fused.step_report["in_step_us"]) == (1000.0, 950.0)
     assert not fused.step_report["out_of_time"] and fused.step_report["trials"] > 0
+
+
+def test_the_step_tries_only_each_products_fastest_tiles_alone(checkpoint, monkeypatch):
+    """A tile outside a product's STEP_CANDIDATES fastest alone is never timed in the step, even
+    where it would have been the step's fastest; the descent runs STEP_ROUNDS rounds at most."""
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.backends.torch.cuda_graphs import _relayout
+    from edgeinfer.backends.torch.step_tuning import STEP_CANDIDATES, STEP_ROUNDS
+    from edgeinfer.models.loader import load_model
+
+    decoder = load_model(checkpoint("qwen2_vl")).decoder
+    _relayout(decoder, out_major=True)
+    fused = triton_decode.FusedDecode(decoder)
+    alone_times = itertools.count(1.0)  # candidates alone rank in their listed order
+    monkeypatch.setattr(triton_decode, "graph_time_us", lambda calls: float(next(alone_times)))
+    candidates = triton_decode.GEMV_CANDIDATES
+    tried = []
+    # every trial is 2% faster than the one before, so each is kept and every round changes something
+    trials = itertools.count(0)
+
+    def step_us(step):
+        tried.append(dict(fused.configs))
+        if fused.configs["o"] == candidates[STEP_CANDIDATES]:  # the step's fastest, outside the cut
+            return 1.0
+        return 1000.0 * 0.98 ** next(trials)
+
+    monkeypatch.setattr(triton_decode, "step_time_us", step_us)
+    fused.tune(step_budget_s=600)
+    for name in fused.configs:  # each product's fastest tiles alone, all of them, and no other
+        assert {choices[name] for choices in tried} == set(candidates[:STEP_CANDIDATES])
+    assert fused.step_report["rounds"] == STEP_ROUNDS

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.backends.torch.step_tuning import (
+    STEP_CANDIDATES,
     STEP_TUNING_BLOCK,
     STEP_TUNING_CONTEXT,
     descend,
@@ -823,7 +824,8 @@ class FusedDecode:
 
     def _tune_in_step(self, ranked: dict[str, list[GemvConfig | PackedGemvConfig]], budget_s: float) -> None:
         """Change the tiles where the whole step gets faster (:func:`.step_tuning.descend`), timing
-        a batch-1 step over a past of :data:`STEP_TUNING_CONTEXT` positions in a scratch pool."""
+        a batch-1 step over a past of :data:`STEP_TUNING_CONTEXT` positions in a scratch pool, over
+        each product's :data:`STEP_CANDIDATES` fastest tiles alone."""
         step = self._scratch_step(STEP_TUNING_CONTEXT)
 
         def step_us(configs):
@@ -831,7 +833,8 @@ class FusedDecode:
             return step_time_us(step)
 
         started = time.monotonic()
-        found = descend(self.configs, ranked, step_us, budget_s)
+        found = descend(self.configs, {name: tiles[:STEP_CANDIDATES] for name, tiles in ranked.items()},
+                        step_us, budget_s)
         self.configs = found.choices
         for name, (alone, chosen) in found.changed.items():  # the kept tile's own timing, from the first pass
             report = self.report[name]
