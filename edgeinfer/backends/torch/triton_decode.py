@@ -381,9 +381,11 @@ if triton is not None:
         it is multiplied, the first before the q|k|v product has finished (``PDL``,
         :func:`await_inputs`: the product writes q, k and v, not the past).
 
-        Unsplit, the program writes its heads' outputs. Split, each program writes its partial
+        The grid has a split for every ``CHUNK`` positions of the table; splits past the row's
+        context return at once, so a step costs what the context holds, not what the table
+        could. Unsplit, the program writes its heads' outputs. Split, each program writes its partial
         output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV
-        head, :func:`arrived_last`); the last of the group's splits to arrive merges them
+        head, :func:`arrived_last`); the last of the group's used splits to arrive merges them
         (:func:`_merge_splits`), writes the heads' outputs and sets the count back to zero: no
         second kernel, and no launch between the attention and the product after it."""
         HALF: tl.constexpr = HD // 2
@@ -392,6 +394,11 @@ if triton is not None:
         kvh = tl.program_id(1)
         s = tl.program_id(2)
         ctx = tl.load(CTX + m).to(tl.int32)
+        # The splits that hold a position of the row's past or its new token (at position ctx): the
+        # grid is sized by the table's width, the work and the merge by the row's own context.
+        used = tl.minimum(ctx // CHUNK + 1, SPLITS)
+        if s >= used:
+            return
         rg = tl.arange(0, GP)
         rd = tl.arange(0, HDP)
         d_ok = rd < HD
@@ -480,28 +487,28 @@ if triton is not None:
             tl.store(LPART + part + s, l_i, mask=g1)
             tl.store(OPART + (part + s)[:, None] * HD + rd[None, :], acc, mask=q_ok)
             group = m * KVH + kvh
-            if arrived_last(ARRIVALS, group, SPLITS):
-                out = _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, GP, HD, HDP, SPLITS, MC)
+            if arrived_last(ARRIVALS, group, used):
+                out = _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP, HD, HDP, MC)
                 tl.store(out_at, out.to(OUT.dtype.element_ty), mask=q_ok)
                 tl.atomic_xchg(ARRIVALS + group, 0)
 
     @triton.jit
-    def _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, GP: tl.constexpr, HD: tl.constexpr,
-                      HDP: tl.constexpr, SPLITS: tl.constexpr, MC: tl.constexpr):
-        """Softmax-weighted sum of a group's heads' splits [GP, HDP]: their maximum first, then
+    def _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP: tl.constexpr, HD: tl.constexpr,
+                      HDP: tl.constexpr, MC: tl.constexpr):
+        """Softmax-weighted sum of a group's heads' first ``used`` splits [GP, HDP]: their maximum first, then
         ``MC`` splits at a time (the partials of every head of the group at once, so that a
         step's loads are all in flight together). Splits that saw no position (maximum -inf)
         weigh nothing. Reads through L2 (``.cg``): other programs wrote the partials."""
         top = tl.full([GP], float("-inf"), tl.float32)
         rc = tl.arange(0, MC)
-        for j0 in range(0, SPLITS, MC):
-            ok = g1[:, None] & (j0 + rc < SPLITS)[None, :]
+        for j0 in range(0, used, MC):
+            ok = g1[:, None] & (j0 + rc < used)[None, :]
             mi = tl.load(MPART + part[:, None] + j0 + rc[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
             top = tl.maximum(top, tl.max(mi, axis=1))
         num = tl.zeros([GP, HDP], tl.float32)
         den = tl.zeros([GP], tl.float32)
-        for j0 in range(0, SPLITS, MC):
-            ok = g1[:, None] & (j0 + rc < SPLITS)[None, :]
+        for j0 in range(0, used, MC):
+            ok = g1[:, None] & (j0 + rc < used)[None, :]
             at = part[:, None] + j0 + rc[None, :]  # [GP, MC]
             mi = tl.load(MPART + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
             li = tl.load(LPART + at, mask=ok, other=0.0, cache_modifier=".cg")
