@@ -488,26 +488,29 @@ if triton is not None:
             tl.store(OPART + (part + s)[:, None] * HD + rd[None, :], acc, mask=q_ok)
             group = m * KVH + kvh
             if arrived_last(ARRIVALS, group, used):
-                out = _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP, HD, HDP, MC)
+                out = _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP, HD, HDP, SPLITS, MC)
                 tl.store(out_at, out.to(OUT.dtype.element_ty), mask=q_ok)
                 tl.atomic_xchg(ARRIVALS + group, 0)
 
     @triton.jit
     def _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP: tl.constexpr, HD: tl.constexpr,
-                      HDP: tl.constexpr, MC: tl.constexpr):
+                      HDP: tl.constexpr, SPLITS: tl.constexpr, MC: tl.constexpr):
         """Softmax-weighted sum of a group's heads' first ``used`` splits [GP, HDP]: their maximum first, then
         ``MC`` splits at a time (the partials of every head of the group at once, so that a
         step's loads are all in flight together). Splits that saw no position (maximum -inf)
-        weigh nothing. Reads through L2 (``.cg``): other programs wrote the partials."""
+        weigh nothing. Reads through L2 (``.cg``): other programs wrote the partials. The loops
+        run to the grid's ``SPLITS``, known when compiling, with the splits past ``used`` masked:
+        bounded by ``used`` itself they ran their steps one after another, 1 µs slower a layer
+        where every split was used (H200)."""
         top = tl.full([GP], float("-inf"), tl.float32)
         rc = tl.arange(0, MC)
-        for j0 in range(0, used, MC):
+        for j0 in range(0, SPLITS, MC):
             ok = g1[:, None] & (j0 + rc < used)[None, :]
             mi = tl.load(MPART + part[:, None] + j0 + rc[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
             top = tl.maximum(top, tl.max(mi, axis=1))
         num = tl.zeros([GP, HDP], tl.float32)
         den = tl.zeros([GP], tl.float32)
-        for j0 in range(0, used, MC):
+        for j0 in range(0, SPLITS, MC):
             ok = g1[:, None] & (j0 + rc < used)[None, :]
             at = part[:, None] + j0 + rc[None, :]  # [GP, MC]
             mi = tl.load(MPART + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
