@@ -500,8 +500,8 @@ if triton is not None:
         step's loads are all in flight together). Splits that saw no position (maximum -inf)
         weigh nothing. Reads through L2 (``.cg``): other programs wrote the partials. The loops
         run to the grid's ``SPLITS``, known when compiling, with the splits past ``used`` masked:
-        bounded by ``used`` itself they ran their steps one after another, 1 µs slower a layer
-        where every split was used (H200)."""
+        bounded by ``used`` itself, a count known only when running, the attention took 1 µs
+        longer a layer where every split was used (H200, ``scripts/probe_attention_splits.py``)."""
         top = tl.full([GP], float("-inf"), tl.float32)
         rc = tl.arange(0, MC)
         for j0 in range(0, SPLITS, MC):
