@@ -1,0 +1,74 @@
+"""Diagnostic probe (not a benchmark), no GPU needed: the sm_90 machine code of the batch-1 packed
+product's K-step loop, instruction by instruction kind, for the tiles the H200 chose.
+
+    python scripts/probe_sass_loops.py > OUT.txt
+
+Triton compiles the kernel on the CPU down to the binary (its wheel carries ``ptxas`` and
+``nvdisasm``); each backward branch is a loop, and its body's instructions are counted. A tile of
+``bn`` rows by ``bk`` columns over ``warps`` warps gives each thread ``bn · bk · bits / 32 /
+(32 · warps)`` words a step. Output of the run the docs cite:
+docs/results/probes/sm90-packed-gemv-loops.txt."""
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from edgeinfer.backends.torch import triton_decode
+
+NV = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
+def pointers(dt, *names): return {n: f"*{dt}" for n in names}
+
+
+def disasm(cfg, extra=None):
+    bits, bn, bk, warps, glu, prologue = cfg
+    fn = triton_decode._packed_gemv_kernel
+    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    given = dict(PROLOGUE=prologue, HAS_BIAS=False, HAS_RES=prologue == 0, BN=bn, BK=bk, BITS=bits, GS=128,
+                 HAS_Z=False, SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
+                 XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True, **(extra or {}))
+    names = fn.arg_names
+    source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names}, {(names.index(k),): v for k, v in given.items()})
+    k = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"]); f.flush()
+        return subprocess.run([NV, "-c", f.name], capture_output=True, text=True).stdout
+
+def loop_ops(out):
+    """Instructions of each backward branch's body (a loop), by opcode."""
+    items, labels = [], {}
+    for l in out.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", l.strip())
+        if m:
+            labels[m.group(1)] = len(items)
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", l)
+        if m:
+            items.append(m.group(1))
+    res = []
+    for i, text in enumerate(items):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), 1 << 30) <= i:
+            body = items[labels[m.group(1)]:i + 1]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+            res.append((len(body), ops))
+    return res
+
+if __name__ == "__main__":
+    # (bits, rows, columns, warps, SiLU·up epilogue, RMSNorm prologue): the H200's gate|up and down tiles
+    cases = {"8-bit gate|up": (8, 8, 512, 2, True, 1), "8-bit down": (8, 8, 2048, 4, False, 0),
+             "4-bit gate|up": (4, 16, 512, 2, True, 1), "4-bit down": (4, 8, 1024, 4, False, 0)}
+    for name, cfg in cases.items():
+        bits, bn, bk, warps = cfg[:4]
+        words = bn * bk * bits // 32 // (32 * warps)
+        found = [(n, ops) for n, ops in loop_ops(disasm(cfg)) if n > 1]
+        n, ops = max(found, key=lambda f: f[0])  # the K steps; a smaller one is the RMSNorm prologue's sum
+        print(f"{name} {cfg}: K-step loop of {n} instructions, {words} words a thread a step "
+              f"({n / words:.1f} a word): {dict(ops.most_common(12))}")
+        for m, other in found:
+            if m != n:
+                print(f"    another loop (the prologue's sum of squares over x) of {m}: {dict(other.most_common(6))}")
