@@ -8,36 +8,47 @@ heads, 2 KV heads, head 128) by the row's past (1,024 and 256 positions), the bl
 28 layers' pools back to back from one CUDA graph, dependent launches on, best of three timings
 of 20 replays; ``max_err`` against the default's output. Outputs of the runs the docs cite:
 docs/results/probes/h200-attention-splits-*.jsonl."""
-import json, os, torch
+import json
+import os
+
+import torch
+
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant.kernels import SplitWorkspace, graph_time_us
 
 L, H, KVH, HD, BS = 28, 12, 2, 128, 16
-dev = "cuda"
-dt = torch.bfloat16
-ref = {}
-for ctx in (1024, 256):
-  for width in (1040, 2048, 4096):
-    blocks = width // BS
-    k_pool = torch.randn(L, blocks, BS, KVH, HD, dtype=dt, device=dev)
-    v_pool = torch.randn_like(k_pool)
-    qkv = torch.randn(1, (H + 2 * KVH) * HD, dtype=dt, device=dev)
-    cos = torch.ones(1, HD, dtype=dt, device=dev); sin = torch.zeros_like(cos)
-    tables = torch.arange(blocks, device=dev)[None]
-    lens = torch.tensor([ctx], device=dev)
-    valid = torch.zeros(1, dtype=torch.long, device=dev)  # do not write the pool
-    ws = SplitWorkspace(torch.device(dev))
-    row = {"context": ctx, "table_positions": width}
-    for p in [int(v) for v in os.environ.get("PROBE_P", "1024,256,128,64,32,16,8,4,2").split(",")]:
-        td.ATTENTION_PROGRAMS = p
-        chunk = td.attention_chunk(1, KVH, width)
-        out = td.paged_attention(qkv, cos, sin, k_pool[0], v_pool[0], tables, lens, heads=H, kv_heads=KVH, head_dim=HD,
-                                 valid=valid, workspace=ws)
-        key = (ctx, width)
-        if key not in ref: ref[key] = out.float()
-        err = (out.float() - ref[key]).abs().max().item()
-        calls = [lambda i=i: td.paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, lens, heads=H, kv_heads=KVH,
-                                                head_dim=HD, valid=valid, workspace=ws) for i in range(L)]
-        us = min(graph_time_us(calls, repeats=20) for _ in range(3))
-        row[f"P{p}"] = {"splits": -(-width // chunk), "chunk": chunk, "us": round(us, 2), "max_err": err}
-    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    dev, dt = "cuda", torch.bfloat16
+    programs = [int(v) for v in os.environ.get("PROBE_P", "1024,256,128,64,32,16,8,4,2").split(",")]
+    for ctx in (1024, 256):
+        for width in (1040, 2048, 4096):
+            blocks = width // BS
+            k_pool = torch.randn(L, blocks, BS, KVH, HD, dtype=dt, device=dev)
+            v_pool = torch.randn_like(k_pool)
+            qkv = torch.randn(1, (H + 2 * KVH) * HD, dtype=dt, device=dev)
+            cos = torch.ones(1, HD, dtype=dt, device=dev)
+            sin = torch.zeros_like(cos)
+            tables = torch.arange(blocks, device=dev)[None]
+            lens = torch.tensor([ctx], device=dev)
+            valid = torch.zeros(1, dtype=torch.long, device=dev)  # no valid row: the pool is not written
+            ws = SplitWorkspace(torch.device(dev))
+
+            def attention(i):
+                return td.paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, lens, heads=H, kv_heads=KVH,
+                                          head_dim=HD, valid=valid, workspace=ws)
+            row, ref = {"context": ctx, "table_positions": width}, None
+            for p in programs:
+                td.ATTENTION_PROGRAMS = p
+                chunk = td.attention_chunk(1, KVH, width)
+                out = attention(0).float()
+                ref = out if ref is None else ref
+                us = min(graph_time_us([lambda i=i: attention(i) for i in range(L)], repeats=20) for _ in range(3))
+                row[f"P{p}"] = {"splits": -(-width // chunk), "chunk": chunk, "us": round(us, 2),
+                                "max_err": (out - ref).abs().max().item()}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,10 +9,19 @@ does), and as one persistent kernel whose programs wait on an arrival count per 
 whole-step kernel would do). One CUDA graph each, µs per phase; with half and all the SMs as
 programs. The persistent kernel's last vector is checked against the kernels'. Output of the run
 the docs cite: docs/results/probes/h200-kernel-boundary.json."""
-import json, sys, torch, triton, triton.language as tl
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from edgeinfer.quant.kernels import replay_ms
+
 W = 16  # outputs a program writes
+PHASES = 140
+
 
 @triton.jit
 def phase_kernel(X, Y, n, PDL: tl.constexpr, W: tl.constexpr, VB: tl.constexpr):
@@ -26,12 +35,13 @@ def phase_kernel(X, Y, n, PDL: tl.constexpr, W: tl.constexpr, VB: tl.constexpr):
     o = pid * W + tl.arange(0, W)
     tl.store(Y + o, s * 1e-4 + o.to(tl.float32) * 1e-3, mask=o < n)
 
+
 @triton.jit
 def persistent_kernel(BUF, CNT, n, phases, P, W: tl.constexpr, VB: tl.constexpr):
     pid = tl.program_id(0)
     r = tl.arange(0, VB)
     for p in range(phases):
-        if p > 0:
+        if p > 0:  # every program of the phase before has written its slice
             c = tl.atomic_add(CNT + p - 1, 0, sem="acquire")
             while c < P:
                 c = tl.atomic_add(CNT + p - 1, 0, sem="acquire")
@@ -42,43 +52,43 @@ def persistent_kernel(BUF, CNT, n, phases, P, W: tl.constexpr, VB: tl.constexpr)
         tl.debug_barrier()
         tl.atomic_add(CNT + p, 1, sem="release")
 
-def graph_us(fn, phases, reps=50):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record(); torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps * 1e3 / phases
 
-def main():
+def phase_us(fn) -> float:
+    """Device µs per phase of ``fn`` (all PHASES of them), replayed from one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_ms(graph, 50) * 1e3 / PHASES
+
+
+def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = {"gpu": torch.cuda.get_device_name(0), "sms": sms, "cases": []}
     for progs in (sms // 2, sms):
         n = progs * W
         vb = triton.next_power_of_2(n)
-        for phases in (140,):
-            bufs = [torch.zeros(n, device="cuda") for _ in range(phases + 1)]
-            for pdl in (False, True):
-                def chain():
-                    for i in range(phases):
-                        phase_kernel[(progs,)](bufs[i], bufs[i + 1], n, PDL=pdl, W=W, VB=vb, num_warps=4,
-                                               launch_pdl=pdl)
-                us = graph_us(chain, phases)
-                out["cases"].append({"kind": "kernels-pdl" if pdl else "kernels", "programs": progs, "us_per_phase": round(us, 3)})
-            buf = torch.zeros((phases + 1) * n, device="cuda")
-            cnt = torch.zeros(phases, dtype=torch.int32, device="cuda")
-            def persistent():
-                cnt.zero_()
-                persistent_kernel[(progs,)](buf, cnt, n, phases, progs, W=W, VB=vb, num_warps=4)
-            us = graph_us(persistent, phases)
-            ok = torch.allclose(buf[phases * n:(phases + 1) * n], bufs[phases])
-            out["cases"].append({"kind": "persistent", "programs": progs, "us_per_phase": round(us, 3), "matches_kernels": bool(ok)})
-            print(json.dumps(out["cases"][-3:]), file=sys.stderr)
+        bufs = [torch.zeros(n, device="cuda") for _ in range(PHASES + 1)]
+        for pdl in (False, True):
+            def chain(pdl=pdl):
+                for i in range(PHASES):
+                    phase_kernel[(progs,)](bufs[i], bufs[i + 1], n, PDL=pdl, W=W, VB=vb, num_warps=4, launch_pdl=pdl)
+            out["cases"].append({"kind": "kernels-pdl" if pdl else "kernels", "programs": progs,
+                                 "us_per_phase": round(phase_us(chain), 3)})
+        buf = torch.zeros((PHASES + 1) * n, device="cuda")
+        cnt = torch.zeros(PHASES, dtype=torch.int32, device="cuda")
+
+        def persistent():
+            cnt.zero_()
+            persistent_kernel[(progs,)](buf, cnt, n, PHASES, progs, W=W, VB=vb, num_warps=4)
+        us = phase_us(persistent)
+        same = torch.allclose(buf[PHASES * n:], bufs[PHASES])
+        out["cases"].append({"kind": "persistent", "programs": progs, "us_per_phase": round(us, 3),
+                             "matches_kernels": bool(same)})
+        print(json.dumps(out["cases"][-3:]), file=sys.stderr)
     print(json.dumps(out, indent=1))
 
-main()
+
+if __name__ == "__main__":
+    main()

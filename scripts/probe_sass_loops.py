@@ -17,26 +17,32 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
 from edgeinfer.backends.torch import triton_decode
 
 NV = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
-def pointers(dt, *names): return {n: f"*{dt}" for n in names}
 
 
-def disasm(cfg, extra=None):
+def pointers(dt, *names):
+    return {n: f"*{dt}" for n in names}
+
+
+def disasm(cfg):
+    """nvdisasm's listing of the batch-1 packed product for sm_90 with tile ``cfg``."""
     bits, bn, bk, warps, glu, prologue = cfg
     fn = triton_decode._packed_gemv_kernel
     types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
     given = dict(PROLOGUE=prologue, HAS_BIAS=False, HAS_RES=prologue == 0, BN=bn, BK=bk, BITS=bits, GS=128,
                  HAS_Z=False, SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
-                 XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True, **(extra or {}))
+                 XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True)
     names = fn.arg_names
     source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names}, {(names.index(k),): v for k, v in given.items()})
     k = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"]); f.flush()
         return subprocess.run([NV, "-c", f.name], capture_output=True, text=True).stdout
+
 
 def loop_ops(out):
     """Instructions of each backward branch's body (a loop), by opcode."""
@@ -57,6 +63,7 @@ def loop_ops(out):
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
             res.append((len(body), ops))
     return res
+
 
 if __name__ == "__main__":
     # (bits, rows, columns, warps, SiLU·up epilogue, RMSNorm prologue): the H200's gate|up and down tiles
