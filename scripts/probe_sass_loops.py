@@ -37,7 +37,8 @@ def disasm(cfg):
                  HAS_Z=False, SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
                  XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True)
     names = fn.arg_names
-    source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names}, {(names.index(k),): v for k, v in given.items()})
+    source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
+                       {(names.index(k),): v for k, v in given.items()})
     k = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"]); f.flush()

@@ -382,9 +382,9 @@ if triton is not None:
         :func:`await_inputs`: the product writes q, k and v, not the past).
 
         The grid has a split for every ``CHUNK`` positions of the table; splits past the row's
-        context return at once, so a step costs what the context holds, not what the table
-        could. Unsplit, the program writes its heads' outputs. Split, each program writes its partial
-        output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV
+        context return at once, and the merge reads only the used splits' partials (its loops
+        still run to the grid's count, :func:`_merge_splits`). Unsplit, the program writes its heads' outputs. Split, each program writes its
+        partial output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV
         head, :func:`arrived_last`); the last of the group's used splits to arrive merges them
         (:func:`_merge_splits`), writes the heads' outputs and sets the count back to zero: no
         second kernel, and no launch between the attention and the product after it."""
@@ -495,8 +495,8 @@ if triton is not None:
     @triton.jit
     def _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP: tl.constexpr, HD: tl.constexpr,
                       HDP: tl.constexpr, SPLITS: tl.constexpr, MC: tl.constexpr):
-        """Softmax-weighted sum of a group's heads' first ``used`` splits [GP, HDP]: their maximum first, then
-        ``MC`` splits at a time (the partials of every head of the group at once, so that a
+        """Softmax-weighted sum of a group's heads' first ``used`` splits [GP, HDP]: their maximum
+        first, then ``MC`` splits at a time (the partials of every head of the group at once, so that a
         step's loads are all in flight together). Splits that saw no position (maximum -inf)
         weigh nothing. Reads through L2 (``.cg``): other programs wrote the partials. The loops
         run to the grid's ``SPLITS``, known when compiling, with the splits past ``used`` masked:
