@@ -251,7 +251,10 @@ if triton is not None:
         a weight costs a shift, an and-or and a multiply-add: each word's ``sum_i (2^b + q_i)·x_i``
         is taken with the codes biased (:func:`biased_codes_at`; with ``EXACT``, the activations'
         16-bit floats, those products are exact), and per word, not per weight, the bias, the
-        zero point and the scale are applied: ``s·(dot - (2^b + z)·sum_i x_i)``; with
+        zero point and the scale are applied: ``s·(dot - (2^b + z)·sum_i x_i)``. A step takes x's
+        sums first, so a word's multiply-adds start from ``-(2^b + z)·sum_i x_i`` rather than zero,
+        and the word then costs one more multiply-add for its scale (the second pass over x's
+        columns reads what the first read: the compiler loads them once). With
         ``ONE_GROUP`` (a scale a row) even that waits for the last K step; with ``POW2_GROUPS``
         (groups of a power of two columns) a step reads one scale a group and applies it to the
         group's words, not one a word, which saves each thread a load and its address per word.
@@ -303,32 +306,36 @@ if triton is not None:
             words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
             if not ONE_GROUP:
                 s, z = _step_params(S, Z, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
-            if ONE_GROUP:  # one scale a row: words summed across steps as they are
-                dot = wide
-            else:
-                dot = tl.zeros([BN, BKW], tl.float32)
             xsum = tl.zeros([BKW], tl.float32)
             xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
-            for i in tl.static_range(PER):  # value i of every word meets column first + i of x
+            for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
                 xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-                bias = 1 << (8 - 4 * (i % 2) * (BITS == 4))  # biased_codes_at's 2^e (its E, as it derives it)
                 if EXACT:
-                    dot += biased_codes_at(this_words, i, BITS, ASM) * xi[None, :]
-                    xbias += xi * bias
-                else:  # float32 activations: the bias off each value before the product
-                    dot += (biased_codes_at(this_words, i, BITS, ASM) - bias) * xi[None, :]
+                    xbias += xi * (1 << (8 - 4 * (i % 2) * (BITS == 4)))  # biased_codes_at's 2^e, as it derives it
                 xsum += xi
-            if ONE_GROUP:  # the scale and zero point wait for the last step
-                wide = dot
+            if ONE_GROUP:  # one scale a row: words summed across steps as they are, corrected at the end
+                dot = wide
                 xsums += xsum
                 xbiases += xbias
-            elif POW2_GROUPS:  # the step's words as [rows, groups, words a group] meet their group's scale
-                d3 = tl.reshape(dot, [BN, NG, BKW // NG])
+            elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
                 xbias3 = tl.reshape(xbias, [NG, BKW // NG])[None, :, :]
                 xsum3 = tl.reshape(xsum, [NG, BKW // NG])[None, :, :]
-                wide += tl.reshape(this_s[:, :, None] * (d3 - xbias3 - this_z[:, :, None] * xsum3), [BN, BKW])
+                dot = tl.reshape(-(xbias3 + this_z[:, :, None] * xsum3), [BN, BKW])
             else:
-                wide += this_s * (dot - xbias[None, :] - this_z * xsum[None, :])
+                dot = -(xbias[None, :] + this_z * xsum[None, :])
+            for i in tl.static_range(PER):  # value i of every word meets column first + i of x
+                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                if EXACT:
+                    dot += biased_codes_at(this_words, i, BITS, ASM) * xi[None, :]
+                else:  # float32 activations: the bias off each value before the product
+                    bias = 1 << (8 - 4 * (i % 2) * (BITS == 4))
+                    dot += (biased_codes_at(this_words, i, BITS, ASM) - bias) * xi[None, :]
+            if ONE_GROUP:  # the scale and zero point wait for the last step
+                wide = dot
+            elif POW2_GROUPS:  # a group's scale meets its words' sums
+                wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
+            else:
+                wide += this_s * dot
         if ONE_GROUP:
             s, z = group_params(S, Z, rn, 0, N, G, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
             s, z = tl.sum(s, axis=1), tl.sum(z, axis=1)
