@@ -7,7 +7,7 @@ of each one's fastest over 28 layers.
     python scripts/probe_packed_products.py [qkv,o,gate_up,down,lm_head]
 
 ``PROBE_TILES`` (``rows x columns x warps x split x registers``, comma-separated) times only those
-tiles. To compare two trees, run it once per tree, each in its own process, in one device call.
+tiles; ``PROBE_BITS=8`` makes the layers' products 8-bit, a scale a row (the W8A16 checkpoint's). To compare two trees, run it once per tree, each in its own process, in one device call.
 Outputs of the runs the docs cite are in docs/results/probes/ (``h200-packed-products-*``)."""
 import json
 import os
@@ -22,8 +22,11 @@ from edgeinfer.quant.packed import PackedMatrix, _pack_columns
 
 DEV = torch.device("cuda")
 H, I, V = 1536, 8960, 151936
-PRODUCTS = [("qkv", 2048, H, "norm", 4, 128), ("o", H, H, "res", 4, 128), ("gate_up", 2 * I, H, "glu", 4, 128),
-            ("down", H, I, "res", 4, 128), ("lm_head", V, H, "norm", 8, H)]
+EIGHT = os.environ.get("PROBE_BITS") == "8"
+BITS, GROUP = (8, None) if EIGHT else (4, 128)  # None: the row's length
+PRODUCTS = [("qkv", 2048, H, "norm"), ("o", H, H, "res"), ("gate_up", 2 * I, H, "glu"), ("down", H, I, "res")]
+PRODUCTS = [(name, n, k, prologue, BITS, GROUP or k) for name, n, k, prologue in PRODUCTS] + [
+    ("lm_head", V, H, "norm", 8, H)]
 
 
 def packed(n, k, bits, group):
