@@ -62,7 +62,8 @@ def loop_ops(out):
         if m and labels.get(m.group(1), 1 << 30) <= i:
             body = items[labels[m.group(1)]:i + 1]
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
-            res.append((len(body), ops))
+            wide = [j for j, x in enumerate(body) if "LDG" in x and ".U16" not in x]  # not x's 16-bit values
+            res.append((len(body), ops, wide))
     return res
 
 
@@ -73,10 +74,12 @@ if __name__ == "__main__":
     for name, cfg in cases.items():
         bits, bn, bk, warps = cfg[:4]
         words = bn * bk * bits // 32 // (32 * warps)
-        found = [(n, ops) for n, ops in loop_ops(disasm(cfg)) if n > 1]
-        n, ops = max(found, key=lambda f: f[0])  # the K steps; a smaller one is the RMSNorm prologue's sum
+        found = [(n, ops, wide) for n, ops, wide in loop_ops(disasm(cfg)) if n > 1]
+        n, ops, wide = max(found, key=lambda f: f[0])  # the K steps; a smaller one is the RMSNorm prologue's sum
         print(f"{name} {cfg}: K-step loop of {n} instructions, {words} words a thread a step "
               f"({n / words:.1f} a word): {dict(ops.most_common(12))}")
-        for m, other in found:
+        # where ptxas put the 32-bit loads (the next step's words; scales where they are 32-bit)
+        print(f"    32-bit loads at instructions {wide} of the {n}")
+        for m, other, _ in found:
             if m != n:
                 print(f"    another loop (the prologue's sum of squares over x) of {m}: {dict(other.most_common(6))}")
