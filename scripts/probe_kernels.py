@@ -1,20 +1,21 @@
 """Diagnostic probe (not a benchmark): where a decode step's time goes on a GPU, per kernel.
 
-    python scripts/probe_kernels.py sampler,gemv,prod
+    python scripts/probe_kernels.py sampler,gemv
 
 * ``sampler``: the device sampler's cost per step (one CUDA graph of the call, 20 replays) at
   1 and 16 rows of a 151,936-token vocabulary, greedy against temperature / top-p / top-k /
   min-p / penalties, and its pieces (sort, softmax, running sum);
 * ``gemv``: the 4-bit batch-1 products of a Qwen2-VL-2B layer (no prologue) through the fused
   step's kernel, against bf16 (ours and cuBLAS) and two other kernel layouts tried here
-  (a [rows, words, 8] unpack, and one scale per 128-column group);
-* ``prod``: each product of the fused batch-1 step with its prologue (RMSNorm, SiLU·up,
-  residual) for bf16, W4 g128 (symmetric and with zero points) and W8 per channel, the
-  fastest tile of each, over 28 distinct weights (read from memory, not the L2 cache).
+  (a [rows, words, 8] unpack, and one scale per 128-column group).
+
+Each product of the fused batch-1 step with its prologue, per format and tile, is
+``scripts/probe_packed_products.py`` (this script's ``prod``, which Run 2 of
+``h200-kernels-sampler.txt`` ran at 246c65f, moved there).
 
 Outputs of the runs the docs cite are in docs/results/probes/.
 """
-import sys, time, json, itertools, traceback
+import sys, json, itertools, traceback
 import torch
 import triton
 import triton.language as tl
@@ -134,7 +135,7 @@ if "gemv" in which:
             mb4 = ws[0].nbytes / 1e6
             mb16 = n * k * 2 / 1e6
             x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
-            split_ws = td.SplitWorkspace(dev)
+            split_ws = td.SplitWorkspace(torch.device(dev))
             res = {}
             cub = graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in dense])
             res["cublas bf16"] = (cub, mb16)
@@ -186,52 +187,3 @@ if "gemv" in which:
             print(f"GEMV {name} n={n} k={k}: " + "; ".join(f"{k_} {us:.1f}us {mb*1e3/us:.0f}GB/s" for k_, (us, mb) in res.items()), flush=True)
         except Exception:
             traceback.print_exc()
-
-
-def packed_q(n, k, bits, gs, zeros=False):
-    u = torch.randint(0, 1 << bits, (n, k), dtype=torch.int32)
-    g = k // gs
-    z = (torch.randint(0, 1 << bits, (n, g)).bfloat16()) if zeros else None
-    return PackedMatrix(_pack_columns(u, bits), (torch.rand(n, g) * 0.01).bfloat16(), z, bits, gs, (n, k)).to(dev)
-
-
-if "prod" in which:
-    H, I, V = 1536, 8960, 151936
-    prods = {"qkv": (2048, H, "norm"), "o": (H, H, "res"), "gate_up": (2 * I, H, "glu"), "down": (H, I, "res"),
-             "lm_head": (V, H, "norm")}
-    total = {}
-    for name, (n, k, pro) in prods.items():
-        count = 1 if name == "lm_head" else 28
-        line = []
-        for fmt in ("bf16", "w4g128", "w4g128z", "w8ch"):
-            try:
-                if fmt == "bf16":
-                    ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(count)]
-                    mb = n * k * 2 / 1e6
-                    cands = td.GEMV_CANDIDATES
-                    def product(x, w, c, **kw):
-                        return td.gemv(x, w, config=c, **kw)
-                else:
-                    bits, gs = (4, 128) if fmt.startswith("w4") else (8, k)
-                    ws = [packed_q(n, k, bits, gs, zeros=fmt.endswith("z")) for _ in range(count)]
-                    mb = ws[0].nbytes / 1e6
-                    cands = td.PACKED_GEMV_CANDIDATES
-                    split_ws = td.SplitWorkspace(dev)
-
-                    def product(x, w, c, **kw):
-                        return td.packed_gemv(x, w, c, workspace=split_ws, **kw)
-                x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
-                kw = {}
-                if pro in ("norm", "glu"):
-                    kw = dict(norm_weight=torch.rand(k, dtype=torch.bfloat16, device=dev), eps=1e-6, glu=pro == "glu")
-                else:
-                    kw = dict(residual=torch.randn(1, n, dtype=torch.bfloat16, device=dev))
-                t = {c: graph_time_us([lambda w=w, c=c: product(x, w, c, **kw) for w in ws]) for c in cands}
-                c = min(t, key=t.get)
-                total[fmt] = total.get(fmt, 0) + t[c] * count
-                line.append(f"{fmt} {c.bn}x{c.bk}/{c.warps}w {t[c]:.1f}us {mb * 1e3 / t[c]:.0f}GB/s")
-                del ws
-            except Exception:
-                traceback.print_exc()
-        print(f"PROD {name} n={n} k={k} {pro}: " + "; ".join(line), flush=True)
-    print("PROD per-step totals us", json.dumps({k: round(v) for k, v in total.items()}), flush=True)
