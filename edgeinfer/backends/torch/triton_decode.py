@@ -390,9 +390,11 @@ if triton is not None:
 
         The grid has a split for every ``CHUNK`` positions of the table; splits past the row's
         context return at once, and the merge reads only the used splits' partials (its loops
-        still run to the grid's count, :func:`_merge_splits`). Unsplit, the program writes its heads' outputs. Split, each program writes its
-        partial output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV
-        head, :func:`arrived_last`); the last of the group's used splits to arrive merges them
+        still run to the grid's count, :func:`_merge_splits`).
+
+        Unsplit, the program writes its heads' outputs. Split, each program writes its partial
+        output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV head,
+        :func:`arrived_last`); the last of the group's used splits to arrive merges them
         (:func:`_merge_splits`), writes the heads' outputs and sets the count back to zero: no
         second kernel, and no launch between the attention and the product after it."""
         HALF: tl.constexpr = HD // 2
