@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from edgeinfer.quant.kernels import replay_ms
+from edgeinfer.quant.kernels import graph_time_us
 
 W = 16  # outputs a program writes
 PHASES = 140
@@ -55,12 +55,7 @@ def persistent_kernel(BUF, CNT, n, phases, P, W: tl.constexpr, VB: tl.constexpr)
 
 def phase_us(fn) -> float:
     """Device µs per phase of ``fn`` (all PHASES of them), replayed from one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return replay_ms(graph, 50) * 1e3 / PHASES
+    return graph_time_us([fn], repeats=50) / PHASES
 
 
 def main() -> None:
