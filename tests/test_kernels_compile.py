@@ -128,8 +128,8 @@ def test_paged_attention_compiles_split_and_whole():
              "scale": "fp32", "eps": "fp32"}
     for write_pool, qk_norm, splits in ((False, False, 32), (True, True, 1)):
         assert all(compiled(triton_decode._attention_kernel, types, dict(
-            KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK,
-            TILE=triton_decode.ATTENTION_TILE, SPLITS=splits, MC=4, WRITE_POOL=write_pool, IEEE=False,
+            KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
+            TILE=triton_decode.ATTENTION_TILE, SPLITS=splits, MC=16, WRITE_POOL=write_pool, IEEE=False,
             QK_NORM=qk_norm), stages=2).values())
 
 

@@ -97,8 +97,8 @@ MAX_GEMV_ROWS = 1
 # fill it as well and write fewer partial results to merge.
 ATTENTION_PROGRAMS = 1024
 # Partial outputs the last split of a row and KV head merges at a time (splits × the group's
-# heads × head_dim, padded): for Qwen2-VL's groups (6 heads of 128) 8 splits a step, and the
-# kernel keeps its 128 registers a thread with no spills (ptxas, sm_90 and sm_87).
+# heads × head_dim, each padded to a power of two): for Qwen2-VL's groups (6 heads of 128) 16
+# splits a step.
 MERGE_VALUES = 16384
 
 NONE, RMSNORM = 0, 1  # what a product does to its input first
@@ -379,8 +379,8 @@ if triton is not None:
                           OUT, QW, KW, stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, stride_out, scale, eps,
                           KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                           HDP: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                          SPLITS: tl.constexpr, MC: tl.constexpr, WRITE_POOL: tl.constexpr, IEEE: tl.constexpr,
-                          QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                          SPLITS: tl.constexpr, GM: tl.constexpr, MC: tl.constexpr, WRITE_POOL: tl.constexpr,
+                          IEEE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
         """One (row, KV head, split): the group's query heads against positions
         [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls.
         With ``QK_NORM`` each head of q and of the new k is RMSNorm'd (weights ``QW``/``KW``)
@@ -389,8 +389,8 @@ if triton is not None:
         :func:`await_inputs`: the product writes q, k and v, not the past).
 
         The grid has a split for every ``CHUNK`` positions of the table; splits past the row's
-        context return at once, and the merge reads only the used splits' partials (its loops
-        still run to the grid's count, :func:`_merge_splits`).
+        context return at once, and the merge reads only the used splits' partials, in a loop that
+        runs to the used count (:func:`_merge_splits`).
 
         Unsplit, the program writes its heads' outputs. Split, each program writes its partial
         output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV head,
@@ -497,39 +497,45 @@ if triton is not None:
             tl.store(OPART + (part + s)[:, None] * HD + rd[None, :], acc, mask=q_ok)
             group = m * KVH + kvh
             if arrived_last(ARRIVALS, group, used):
-                out = _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP, HD, HDP, SPLITS, MC)
-                tl.store(out_at, out.to(OUT.dtype.element_ty), mask=q_ok)
+                rh = tl.arange(0, GM)  # the group's heads again, padded to a power of two only
+                out = _merge_splits(OPART, MPART, LPART, group * G + rh, rh < G, rd, d_ok, used, GM, HD, HDP, SPLITS,
+                                    MC)
+                tl.store(OUT + m * stride_out + (kvh * G + rh)[:, None] * HD + rd[None, :],
+                         out.to(OUT.dtype.element_ty), mask=(rh < G)[:, None] & d_ok[None, :])
                 tl.atomic_xchg(ARRIVALS + group, 0)
 
     @triton.jit
-    def _merge_splits(OPART, MPART, LPART, part, g1, rd, d_ok, used, GP: tl.constexpr, HD: tl.constexpr,
+    def _merge_splits(OPART, MPART, LPART, heads, h_ok, rd, d_ok, used, GM: tl.constexpr, HD: tl.constexpr,
                       HDP: tl.constexpr, SPLITS: tl.constexpr, MC: tl.constexpr):
-        """Softmax-weighted sum of a group's heads' first ``used`` splits [GP, HDP]: their maximum
-        first, then ``MC`` splits at a time (the partials of every head of the group at once, so that a
-        step's loads are all in flight together). Splits that saw no position (maximum -inf)
-        weigh nothing. Reads through L2 (``.cg``): other programs wrote the partials. The loops
-        run to the grid's ``SPLITS``, known when compiling, with the splits past ``used`` masked:
-        bounded by ``used`` itself, a count known only when running, the attention took 1 µs
-        longer a layer where every split was used (H200, ``scripts/probe_attention_splits.py``)."""
-        top = tl.full([GP], float("-inf"), tl.float32)
+        """Softmax-weighted sum of the first ``used`` splits of ``heads`` [GM] (the group's heads,
+        ``h_ok`` those that exist) [GM, HDP], in one pass: ``MC`` splits at a time, their maxima, sums
+        and partial outputs loaded together (the partials of every head of the group at once, so
+        that a step's loads are all in flight together), the running sums rescaled to a new maximum
+        as it rises, as the splits themselves do over their positions. Splits that saw no position
+        (maximum -inf) weigh nothing. Reads through L2 (``.cg``): other programs wrote the
+        partials. The loop runs to ``used``, so the merge costs what the row's context holds,
+        whatever the table's width; the heads are padded to a power of two, not to the dot's 16
+        rows, so a step takes twice the splits for Qwen2-VL's groups of 6."""
+        part = heads * SPLITS  # [GM]: each head's first split
         rc = tl.arange(0, MC)
-        for j0 in range(0, SPLITS, MC):
-            ok = g1[:, None] & (j0 + rc < used)[None, :]
-            mi = tl.load(MPART + part[:, None] + j0 + rc[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-            top = tl.maximum(top, tl.max(mi, axis=1))
-        num = tl.zeros([GP, HDP], tl.float32)
-        den = tl.zeros([GP], tl.float32)
-        for j0 in range(0, SPLITS, MC):
-            ok = g1[:, None] & (j0 + rc < used)[None, :]
-            at = part[:, None] + j0 + rc[None, :]  # [GP, MC]
+        top = tl.full([GM], float("-inf"), tl.float32)
+        num = tl.zeros([GM, HDP], tl.float32)
+        den = tl.zeros([GM], tl.float32)
+        for j0 in range(0, used, MC):
+            ok = h_ok[:, None] & (j0 + rc < used)[None, :]
+            at = part[:, None] + j0 + rc[None, :]  # [GM, MC]
             mi = tl.load(MPART + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
             li = tl.load(LPART + at, mask=ok, other=0.0, cache_modifier=".cg")
             o = tl.load(OPART + at[:, :, None] * HD + rd[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
                         other=0.0, cache_modifier=".cg")
-            w = tl.where(mi > float("-inf"), tl.exp(mi - top[:, None]), 0.0)
-            num += tl.sum(w[:, :, None] * o, axis=1)
-            den += tl.sum(w * li, axis=1)
-        return num / den[:, None]
+            new_top = tl.maximum(top, tl.max(mi, axis=1))
+            seen = new_top > float("-inf")  # padded heads never see a split
+            rescale = tl.where(seen, tl.exp(top - new_top), 0.0)
+            w = tl.where(mi > float("-inf"), tl.exp(mi - tl.where(seen, new_top, 0.0)[:, None]), 0.0)
+            num = num * rescale[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+            den = den * rescale + tl.sum(w * li, axis=1)
+            top = new_top
+        return num / tl.where(h_ok, den, 1.0)[:, None]
 
 
 @dataclass(frozen=True)
@@ -728,7 +734,8 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
         k_out, v_out, parts_o, parts_m, parts_l, arrivals, out, q_weight, k_weight,
         qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), out.stride(0),
         head_dim ** -0.5, eps, KVH=kv_heads, G=groups, GP=gp, HD=head_dim, HDP=hdp, BS=block_size,
-        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, MC=max(1, min(_pow2(splits), MERGE_VALUES // (gp * hdp))),
+        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, GM=_pow2(groups),
+        MC=max(1, min(_pow2(splits), MERGE_VALUES // (_pow2(groups) * hdp))),
         WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **_launch(qkv.device), num_warps=4,
         num_stages=2)
     return out
