@@ -376,6 +376,21 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
         plot.main([str(tmp_path / "gpu-x.json"), "--out", str(tmp_path / "x.png")])
 
 
+def test_a_worker_runs_this_package_whatever_the_working_directory_holds(tmp_path, monkeypatch):
+    """Started from a directory that holds another ``edgeinfer`` (a source tree of another version),
+    the worker still imports this one: the decoy's import fails loudly, this package's worker
+    fails on the empty spec."""
+    from edgeinfer.bench.common import call_worker
+
+    (tmp_path / "edgeinfer").mkdir()
+    (tmp_path / "edgeinfer" / "__init__.py").write_text("raise ImportError('the decoy package was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError) as failed:
+        call_worker("gpu-bandwidth", {})
+    assert "decoy" not in str(failed.value)
+    assert "KeyError: 'model'" in str(failed.value)
+
+
 def test_a_worker_past_its_time_limit_is_stopped_with_the_limit_named():
     """A fresh interpreter cannot start, let alone measure, in 10 ms: the limit stops it and says so."""
     from edgeinfer.bench.common import call_worker

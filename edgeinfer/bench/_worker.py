@@ -1,6 +1,7 @@
 """Benchmark workers: one engine per process, so its memory and time are its own.
 
-Internal: a benchmark starts ``python -m edgeinfer.bench._worker TASK`` with the task's spec
+Internal: a benchmark starts ``python -m edgeinfer.bench._worker TASK`` (this module of the same
+package as the benchmark, :func:`~edgeinfer.bench.common.module_command`) with the task's spec
 as JSON on stdin and reads one JSON object from the last line of stdout. A peer's task
 imports only the peer's side (``edgeinfer.bench.peer``), never our engine or backends.
 """

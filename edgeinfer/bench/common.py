@@ -165,13 +165,25 @@ def bench_checkpoint(shape: str, cache: Path) -> Path:
     return path
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args`` run by the ``edgeinfer`` this process imported. ``-m`` puts the
+    working directory first on the new interpreter's path, so from a source tree of another
+    version it would run that tree's code: here the path's first entry is this package's
+    directory instead."""
+    root = str(Path(__file__).resolve().parents[2])
+    code = (f"import runpy, sys; sys.path[0] = {root!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", code, *args]
+
+
 def call_worker(task: str, payload: dict[str, Any], env: dict[str, str] | None = None,
                 timeout_s: float | None = None) -> dict[str, Any]:
-    """Run ``task`` in a fresh process (``python -m edgeinfer.bench._worker``, which imports nothing of ours
-    beyond the task's side); its JSON answer, or ``RuntimeError`` with its stderr's tail, or saying that
-    it did not finish within ``timeout_s`` (then it is killed)."""
+    """Run ``task`` in a fresh process (``python -m edgeinfer.bench._worker`` of this package,
+    :func:`module_command`, which imports nothing of ours beyond the task's side); its JSON answer,
+    or ``RuntimeError`` with its stderr's tail, or saying that it did not finish within
+    ``timeout_s`` (then it is killed)."""
     try:
-        done = subprocess.run([sys.executable, "-m", "edgeinfer.bench._worker", task], input=json.dumps(payload),
+        done = subprocess.run(module_command("edgeinfer.bench._worker", task), input=json.dumps(payload),
                               capture_output=True, text=True, timeout=timeout_s,
                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     except subprocess.TimeoutExpired as exc:

@@ -146,11 +146,12 @@ def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
 def build_onnx(spec: GenerateSpec, kind: str) -> None:
     """Export (or confirm) the engines of an ONNX Runtime kind, outside the timed worker."""
     import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "edgeinfer.cli.main", "build", "--backend", "onnxruntime", "--model", str(spec.model),
-           "--profile", "cpu", "--out", str(spec.onnx_engines(kind)), "--set", f"build.precision={ONNX_KINDS[kind]}",
-           *spec.build_flags(kind)]
+    from edgeinfer.bench.common import module_command
+
+    cmd = module_command("edgeinfer.cli.main", "build", "--backend", "onnxruntime", "--model", str(spec.model),
+                         "--profile", "cpu", "--out", str(spec.onnx_engines(kind)),
+                         "--set", f"build.precision={ONNX_KINDS[kind]}", *spec.build_flags(kind))
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{kind} build failed:\n{done.stderr[-4000:]}{done.stdout[-2000:]}")
