@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Time several trees of this repository in one run, taking turns, each from its own copy.
+#
+#   scripts/bench_trees.sh OUT ROUNDS TREE [TREE ...] -- EDGEINFER-ARGS...
+#   scripts/bench_trees.sh /tmp/trees 2 47b78d2 WORKTREE -- bench gpu --shape qwen2-vl-2b \
+#       --cache /tmp/cache --batch-sizes 1 --weights w4a16-h8 --kinds ours --repeats 5 --warmup 2
+#
+# A TREE is a revision, unpacked with `git archive` into OUT/trees/TREE, or WORKTREE, this checkout
+# as it is (uncommitted changes included). Round r runs every tree in the order given:
+# `python -m edgeinfer.cli.main EDGEINFER-ARGS --out OUT/TREE-r`, from the tree's copy and with it
+# first on PYTHONPATH, so the report and every engine worker it starts import that tree. Give the
+# trees one --cache: a checkpoint built or quantized once serves them all. Then
+# scripts/compare_bench_runs.py puts every run side by side and pools each tree's runs into
+# OUT/compare.md (gpu benchmarks). A run that fails is named at the end and the others go on;
+# the script then exits non-zero.
+set -uo pipefail
+
+usage="usage: scripts/bench_trees.sh OUT ROUNDS TREE [TREE ...] -- EDGEINFER-ARGS..."
+OUT=${1:?$usage}
+ROUNDS=${2:?$usage}
+shift 2
+trees=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    trees+=("$1")
+    shift
+done
+[ "${1:-}" = "--" ] && [ ${#trees[@]} -gt 0 ] && [ $# -gt 1 ] || { echo "$usage" >&2; exit 2; }
+shift
+[[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a whole number >= 1, got $ROUNDS" >&2; exit 2; }
+for arg in "$@"; do
+    [ "$arg" = "--out" ] && { echo "bench_trees.sh gives each run its own --out; leave it out" >&2; exit 2; }
+done
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT/trees"
+OUT=$(cd "$OUT" && pwd)
+declare -A dir label
+for tree in "${trees[@]}"; do
+    label[$tree]=${tree//[^A-Za-z0-9._]/_}  # a folder name: HEAD~1 -> HEAD_1
+    if [ "$tree" = WORKTREE ]; then
+        dir[$tree]=$ROOT
+        echo "== $tree: $(git -C "$ROOT" rev-parse --short HEAD) and this checkout's uncommitted changes" \
+            | tee -a "$OUT/trees.log"
+    else
+        git -C "$ROOT" rev-parse --verify --quiet "$tree^{commit}" >/dev/null \
+            || { echo "bench_trees.sh: $tree is not a revision of this repository" >&2; exit 2; }
+        dir[$tree]=$OUT/trees/${label[$tree]}
+        rm -rf "${dir[$tree]}" && mkdir -p "${dir[$tree]}"
+        git -C "$ROOT" archive "$tree" | tar -x -C "${dir[$tree]}"
+        echo "== $tree: $(git -C "$ROOT" rev-parse --short "$tree")" | tee -a "$OUT/trees.log"
+    fi
+done
+
+failed=()
+for round in $(seq 1 "$ROUNDS"); do
+    for tree in "${trees[@]}"; do
+        run=${label[$tree]}-$round
+        echo "== $run, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null): edgeinfer $*" | tee -a "$OUT/trees.log"
+        if (cd "${dir[$tree]}" && PYTHONPATH="${dir[$tree]}${PYTHONPATH:+:$PYTHONPATH}" \
+                python -m edgeinfer.cli.main "$@" --out "$OUT/$run") >"$OUT/$run.log" 2>&1; then
+            echo "== $run: done" | tee -a "$OUT/trees.log"
+        else
+            echo "== $run: FAILED (its output: $OUT/$run.log)" | tee -a "$OUT/trees.log"
+            failed+=("$run")
+        fi
+    done
+done
+
+shopt -s nullglob
+raws=("$OUT"/*-[0-9]*/gpu-*.json)
+if [ ${#raws[@]} -gt 0 ]; then
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python "$ROOT/scripts/compare_bench_runs.py" "${raws[@]}" \
+        >"$OUT/compare.md" && echo "== side by side: $OUT/compare.md" | tee -a "$OUT/trees.log"
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "== failed: ${failed[*]}" | tee -a "$OUT/trees.log"
+    exit 1
+fi
