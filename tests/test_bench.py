@@ -352,13 +352,43 @@ def test_gpu_benchmark_code_paths_on_a_cpu(checkpoint, tmp_path):
     assert set(data["speedups"]["2"]) >= {"request_tok_s", "first_token_s"}
 
 
-def _plot_module():
+def _script(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plot_bench", Path(__file__).parents[1] / "scripts" / "plot_bench.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _plot_module():
+    return _script("plot_bench")
+
+
+def _gpu_raw(folder: Path, calls: list[tuple[float, float]], engine: str = "ours") -> Path:
+    """A `bench gpu` raw file of 64-token calls at batch 1: (T_n, T_1) per timed run, one untimed first."""
+    runs = [{"timed": False, "batch": 1, "full_s": 9.0, "first_s": 1.0}]
+    runs += [{"timed": True, "batch": 1, "full_s": full, "first_s": first} for full, first in calls]
+    report = {"benchmark": "gpu", "spec": {"new_tokens": 64}, "runs": {engine: runs},
+              "results": {engine: {"diagnostics": {"kernels": {"step": {"alone_us": 1000.0, "in_step_us": 990.0}}}}}}
+    folder.mkdir(parents=True)
+    (folder / "gpu-x.json").write_text(json.dumps(report))
+    return folder / "gpu-x.json"
+
+
+def test_compare_pools_every_run_of_a_tree_and_sets_each_tree_against_the_first(tmp_path):
+    """Two rounds of the tree before (``old-1``, ``old-2``) and one of the tree after: the pooled
+    decode is the median of all the tree's timed runs (not a median of medians, not the best), and
+    the ratio is over the first tree given."""
+    compare = _script("compare_bench_runs")
+    old = [_gpu_raw(tmp_path / "old-1", [(0.110, 0.047), (0.120, 0.057)]),  # 1000 and 1000 tok/s
+           _gpu_raw(tmp_path / "old-2", [(0.0925, 0.047)])]  # 1384.6 tok/s
+    new = [_gpu_raw(tmp_path / "new-1", [(0.089, 0.047), (0.089, 0.047), (0.110, 0.047)])]  # 1500, 1500, 1000
+    table = compare.compare(old + new)
+    assert "| old | ours | 1 | all 3 timed runs | **1,000.0 (1,000.0–1,384.6)**" in table
+    assert "| new | ours | 1 | all 3 timed runs | **1,500.0 (1,000.0–1,500.0)**" in table
+    assert "| ours | 1 | new | 1.500× |" in table
+    assert table.count("| 1,000.0 → 990.0 |") == 3  # each run's step, as its engine timed it
 
 
 def test_plot_reads_medians_and_ranges_from_a_gpu_raw_file():
