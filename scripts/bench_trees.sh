@@ -9,7 +9,8 @@
 # as it is (uncommitted changes included). Round r runs every tree in the order given:
 # `python -m edgeinfer.cli.main EDGEINFER-ARGS --out OUT/TREE-r`, from the tree's copy and with it
 # first on PYTHONPATH, so the report and every engine worker it starts import that tree. Give the
-# trees one --cache: a checkpoint built or quantized once serves them all. Then
+# trees one --cache, as an absolute path (each run starts in its own folder): a checkpoint built
+# or quantized once serves them all. Then
 # scripts/compare_bench_runs.py puts every run side by side and pools each tree's runs into
 # OUT/compare.md (gpu benchmarks). A run that fails is named at the end and the others go on;
 # the script then exits non-zero.
