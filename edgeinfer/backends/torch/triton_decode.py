@@ -498,10 +498,10 @@ if triton is not None:
             group = m * KVH + kvh
             if arrived_last(ARRIVALS, group, used):
                 rh = tl.arange(0, GM)  # the group's heads again, padded to a power of two only
-                out = _merge_splits(OPART, MPART, LPART, group * G + rh, rh < G, rd, d_ok, used, GM, HD, HDP, SPLITS,
-                                    MC)
+                h_ok = rh < G
+                out = _merge_splits(OPART, MPART, LPART, group * G + rh, h_ok, rd, d_ok, used, GM, HD, HDP, SPLITS, MC)
                 tl.store(OUT + m * stride_out + (kvh * G + rh)[:, None] * HD + rd[None, :],
-                         out.to(OUT.dtype.element_ty), mask=(rh < G)[:, None] & d_ok[None, :])
+                         out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
                 tl.atomic_xchg(ARRIVALS + group, 0)
 
     @triton.jit
@@ -728,14 +728,14 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     k_out, v_out = new_kv if new_kv is not None else (k_pool, v_pool)
     ieee = qkv.dtype == torch.float32
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
-    gp, hdp = max(16, _pow2(groups)), max(16, _pow2(head_dim))
+    gm, hdp = _pow2(groups), max(16, _pow2(head_dim))  # the merge pads the heads to a power of two, the dot to 16
     _attention_kernel[(m, kv_heads, splits)](
         qkv, cos, sin, k_pool, v_pool, tables, context_lens, valid if valid is not None else context_lens,
         k_out, v_out, parts_o, parts_m, parts_l, arrivals, out, q_weight, k_weight,
         qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), out.stride(0),
-        head_dim ** -0.5, eps, KVH=kv_heads, G=groups, GP=gp, HD=head_dim, HDP=hdp, BS=block_size,
-        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, GM=_pow2(groups),
-        MC=max(1, min(_pow2(splits), MERGE_VALUES // (_pow2(groups) * hdp))),
+        head_dim ** -0.5, eps, KVH=kv_heads, G=groups, GP=max(16, gm), HD=head_dim, HDP=hdp, BS=block_size,
+        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, GM=gm,
+        MC=max(1, min(_pow2(splits), MERGE_VALUES // (gm * hdp))),
         WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **_launch(qkv.device), num_warps=4,
         num_stages=2)
     return out
