@@ -20,8 +20,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from edgeinfer.bench.gpu import run_figures
-from edgeinfer.bench.stats import Spread, ratio, spread
+from edgeinfer.bench.gpu import summarize
+from edgeinfer.bench.stats import Spread, ratio
 
 FIGURES = (("decode_tok_s", "decode (tok/s)", 1.0), ("request_tok_s", "whole request (tok/s)", 1.0),
            ("first_token_s", "first token (ms)", 1000.0))
@@ -30,16 +30,6 @@ FIGURES = (("decode_tok_s", "decode (tok/s)", 1.0), ("request_tok_s", "whole req
 def tree_of(path: Path) -> str:
     """The tree a raw file belongs to: its folder's name less a trailing ``-<round>``."""
     return re.sub(r"-\d+$", "", path.parent.name)
-
-
-def timed_figures(report: dict, engine: str) -> dict[int, list[dict]]:
-    """Per batch size, every timed run's figures of ``engine`` in one raw file."""
-    new_tokens = report["spec"]["new_tokens"]
-    out: dict[int, list[dict]] = defaultdict(list)
-    for record in report["runs"].get(engine, []):
-        if record.get("timed"):
-            out[record["batch"]].append(run_figures(record, new_tokens))
-    return out
 
 
 def shown(s: Spread, scale: float) -> str:
@@ -56,29 +46,38 @@ def step_of(report: dict, engine: str) -> str:
 
 
 def compare(paths: list[Path]) -> str:
-    runs: dict[tuple[str, str, int], list[tuple[str, list[dict], str]]] = defaultdict(list)
+    # (tree, engine) -> [(run, its records, its step)]; the tree's records pooled go through the
+    # benchmark's own summary, as one invocation's would
+    runs: dict[tuple[str, str], list[tuple[str, list[dict], str]]] = defaultdict(list)
     trees: list[str] = []
+    new_tokens = set()
     for path in paths:
         report = json.loads(path.read_text())
         if report.get("benchmark") != "gpu":
             raise SystemExit(f"{path}: not an `edgeinfer bench gpu` raw file")
+        new_tokens.add(report["spec"]["new_tokens"])
         tree = tree_of(path)
         trees += [tree] if tree not in trees else []
-        for engine in report["runs"]:
-            for batch, figures in timed_figures(report, engine).items():
-                runs[(tree, engine, batch)].append((path.parent.name, figures, step_of(report, engine)))
+        for engine, records in report["runs"].items():
+            runs[(tree, engine)].append((path.parent.name, records, step_of(report, engine)))
+    if len(new_tokens) != 1:
+        raise SystemExit(f"the runs generated different token counts ({sorted(new_tokens)}): not like for like")
+    n = new_tokens.pop()
     lines = ["| tree | engine | batch | run | " + " | ".join(label for _, label, _ in FIGURES)
              + " | step alone → in the step (µs) |", "|---" * (5 + len(FIGURES)) + "|"]
     pooled: dict[tuple[str, str, int], dict[str, Spread]] = {}
-    for key in sorted(runs, key=lambda k: (k[1], k[2], trees.index(k[0]))):
-        tree, engine, batch = key
-        for run, figures, step in runs[key]:
-            cells = [shown(spread(f[name] for f in figures), scale) for name, _, scale in FIGURES]
-            lines.append(f"| {tree} | {engine} | {batch} | {run} | " + " | ".join(cells) + f" | {step} |")
-        every = [f for _, figures, _ in runs[key] for f in figures]
-        pooled[key] = {name: spread(f[name] for f in every) for name, _, _ in FIGURES}
-        cells = [f"**{shown(pooled[key][name], scale)}**" for name, _, scale in FIGURES]
-        lines.append(f"| {tree} | {engine} | {batch} | all {len(every)} timed runs | " + " | ".join(cells) + " | |")
+    for tree, engine in sorted(runs, key=lambda k: (k[1], trees.index(k[0]))):
+        each = [(run, summarize(records, n), step) for run, records, step in runs[(tree, engine)]]
+        everything = summarize([r for _, records, _ in runs[(tree, engine)] for r in records], n)
+        for batch, figures in everything.items():
+            for run, summary, step in each:
+                if batch in summary:
+                    cells = [shown(summary[batch][name], scale) for name, _, scale in FIGURES]
+                    lines.append(f"| {tree} | {engine} | {batch} | {run} | " + " | ".join(cells) + f" | {step} |")
+            pooled[(tree, engine, batch)] = figures
+            cells = [f"**{shown(figures[name], scale)}**" for name, _, scale in FIGURES]
+            timed = figures[FIGURES[0][0]].n
+            lines.append(f"| {tree} | {engine} | {batch} | all {timed} timed runs | " + " | ".join(cells) + " | |")
     lines += ["", "| engine | batch | tree | pooled decode over the first tree's |", "|---|---|---|---|"]
     for (tree, engine, batch), figures in pooled.items():
         base = pooled.get((trees[0], engine, batch))
