@@ -5,7 +5,8 @@
 
 Decode is the engine's time per token (wall time under cProfile, host included, greedy
 bursts as the engine runs them) and the kernels of one burst step (``burst_step_kernels``:
-device time per kernel). Where a single-step graph was captured (bursts off, or sampled
+device time per kernel), then the device's timeline over as many more tokens (``decode_timeline``:
+the time some kernel ran against the wall, and the gaps between kernels). Where a single-step graph was captured (bursts off, or sampled
 rows), its replay alone is timed too (``graph_replay_ms``, replays back to back). The
 vision tower is readied for the image's size at load (as a profile's
 ``vision_compile_sizes`` do: captured in a CUDA graph, or compiled) and timed so and
@@ -70,6 +71,44 @@ def kernel_table(fn, top: int = 25) -> dict:
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     return {"wall_ms": wall * 1e3, "kernel_ms": total / 1e3, "kernels": sum(v[0] for v in kernels.values()),
             "top": [{"name": n, "count": c, "ms": round(t / 1e3, 4)} for n, (c, t) in rows]}
+
+
+def decode_timeline(engine, seq, steps: int, top: int = 12) -> dict:
+    """The device's timeline while the engine decodes ``steps`` tokens of ``seq`` (``torch.profiler``,
+    CUDA activity only, no host profiler): the wall time, the time some kernel ran (their union),
+    and the gaps between one kernel's end and the next one's start, the longest with the kernels
+    on each side. A step that takes longer than its kernels shows here as gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before = len(seq.generated)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        while len(seq.generated) - before < steps:
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    done = len(seq.generated) - before
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:70]) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, gaps, end, last = 0.0, [], None, None
+    for start, stop, name in spans:
+        if end is None or start >= end:
+            if end is not None:
+                gaps.append((start - end, last, name))
+            busy += stop - start
+            end, last = stop, name
+        elif stop > end:
+            busy += stop - end
+            end, last = stop, name
+    sizes = sorted(g[0] for g in gaps)
+    return {"tokens": done, "wall_ms": wall * 1e3, "wall_us_a_token": wall * 1e6 / max(done, 1),
+            "kernels": len(spans), "busy_us_a_token": busy / max(done, 1),
+            "span_us_a_token": (spans[-1][1] - spans[0][0]) / max(done, 1) if spans else None,
+            "gaps": len(gaps), "gap_us_a_token": sum(sizes) / max(done, 1),
+            "gaps_over_5us": sum(1 for g in sizes if g > 5), "gap_us_over_5us": sum(g for g in sizes if g > 5),
+            "gap_median_us": statistics.median(sizes) if sizes else None,
+            "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]]}
 
 
 def main() -> None:
@@ -144,6 +183,9 @@ def main() -> None:
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
     out["host_profile_top"] = stream.getvalue().splitlines()[:60]
+
+    # The same sequence decodes on, now with the device's timeline recorded and no host profiler.
+    out["decode_timeline"] = decode_timeline(engine, seq, args.steps)
 
     graphs = getattr(engine.decoder_engine, "_graphs", {})
     one = next((g for key, g in graphs.items() if key[0] == 1), None)  # keys start with the batch
