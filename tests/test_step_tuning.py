@@ -40,8 +40,9 @@ def test_descent_keeps_the_start_where_nothing_is_faster():
     found = descend({"a": "a2", "b": "b2"}, CANDIDATES, table_step(calls), budget_s=60)
     assert found.choices == {"a": "a2", "b": "b2"} and found.changed == {}
     assert found.rounds == 1  # a round that changed nothing ends it
-    # the start once, then every other tile of each product once, the others' tiles as chosen
-    assert calls == [{"a": "a2", "b": "b2"}, {"a": "a1", "b": "b2"}, {"a": "a3", "b": "b2"}, {"a": "a2", "b": "b1"}]
+    # the start twice, then every other tile of each product once, the others' tiles as chosen
+    assert calls == [{"a": "a2", "b": "b2"}, {"a": "a2", "b": "b2"}, {"a": "a1", "b": "b2"}, {"a": "a3", "b": "b2"},
+                     {"a": "a2", "b": "b1"}]
 
 
 def test_a_gain_within_the_timings_spread_is_not_taken():
@@ -55,12 +56,38 @@ def test_a_gain_within_the_timings_spread_is_not_taken():
 def test_the_budget_stops_the_descent_and_keeps_the_best_so_far():
     ticks = itertools.count()
     calls = []
-    # each clock reading is a second later: the start's timing and two trials fit in 2.5 s
+    # each clock reading is a second later: two trials fit in 2.5 s; the round cut short still takes
+    # its fastest (a1), timed again beside the start
     found = descend({"a": "a3", "b": "b1"}, CANDIDATES, table_step(calls), budget_s=2.5,
                     clock=lambda: float(next(ticks)))
     assert found.out_of_time
-    assert found.trials == 2 and len(calls) == 3
+    assert found.trials == 2
+    assert calls == [{"a": "a3", "b": "b1"}] * 2 + [{"a": "a1", "b": "b1"}, {"a": "a2", "b": "b1"},
+                                                    {"a": "a1", "b": "b1"}, {"a": "a3", "b": "b1"}]
     assert found.choices == {"a": "a1", "b": "b1"} and found.best_us == 1000.0
+
+
+def noisy_step(costs: dict[str, float], lucky: dict[str, list[float]]):
+    """A step whose timings of tile x are ``lucky[x]`` first, one by one, then its true cost."""
+    draws = {x: iter(v) for x, v in lucky.items()}
+    return lambda c: next(draws.get(c["x"], iter(())), costs[c["x"]])
+
+
+def test_a_tile_faster_in_one_lucky_timing_only_is_not_kept():
+    """x2 is 1% slower than x1, but its first timing is 1% faster: timed again, it is not taken."""
+    found = descend({"x": "x1"}, {"x": ["x2"]}, noisy_step({"x1": 1000.0, "x2": 1010.0}, {"x2": [990.0]}),
+                    budget_s=60)
+    assert found.choices == {"x": "x1"}
+    assert found.refuted == 1 and found.best_us == 1000.0
+
+
+def test_a_lucky_timing_of_the_start_does_not_hide_a_faster_tile():
+    """x1's first timing is 2% low; x2 is truly 1.5% faster than x1. Against that one timing x2
+    would never count as faster; against the mean of x1's timings it is taken."""
+    found = descend({"x": "x1"}, {"x": ["x2"]}, noisy_step({"x1": 1000.0, "x2": 985.0}, {"x1": [980.0]}),
+                    budget_s=60)
+    assert found.choices == {"x": "x2"}
+    assert found.start_us == 990.0 and found.best_us == 985.0
 
 
 def test_rounds_bound_the_descent():
@@ -70,12 +97,25 @@ def test_rounds_bound_the_descent():
 
 
 def test_a_product_changed_and_changed_back_is_not_reported_as_changed():
-    # a2 wins with b1 (990); once b2 is chosen, a1 is faster again (890): a ends where it began
-    costs = {("a1", "b1"): 1000.0, ("a2", "b1"): 990.0, ("a1", "b2"): 890.0, ("a2", "b2"): 950.0}
-    found = descend({"a": "a1", "b": "b1"}, {"a": ["a1", "a2"], "b": ["b1", "b2"]},
-                    lambda c: costs[(c["a"], c["b"])], budget_s=60)
-    assert found.choices == {"a": "a1", "b": "b2"} and found.best_us == 890.0
-    assert found.changed == {"b": ("b1", "b2")}
+    # a2 is the best first change (950), then b2 (940), then c2 (930); with b2 and c2, a1 is the
+    # fastest again (900): a ends where it began
+    costs = {("a1", "b1", "c1"): 1000.0, ("a2", "b1", "c1"): 950.0, ("a1", "b2", "c1"): 990.0,
+             ("a1", "b1", "c2"): 995.0, ("a2", "b2", "c1"): 940.0, ("a2", "b1", "c2"): 960.0,
+             ("a2", "b2", "c2"): 930.0, ("a1", "b2", "c2"): 900.0}
+    found = descend({"a": "a1", "b": "b1", "c": "c1"}, {"a": ["a1", "a2"], "b": ["b1", "b2"], "c": ["c1", "c2"]},
+                    lambda c: costs[(c["a"], c["b"], c["c"])], budget_s=60, rounds=4)
+    assert found.choices == {"a": "a1", "b": "b2", "c": "c2"} and found.best_us == 900.0
+    assert found.changed == {"b": ("b1", "b2"), "c": ("c1", "c2")}
+
+
+def test_the_fastest_change_of_a_round_is_taken_not_the_first_that_helps():
+    """As on the H200: from the start, o's second tile and down's second tile each make the step
+    faster, down's far more; with o's second tile, down's no longer helps. Taking o's change first
+    (it comes first) would end at 970; taking the fastest change first ends at 900."""
+    costs = {("o1", "d1"): 977.0, ("o2", "d1"): 970.0, ("o1", "d2"): 900.0, ("o2", "d2"): 975.0}
+    found = descend({"o": "o1", "down": "d1"}, {"o": ["o1", "o2"], "down": ["d1", "d2"]},
+                    lambda c: costs[(c["o"], c["down"])], budget_s=60)
+    assert found.choices == {"o": "o1", "down": "d2"} and found.best_us == 900.0
 
 
 @pytest.mark.parametrize("start", [{"a": "a3", "b": "b1"}, {"a": "a1", "b": "b2"}])

@@ -868,7 +868,8 @@ class FusedDecode:
             report.update(alone=_config_name(alone), config=_config_name(chosen), us=us,
                           gb_s=round(report["mb"] / us * 1e3, 1))
         self.step_report = {"context": STEP_TUNING_CONTEXT, "alone_us": round(found.start_us, 1),
-                            "in_step_us": round(found.best_us, 1), "trials": found.trials, "rounds": found.rounds,
+                            "in_step_us": round(found.best_us, 1), "trials": found.trials, "refuted": found.refuted,
+                            "rounds": found.rounds,
                             "out_of_time": found.out_of_time, "seconds": round(time.monotonic() - started, 1)}
 
     def _scratch_step(self, context: int) -> Callable[[], object]:

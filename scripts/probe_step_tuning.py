@@ -1,0 +1,115 @@
+"""Diagnostic probe (not a benchmark): where the batch-1 step's tile descent ends, run again and
+again in one process, with the descent as it is (``step_tuning.descend``: the fastest change of
+a round, timed again before it is taken) and with the descent before it (below,
+``descend_first``: the first change that helped, product by product, on one timing). The two
+alternate; each run starts from the tiles chosen alone and has the engine's budget
+(``runtime.step_tuning_s``). Then every set of tiles a run ended on is timed again, in turns,
+``--retime`` times: what a descent's end is worth, free of the luck of its own last timing.
+
+    python scripts/probe_step_tuning.py --model DIR --runs 3 --out probe.json
+
+The model is a checkpoint the fused step runs (the H200 runs use the 4-bit checkpoint that
+``edgeinfer bench gpu --weights w4a16-h8`` writes into its cache). One JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from edgeinfer.backends.torch import step_tuning, triton_decode
+from edgeinfer.engine import Engine, EngineConfig
+
+
+def descend_first(start, candidates, step_us, budget_s, rounds=step_tuning.STEP_ROUNDS, clock=None):
+    """The descent before the steepest one: product by product, the first tile whose one timing
+    beats the kept time is kept, and that timing is the time to beat from then on."""
+    import time
+
+    clock = clock or time.monotonic
+    started = clock()
+    best = dict(start)
+    start_us = step_us(dict(best))
+    result = step_tuning.Descent(start=dict(start), choices=best, start_us=start_us, best_us=start_us)
+    for _ in range(rounds):
+        result.rounds += 1
+        improved = False
+        for name, tiles in candidates.items():
+            for tile in tiles:
+                if tile == best[name]:
+                    continue
+                if clock() - started > budget_s:
+                    result.out_of_time = True
+                    return result
+                t = step_us({**best, name: tile})
+                result.trials += 1
+                if t < result.best_us * (1 - step_tuning.MIN_GAIN):
+                    best[name] = tile
+                    result.best_us = t
+                    improved = True
+        if not improved:
+            break
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--runs", type=int, default=3, help="runs of each descent")
+    parser.add_argument("--retime", type=int, default=5, help="timings of each end, in turns")
+    parser.add_argument("--budget", type=float, default=8.0, help="seconds a descent (the engine's default)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    config = EngineConfig(dtype="bfloat16", device="cuda", max_batch_size=1, block_size=16, kv_budget_mb=1024,
+                          max_context=4096, cuda_graphs=True, prefix_cache=False, step_tuning_s=0.0)
+    engine = Engine.load(args.model, config=config)
+    fused = engine.decoder_engine._fused
+    ranked = fused._tune_alone()
+    alone = dict(fused.configs)
+    out = {"model": str(args.model), "gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(),
+           "alone": {k: triton_decode._config_name(v) for k, v in alone.items()}, "runs": []}
+    variants = {"steepest, timed again": step_tuning.descend, "first change, one timing": descend_first}
+    kept = step_tuning.descend
+    try:
+        for run in range(args.runs):
+            for label, fn in variants.items():
+                fused.configs = dict(alone)
+                triton_decode.descend = fn
+                fused._tune_in_step(ranked, args.budget)
+                ends = {k: triton_decode._config_name(v) for k, v in fused.configs.items()}
+                out["runs"].append({"descent": label, "run": run, "report": fused.step_report, "ends": ends,
+                                    "configs": dict(fused.configs)})
+                print(json.dumps({k: v for k, v in out["runs"][-1].items() if k != "configs"}), flush=True)
+    finally:
+        triton_decode.descend = kept
+    # every distinct end, and the tiles chosen alone, timed again in turns
+    ends = {"alone": alone}
+    for r in out["runs"]:
+        ends.setdefault(json.dumps(r["ends"], sort_keys=True), r["configs"])
+    step = fused._scratch_step(step_tuning.STEP_TUNING_CONTEXT)
+    times: dict[str, list[float]] = {key: [] for key in ends}
+    for _ in range(args.retime):
+        for key, configs in ends.items():
+            fused.configs = dict(configs)
+            times[key].append(step_tuning.step_time_us(step))
+    out["retimed"] = [{"ends": key if key == "alone" else json.loads(key), "us": [round(t, 1) for t in ts],
+                       "median_us": round(statistics.median(ts), 1)} for key, ts in times.items()]
+    for r in out["runs"]:
+        key = json.dumps(r.pop("ends"), sort_keys=True)
+        r.pop("configs")
+        r["ends"] = json.loads(key)
+        r["retimed_median_us"] = round(statistics.median(times[key]), 1)
+    out["load_after"] = os.getloadavg()
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
