@@ -5,16 +5,18 @@
 
 A file's tree is its folder's name less a trailing ``-<round>`` (``scripts/bench_trees.sh``
 writes ``OUT/<tree>-<round>/``); files straight under one folder are one tree each. For every
-tree, engine and batch size: each run's medians (decode only, whole request, first token; the
-step the tuner timed, alone and in the step, where the engine reports it), then the medians of
-all the tree's timed runs pooled, with their range, and each tree's pooled decode over the
-first tree's. Medians of all runs, never the best; the load each run saw is in its raw file.
+tree, engine and batch size: each run's medians (decode only, decode in the call, whole
+request, first token; the step the tuner timed, alone and in the step, where the engine reports
+it), then the medians of all the tree's timed runs pooled, with their range, and each tree's
+pooled decode (both spans: a full call less a one-token call, and the full call after its own
+first tokens) over the first tree's. Medians of all runs, never the best; the load each run saw is in its raw file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections import defaultdict
@@ -23,8 +25,8 @@ from pathlib import Path
 from edgeinfer.bench.gpu import summarize
 from edgeinfer.bench.stats import Spread, ratio
 
-FIGURES = (("decode_tok_s", "decode (tok/s)", 1.0), ("request_tok_s", "whole request (tok/s)", 1.0),
-           ("first_token_s", "first token (ms)", 1000.0))
+FIGURES = (("decode_tok_s", "decode (tok/s)", 1.0), ("decode_in_call_tok_s", "decode in the call (tok/s)", 1.0),
+           ("request_tok_s", "whole request (tok/s)", 1.0), ("first_token_s", "first token (ms)", 1000.0))
 
 
 def tree_of(path: Path) -> str:
@@ -78,12 +80,14 @@ def compare(paths: list[Path]) -> str:
             cells = [f"**{shown(figures[name], scale)}**" for name, _, scale in FIGURES]
             timed = figures[FIGURES[0][0]].n
             lines.append(f"| {tree} | {engine} | {batch} | all {timed} timed runs | " + " | ".join(cells) + " | |")
-    lines += ["", "| engine | batch | tree | pooled decode over the first tree's |", "|---|---|---|---|"]
+    lines += ["", "| engine | batch | tree | pooled decode over the first tree's | the same, decode in the call |",
+              "|---|---|---|---|---|"]
     for (tree, engine, batch), figures in pooled.items():
         base = pooled.get((trees[0], engine, batch))
         if tree != trees[0] and base is not None:
-            over = ratio(figures["decode_tok_s"].median, base["decode_tok_s"].median)
-            lines.append(f"| {engine} | {batch} | {tree} | {over:.3f}× |")
+            over = [ratio(figures[key].median, base[key].median) for key in ("decode_tok_s", "decode_in_call_tok_s")]
+            lines.append(f"| {engine} | {batch} | {tree} | "
+                         + " | ".join(f"{o:.3f}×" if math.isfinite(o) else "–" for o in over) + " |")
     return "\n".join(lines) + "\n"
 
 

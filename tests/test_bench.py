@@ -154,11 +154,35 @@ def test_a_comparison_with_a_failed_engine_or_different_prompts_does_not_stand(t
 # --- the GPU benchmark's spans and ratios --------------------------------------------------------------
 
 def test_decode_is_the_time_between_one_token_and_all_of_them():
-    figures = run_figures({"batch": 4, "full_s": 2.0, "first_s": 0.5}, new_tokens=64)
+    figures = run_figures({"batch": 4, "full_s": 2.0, "first_s": 0.5, "full_first_s": 0.4}, new_tokens=64)
     assert figures["decode_tok_s"] == pytest.approx(4 * 63 / 1.5)
+    assert figures["decode_in_call_tok_s"] == pytest.approx(4 * 63 / 1.6)  # the full call after its own first
     assert figures["request_tok_s"] == pytest.approx(4 * 64 / 2.0)
     assert figures["first_token_s"] == 0.5
     assert run_figures({"batch": 1, "full_s": 0.5, "first_s": 0.6}, 64)["decode_tok_s"] is None
+    assert run_figures({"batch": 1, "full_s": 0.5, "first_s": 0.1}, 64)["decode_in_call_tok_s"] is None  # older files
+
+
+def test_decode_in_the_call_does_not_move_with_the_one_token_call():
+    """Three pairs whose full calls are alike but whose one-token calls ran 40, 70 and 40 ms: decode
+    only swings with them, decode in the call does not."""
+    runs = [{"batch": 1, "full_s": 0.102, "first_s": t1, "full_first_s": 0.039, "timed": True}
+            for t1 in (0.040, 0.070, 0.040)]
+    figures = summarize(runs, 64)[1]
+    assert figures["decode_tok_s"].max / figures["decode_tok_s"].min > 1.8
+    assert figures["decode_in_call_tok_s"].min == figures["decode_in_call_tok_s"].max == pytest.approx(63 / 0.063)
+
+
+def test_the_peers_clock_stamps_generated_tokens_not_the_prompt():
+    """generate() hands the streamer the prompt first: the first stamp is the first generated token's."""
+    from edgeinfer.bench.common import TokenClock
+
+    clock = TokenClock()
+    clock.put([[1, 2, 3]])  # the prompt
+    assert clock.times == []
+    clock.put([7])
+    clock.put([8])
+    assert len(clock.times) == 2 and clock.times[0] <= clock.times[1]
 
 
 def _runs(batch: int, pairs: list[tuple[float, float]], warm: tuple[float, float] = (99.0, 0.1)) -> list[dict]:
@@ -365,10 +389,12 @@ def _plot_module():
     return _script("plot_bench")
 
 
-def _gpu_raw(folder: Path, calls: list[tuple[float, float]], engine: str = "ours") -> Path:
-    """A `bench gpu` raw file of 64-token calls at batch 1: (T_n, T_1) per timed run, one untimed first."""
+def _gpu_raw(folder: Path, calls: list[tuple], engine: str = "ours") -> Path:
+    """A `bench gpu` raw file of 64-token calls at batch 1: (T_n, T_1) per timed run, or (T_n, T_1,
+    T_n's own first tokens), one untimed first."""
     runs = [{"timed": False, "batch": 1, "full_s": 9.0, "first_s": 1.0}]
-    runs += [{"timed": True, "batch": 1, "full_s": full, "first_s": first} for full, first in calls]
+    runs += [{"timed": True, "batch": 1, "full_s": c[0], "first_s": c[1],
+              **({"full_first_s": c[2]} if len(c) > 2 else {})} for c in calls]
     report = {"benchmark": "gpu", "spec": {"new_tokens": 64}, "runs": {engine: runs},
               "results": {engine: {"diagnostics": {"kernels": {"step": {"alone_us": 1000.0, "in_step_us": 990.0}}}}}}
     folder.mkdir(parents=True)
@@ -387,8 +413,19 @@ def test_compare_pools_every_run_of_a_tree_and_sets_each_tree_against_the_first(
     table = compare.compare(old + new)
     assert "| old | ours | 1 | all 3 timed runs | **1,000.0 (1,000.0–1,384.6)**" in table
     assert "| new | ours | 1 | all 3 timed runs | **1,500.0 (1,000.0–1,500.0)**" in table
-    assert "| ours | 1 | new | 1.500× |" in table
+    assert "| ours | 1 | new | 1.500× | – |" in table  # files without their calls' own first tokens
     assert table.count("| 1,000.0 → 990.0 |") == 3  # each run's step, as its engine timed it
+
+
+def test_compare_pools_decode_in_the_call_too(tmp_path):
+    compare = _script("compare_bench_runs")
+    old = [_gpu_raw(tmp_path / "old-1", [(0.110, 0.047, 0.047), (0.110, 0.080, 0.047)])]  # in the call: 1000, 1000
+    new = [_gpu_raw(tmp_path / "new-1", [(0.089, 0.047, 0.047)])]  # 1500
+    table = compare.compare(old + new)
+    # decode only: 1000 and 2100 tok/s (the second one-token call ran long); in the call: 1000 and 1000
+    assert "| old | ours | 1 | all 2 timed runs | **1,550.0 (1,000.0–2,100.0)** | **1,000.0 (1,000.0–1,000.0)** |" \
+        in table
+    assert "| ours | 1 | new | 0.968× | 1.500× |" in table
 
 
 def test_plot_reads_medians_and_ranges_from_a_gpu_raw_file():

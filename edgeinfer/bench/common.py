@@ -54,8 +54,10 @@ def require_nothing_of_ours() -> None:
 class TokenClock:
     """A transformers streamer that timestamps each generated token (the first call carries the prompt).
 
-    On a CPU every step has finished when ``put`` is called, so the stamps are the tokens'
-    times; on a GPU they are not (use whole-call timings there).
+    ``generate()`` hands ``put`` the tokens already copied to the host, so a stamp is when that
+    step's tokens reached the host, on a GPU too. Where transformers defers that copy by a step
+    (its ``DeferredStopCheck``, on Apple's GPUs), the stamps are a step late: a span from the first
+    stamp to the call's end is then a step short, which favours the peer.
     """
 
     def __init__(self) -> None:

@@ -169,14 +169,16 @@ def gpu_peer(spec, cache: str) -> dict[str, Any]:
         if spec.sampled:
             torch.manual_seed(0)
         sampling = {"do_sample": True, **SAMPLED_SETTINGS, "top_k": 0} if spec.sampled else {"do_sample": False}
-        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling, **extra)
+        clock = TokenClock()  # its first stamp: the first tokens copied to the host
+        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling, **extra,
+                             streamer=clock)
         sync(spec.device)
         seconds = time.perf_counter() - started
         generated = out.shape[1] - inputs["input_ids"].shape[1]
         if generated != new_tokens:
             raise RuntimeError(f"transformers generated {generated} tokens, not {new_tokens}")
         prompts.append(inputs["input_ids"][0].tolist())
-        return seconds
+        return seconds, clock.times[0] - started
 
     log = RunLog()
     with torch.inference_mode():
