@@ -1,8 +1,8 @@
 """Diagnostic probe (not a benchmark): where the batch-1 step's tile descent ends, run again and
 again in one process, with the descent as it is (``step_tuning.descend``: the fastest change of
-a round, timed again before it is taken) and with the descent before it (below,
-``descend_first``: the first change that helped, product by product, on one timing). The two
-alternate; each run starts from the tiles chosen alone and has the engine's budget
+a round, timed again before it is taken) and with the descent of another revision, read from git
+(``--before``, by default 5fb1298's: the first change that helped, product by product, on one
+timing). The two alternate; each run starts from the tiles chosen alone and has the engine's budget
 (``runtime.step_tuning_s``). Then every set of tiles a run ended on is timed again, in turns,
 ``--retime`` times: what a descent's end is worth, free of the luck of its own last timing.
 
@@ -18,6 +18,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import torch
@@ -25,36 +28,25 @@ import torch
 from edgeinfer.backends.torch import step_tuning, triton_decode
 from edgeinfer.engine import Engine, EngineConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def descend_first(start, candidates, step_us, budget_s, rounds=step_tuning.STEP_ROUNDS, clock=None):
-    """The descent before the steepest one: product by product, the first tile whose one timing
-    beats the kept time is kept, and that timing is the time to beat from then on."""
-    import time
 
-    clock = clock or time.monotonic
-    started = clock()
-    best = dict(start)
-    start_us = step_us(dict(best))
-    result = step_tuning.Descent(start=dict(start), choices=best, start_us=start_us, best_us=start_us)
-    for _ in range(rounds):
-        result.rounds += 1
-        improved = False
-        for name, tiles in candidates.items():
-            for tile in tiles:
-                if tile == best[name]:
-                    continue
-                if clock() - started > budget_s:
-                    result.out_of_time = True
-                    return result
-                t = step_us({**best, name: tile})
-                result.trials += 1
-                if t < result.best_us * (1 - step_tuning.MIN_GAIN):
-                    best[name] = tile
-                    result.best_us = t
-                    improved = True
-        if not improved:
-            break
-    return result
+def descend_at(rev: str):
+    """``step_tuning.descend`` as it was at revision ``rev`` of this repository (read with git), so
+    that the comparison runs that code itself; its result gets the ``refuted`` count the engine's
+    report now reads (zero: it timed nothing again)."""
+    source = subprocess.run(["git", "show", f"{rev}:edgeinfer/backends/torch/step_tuning.py"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(f"step_tuning_at_{rev}")
+    sys.modules[module.__name__] = module  # its dataclass looks its module up there
+    exec(compile(source, f"{rev}:edgeinfer/backends/torch/step_tuning.py", "exec"), module.__dict__)
+
+    def descend(*args, **kwargs):
+        found = module.descend(*args, **kwargs)
+        found.refuted = getattr(found, "refuted", 0)
+        return found
+
+    return descend
 
 
 def main() -> None:
@@ -63,6 +55,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs of each descent")
     parser.add_argument("--retime", type=int, default=5, help="timings of each end, in turns")
     parser.add_argument("--budget", type=float, default=8.0, help="seconds a descent (the engine's default)")
+    parser.add_argument("--before", default="5fb1298",
+                        help="the revision whose descent runs beside this one's (default: the first-change descent)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     config = EngineConfig(dtype="bfloat16", device="cuda", max_batch_size=1, block_size=16, kv_budget_mb=1024,
@@ -73,7 +67,7 @@ def main() -> None:
     alone = dict(fused.configs)
     out = {"model": str(args.model), "gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(),
            "alone": {k: triton_decode._config_name(v) for k, v in alone.items()}, "runs": []}
-    variants = {"steepest, timed again": step_tuning.descend, "first change, one timing": descend_first}
+    variants = {"steepest, timed again": step_tuning.descend, f"as at {args.before}": descend_at(args.before)}
     kept = step_tuning.descend
     try:
         for run in range(args.runs):
