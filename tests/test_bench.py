@@ -277,6 +277,25 @@ def test_an_unknown_engine_kind_is_a_usage_error(checkpoint):
 
 
 @pytest.mark.slow
+def test_the_gpu_benchmark_keeps_each_engines_own_first_tokens(checkpoint, tmp_path):
+    """`bench gpu` on the CPU (its code paths only) with ours and transformers, each in its worker:
+    every full call records when its first tokens reached the host, after the call started and
+    before it ended, and the report has decode in the call for both."""
+    result = CliRunner().invoke(app, ["bench", "gpu", "--model", str(checkpoint("qwen2_vl")), "--device", "cpu",
+                                      "--dtype", "float32", "--kinds", "ours,transformers-dynamic",
+                                      "--batch-sizes", "1", "--new-tokens", "3", "--repeats", "1", "--warmup", "0",
+                                      "--image-size", "64x64", "--allow-noisy", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(next(tmp_path.glob("gpu-*.json")).read_text())
+    assert not data["errors"] and data["same_prompt"] is True
+    for kind in ("ours", "transformers-dynamic"):
+        (run,) = [r for r in data["runs"][kind] if r["timed"]]
+        assert 0 < run["full_first_s"] < run["full_s"]
+        assert data["summary"][kind]["1"]["decode_in_call_tok_s"]["n"] == 1
+    assert "decode in the call (tok/s) b=1" in next(tmp_path.glob("gpu-*.md")).read_text()
+
+
+@pytest.mark.slow
 def test_generate_runs_both_engines_alone_and_refuses_noisy_figures(checkpoint, tmp_path):
     """The whole command on a tiny checkpoint: two workers, the same prompt, the raw file written
     and marked unpublishable when the runs are over the load limit (here: any load)."""
