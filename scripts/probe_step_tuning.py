@@ -49,6 +49,11 @@ def descend_at(rev: str):
     return descend
 
 
+def names_key(names: dict[str, str]) -> tuple:
+    """A set of tiles (product -> tile name) as a key."""
+    return tuple(sorted(names.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -68,6 +73,7 @@ def main() -> None:
     out = {"model": str(args.model), "gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(),
            "alone": {k: triton_decode._config_name(v) for k, v in alone.items()}, "runs": []}
     variants = {"steepest, timed again": step_tuning.descend, f"as at {args.before}": descend_at(args.before)}
+    ends = {names_key(out["alone"]): alone}  # every distinct set of tiles a run ended on, by names
     kept = step_tuning.descend
     try:
         for run in range(args.runs):
@@ -75,29 +81,23 @@ def main() -> None:
                 fused.configs = dict(alone)
                 triton_decode.descend = fn
                 fused._tune_in_step(ranked, args.budget)
-                ends = {k: triton_decode._config_name(v) for k, v in fused.configs.items()}
-                out["runs"].append({"descent": label, "run": run, "report": fused.step_report, "ends": ends,
-                                    "configs": dict(fused.configs)})
-                print(json.dumps({k: v for k, v in out["runs"][-1].items() if k != "configs"}), flush=True)
+                names = {k: triton_decode._config_name(v) for k, v in fused.configs.items()}
+                ends.setdefault(names_key(names), dict(fused.configs))
+                out["runs"].append({"descent": label, "run": run, "report": fused.step_report, "ends": names})
+                print(json.dumps(out["runs"][-1]), flush=True)
     finally:
         triton_decode.descend = kept
-    # every distinct end, and the tiles chosen alone, timed again in turns
-    ends = {"alone": alone}
-    for r in out["runs"]:
-        ends.setdefault(json.dumps(r["ends"], sort_keys=True), r["configs"])
+    # each end, and the tiles chosen alone, timed again in turns
     step = fused._scratch_step(step_tuning.STEP_TUNING_CONTEXT)
-    times: dict[str, list[float]] = {key: [] for key in ends}
+    times: dict[tuple, list[float]] = {key: [] for key in ends}
     for _ in range(args.retime):
         for key, configs in ends.items():
             fused.configs = dict(configs)
             times[key].append(step_tuning.step_time_us(step))
-    out["retimed"] = [{"ends": key if key == "alone" else json.loads(key), "us": [round(t, 1) for t in ts],
+    out["retimed"] = [{"ends": dict(key), "alone": key == names_key(out["alone"]), "us": [round(t, 1) for t in ts],
                        "median_us": round(statistics.median(ts), 1)} for key, ts in times.items()]
     for r in out["runs"]:
-        key = json.dumps(r.pop("ends"), sort_keys=True)
-        r.pop("configs")
-        r["ends"] = json.loads(key)
-        r["retimed_median_us"] = round(statistics.median(times[key]), 1)
+        r["retimed_median_us"] = round(statistics.median(times[names_key(r["ends"])]), 1)
     out["load_after"] = os.getloadavg()
     text = json.dumps(out, indent=1)
     print(text)
