@@ -91,20 +91,17 @@ def decode_timeline(engine, seq, steps: int, top: int = 12) -> dict:
     done = len(seq.generated) - before
     spans = sorted((e.time_range.start, e.time_range.end, e.name[:70]) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, gaps, end, last = 0.0, [], None, None
+    gaps, end, last = [], None, None  # end: the latest a kernel so far ran to (kernels may overlap)
     for start, stop, name in spans:
-        if end is None or start >= end:
-            if end is not None:
-                gaps.append((start - end, last, name))
-            busy += stop - start
-            end, last = stop, name
-        elif stop > end:
-            busy += stop - end
+        if end is not None and start >= end:  # touching kernels count, as a gap of 0
+            gaps.append((start - end, last, name))
+        if end is None or stop > end:
             end, last = stop, name
     sizes = sorted(g[0] for g in gaps)
+    span = end - spans[0][0] if spans else 0.0
     return {"tokens": done, "wall_ms": wall * 1e3, "wall_us_a_token": wall * 1e6 / max(done, 1),
-            "kernels": len(spans), "busy_us_a_token": busy / max(done, 1),
-            "span_us_a_token": (spans[-1][1] - spans[0][0]) / max(done, 1) if spans else None,
+            "kernels": len(spans), "busy_us_a_token": (span - sum(sizes)) / max(done, 1),
+            "span_us_a_token": span / max(done, 1),
             "gaps": len(gaps), "gap_us_a_token": sum(sizes) / max(done, 1),
             "gaps_over_5us": sum(1 for g in sizes if g > 5), "gap_us_over_5us": sum(g for g in sizes if g > 5),
             "gap_median_us": statistics.median(sizes) if sizes else None,
