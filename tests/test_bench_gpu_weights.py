@@ -289,6 +289,25 @@ def test_each_format_has_its_own_roofline_and_projection():
     assert {r["source"] for r in data["jetson"]["rows"]} == {b.source for b in BOARDS}
 
 
+
+def test_the_roofline_takes_the_decode_rate_in_the_call_where_every_run_has_it():
+    """A one-token call that ran 0.05 s long makes decode only 9 tokens in 0.45 s (20 tok/s) where the
+    full call's own span is 9 in 0.5 s (18 tok/s): the share follows the call's own span, and decode
+    only where a run lacks its full call's first token."""
+    spec = GpuBenchSpec(Path("/m/qwen2-vl-2b"), batch_sizes=(1,), new_tokens=10, kinds=("ours",))
+    report = GpuReport(spec, probes=[Probe("gemv", 40 * 10**9, 1.0)], environment={"gpu": "NVIDIA H200"})
+    result = _result("ours", "bf16", 0.5, 10**9)  # a roofline of 40 tok/s
+    for run in result["runs"]:
+        run.update(first_s=0.15, full_first_s=0.1)
+    report.results["ours"] = result
+    row = report.rooflines()["ours"][1]
+    assert row["span"] == "decode_in_call_tok_s" and row["fraction"] == pytest.approx(18 / 40)
+    assert "Byte roofline, decode in the call:" in markdown(report)
+    del result["runs"][0]["full_first_s"]
+    row = report.rooflines()["ours"][1]
+    assert row["span"] == "decode_tok_s" and row["fraction"] == pytest.approx(20 / 40)
+    assert "Byte roofline, decode only:" in markdown(report)
+
 def test_a_projection_without_a_measured_rate_is_a_hole_not_a_figure():
     rows = projection({"ours": {1: {"fraction": math.nan, "step_bytes": 1e9}}})
     assert all(math.isnan(r["tok_s"][1]) for r in rows)
@@ -328,6 +347,8 @@ def test_ours_runs_a_quantized_checkpoint_in_its_worker(quantized, tmp_path):
     assert record["checkpoint"] == str(folder) and record["kind"] == "ours" and record["prompt_tokens"] > 0
     assert record["loaded_text_bytes"] > 0
     assert set(data["rooflines"]) == {"ours-w4a16"} and len(data["jetson"]["rows"]) == len(BOARDS)
+    # The raw file alone gives its summary again (scripts/summarize_gpu_raw.py).
+    assert path.with_suffix(".md").read_text().startswith(markdown(GpuReport.from_raw(data)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch.cuda.is_available() is false")

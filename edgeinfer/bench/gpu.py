@@ -16,10 +16,13 @@ vision, prefill and the first token). Both sides get the same two figures:
 
 - whole request: ``b * new_tokens / T_n``;
 - decode only: ``b * (new_tokens - 1) / (T_n - T_1)``;
+- decode in the call: ``b * (new_tokens - 1) / (T_n - F_n)``, ``F_n`` when the ``T_n`` call's
+  last row got its first token to the host;
 - time to first token (batch 1): ``T_1``.
 
 A ratio is ours over the *fastest* peer configuration at that batch size and span. The
-roofline uses the best of three bandwidth probes (copy, sum, GEMV), each in the raw file.
+roofline uses the best of three bandwidth probes (copy, sum, GEMV), each in the raw file, and
+the decode rate in the call (:func:`roofline_span`).
 
 Weight formats (``weights``): ours runs the checkpoint as it is (``bf16``) and, in the same
 run, at the same batch sizes with the same prompt and pictures, each quantized format asked
@@ -70,6 +73,7 @@ GREEDY, SAMPLED = "greedy", "sampled"
 SAMPLED_SETTINGS = {"temperature": 0.7, "top_p": 0.9}
 PEERS = ("transformers-static", "transformers-dynamic")
 KINDS = (OURS, *PEERS)
+SPAN_NAMES = {"decode_in_call_tok_s": "decode in the call", "decode_tok_s": "decode only"}
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,16 @@ def run_figures(record: dict[str, Any], new_tokens: int) -> dict[str, float | No
     in_call = b * (new_tokens - 1) / (full - own_first) if own_first is not None and full > own_first else None
     return {"request_tok_s": b * new_tokens / full, "decode_tok_s": decode, "decode_in_call_tok_s": in_call,
             "first_token_s": first}
+
+
+def roofline_span(figures: dict[str, Spread]) -> tuple[str, float]:
+    """The decode rate a roofline share is taken from, and its span: decode in the call where
+    every timed run recorded its full call's first tokens (the call's own span, which a one-token
+    call that ran long or short does not move), else decode only."""
+    in_call, only = figures["decode_in_call_tok_s"], figures["decode_tok_s"]
+    if in_call.n and in_call.n >= only.n:
+        return "decode_in_call_tok_s", in_call.median
+    return "decode_tok_s", only.median
 
 
 def summarize(records: list[dict[str, Any]], new_tokens: int) -> dict[int, dict[str, Spread]]:
@@ -364,6 +378,15 @@ class GpuReport:
     probes: list[Probe] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)  # read in a worker: this process stays off the GPU
 
+    @classmethod
+    def from_raw(cls, data: dict[str, Any]) -> "GpuReport":
+        """The report a raw file was written from (its spec, runs, records and probes), so that
+        its summary can be derived again by the present method."""
+        results = {label: {**record, "runs": data["runs"][label]} for label, record in data["results"].items()}
+        probes = [Probe(p["name"], p["bytes"], p["seconds"]) for p in data["bandwidth"]["probes"]]
+        return cls(GpuBenchSpec.from_json(data["spec"]), results, dict(data.get("errors", {})), probes,
+                   data.get("environment", {}))
+
     def summaries(self) -> dict[str, dict[int, dict[str, Spread]]]:
         return {kind: summarize(r["runs"], self.spec.new_tokens) for kind, r in self.results.items()}
 
@@ -380,10 +403,12 @@ class GpuReport:
         for label, result in self.results.items():
             if result.get("kind") != OURS:
                 continue
-            rates = {b: s["decode_tok_s"].median for b, s in summarize(result["runs"], self.spec.new_tokens).items()}
+            spans = {b: roofline_span(s) for b, s in summarize(result["runs"], self.spec.new_tokens).items()}
             context = result["prompt_tokens"] + self.spec.new_tokens / 2
             weights, kv = result["decode_weight_bytes"]["per_step"], result["kv_bytes_per_token"]
-            out[label] = {b: {**row, "step_bytes": step_bytes(weights, kv, context, b), "weight_bytes": weights}
+            rates = {b: rate for b, (_, rate) in spans.items()}
+            out[label] = {b: {**row, "span": spans[b][0], "step_bytes": step_bytes(weights, kv, context, b),
+                              "weight_bytes": weights}
                           for b, row in roofline(rates, bandwidth, weights, kv, context).items()}
         return out
 
@@ -521,7 +546,9 @@ def _roofline_table(report: GpuReport, batches: list[int]) -> list[str]:
     rooflines = report.rooflines()
     if not rooflines:
         return []
-    lines = [("Byte roofline, decode only: bytes a step reads = the decoder's weights as stored + every "
+    spans = {row["span"] for per_batch in rooflines.values() for row in per_batch.values()}
+    named = " and ".join(sorted(SPAN_NAMES[s] for s in spans))
+    lines = [(f"Byte roofline, {named}: bytes a step reads = the decoder's weights as stored + every "
               "sequence's K/V at the prompt plus half the new tokens."), "",
              "| engine | checkpoint weights (MB) | decoder read per step (MB) | "
              + " | ".join(f"share of roofline b={b}" for b in batches) + " |",
