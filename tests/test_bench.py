@@ -292,6 +292,9 @@ def test_the_gpu_benchmark_keeps_each_engines_own_first_tokens(checkpoint, tmp_p
         (run,) = [r for r in data["runs"][kind] if r["timed"]]
         assert 0 < run["full_first_s"] < run["full_s"]
         assert data["summary"][kind]["1"]["decode_in_call_tok_s"]["n"] == 1
+    parts = [r["parts"] for r in data["runs"]["ours"]]  # ours also says where its first tokens went
+    assert len(parts) == 1 and parts[0]["full"]["first_token_s"] == data["runs"]["ours"][0]["full_first_s"]
+    assert all(0 < p["submit_s"] < p["first_token_s"] and p["prefill_s"] > 0 for p in parts[0].values())
     assert "decode in the call (tok/s) b=1" in next(tmp_path.glob("gpu-*.md")).read_text()
 
 

@@ -303,6 +303,7 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
                           cuda_graphs=cuda, prefix_cache=False, vision_compile_sizes=(spec.image_size,) if cuda else ())
     engine = Engine.load(spec.model, config=config)
     prompts: list[list[int]] = []
+    parts: list[dict[str, float]] = []  # each call's host-side parts, in the order of the calls
 
     def call(batch: int, new_tokens: int, images: list) -> float:
         settings = SAMPLED_SETTINGS if spec.sampled else {}
@@ -312,16 +313,26 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
         sync(spec.device)
         started = time.perf_counter()
         seqs = [engine.submit(QUESTION, [image], p) for image, p in zip(images, params)]
+        submitted = time.perf_counter()
         results = engine.run_until_done(seqs)
         sync(spec.device)
         seconds = time.perf_counter() - started
         if any(len(r.token_ids) != new_tokens for r in results):
             raise RuntimeError(f"ours generated {[len(r.token_ids) for r in results]} tokens, not {new_tokens}")
         prompts.append(seqs[0].prompt_ids)
-        return seconds, max(s.timings.first_token for s in seqs) - started  # stamped as the host takes it
+        first = max(s.timings.first_token for s in seqs) - started  # stamped as the host takes it
+        parts.append({"submit_s": submitted - started, "first_token_s": first,
+                      "vision_s": max(s.timings.vision_s for s in seqs),
+                      "prefill_s": max(s.timings.prefill_s for s in seqs)})
+        return seconds, first
 
     log = RunLog()
     measure(spec, OURS, call, log)
+    # Where each call's first token went (a diagnostic): the submits (preprocessing and the
+    # pictures' vision launched), of which each row's vision; the prefill, waits for the
+    # device included.
+    for record, full, one in zip(log.records, parts[::2], parts[1::2], strict=True):
+        record["parts"] = {"full": full, "one": one}
     decoder = engine.model.decoder
     return {"runs": log.records, "prompt_tokens": len(prompts[0]), "prompt_digest": prompt_digest(prompts[0]),
             "peak_memory_mb": peak_memory_mb(spec.device),
