@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Where the time of one request goes on a GPU: preprocessing, the vision tower, prefill, decode steps.
 
-    python scripts/profile_gpu.py --model DIR [--image-size 1024x768] [--steps 64] --out profile.json
+    python scripts/profile_gpu.py --model DIR [--image-size 1024x768] [--steps 64] [--batch 1] --out profile.json
 
-Decode is the engine's time per token (wall time under cProfile, host included, greedy
-bursts as the engine runs them) and the kernels of one burst step (``burst_step_kernels``:
-device time per kernel), then the device's timeline over as many more tokens (``decode_timeline``:
-the time some kernel ran against the wall, and the gaps between kernels). Where a single-step graph was captured (bursts off, or sampled
+Decode is the engine's time per step (a token of every row; wall time under cProfile, host
+included, greedy bursts as the engine runs them) and the kernels of one burst step
+(``burst_step_kernels``: device time per kernel), then the device's timeline over as many more
+steps (``decode_timeline``: the time some kernel ran against the wall, the gaps between kernels,
+and each kernel's device time a step, ``by_kernel``). ``--batch B`` decodes B requests at once,
+each with its own picture (the preprocessing and vision sections take the first). Where a single-step graph was captured (bursts off, or sampled
 rows), its replay alone is timed too (``graph_replay_ms``, replays back to back). The
 vision tower is readied for the image's size at load (as a profile's
 ``vision_compile_sizes`` do: captured in a CUDA graph, or compiled) and timed so and
@@ -73,39 +75,54 @@ def kernel_table(fn, top: int = 25) -> dict:
             "top": [{"name": n, "count": c, "ms": round(t / 1e3, 4)} for n, (c, t) in rows]}
 
 
-def decode_timeline(engine, seq, steps: int, top: int = 12) -> dict:
-    """The device's timeline while the engine decodes ``steps`` tokens of ``seq`` (``torch.profiler``,
-    CUDA activity only, no host profiler): the wall time, the time some kernel ran (their union),
-    and the gaps between one kernel's end and the next one's start, the longest with the kernels
-    on each side. A step that takes longer than its kernels shows here as gaps."""
+def decode_timeline(engine, seqs, steps: int, top: int = 12) -> dict:
+    """The device's timeline while the engine decodes ``steps`` steps of ``seqs`` (``torch.profiler``,
+    CUDA activity only, no host profiler): see :func:`timeline`."""
     from torch.profiler import ProfilerActivity, profile
 
-    before = len(seq.generated)
+    before = min(len(s.generated) for s in seqs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        while len(seq.generated) - before < steps:
+        while min(len(s.generated) for s in seqs) - before < steps:
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    done = len(seq.generated) - before
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[:70]) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    done = min(len(s.generated) for s in seqs) - before
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"batch": len(seqs), **timeline(spans, wall * 1e6, done, top)}
+
+
+def timeline(spans: list[tuple[float, float, str]], wall_us: float, steps: int, top: int = 12) -> dict:
+    """Figures of a device timeline (``spans``: each kernel's start, end in µs and name) over
+    ``steps`` decode steps that took ``wall_us``: the time some kernel ran (their union, ``busy``),
+    the gaps between one kernel's end and the next one's start (the longest with the kernels on
+    each side), and each kernel name's count and device time a step, most first (``by_kernel``).
+    "A token" is a step: a token of every row."""
+    spans = sorted((start, stop, name[:70]) for start, stop, name in spans)
+    per = max(steps, 1)
     gaps, end, last = [], None, None  # end: the latest a kernel so far ran to (kernels may overlap)
+    by_name: dict[str, list[float]] = {}
     for start, stop, name in spans:
         if end is not None and start >= end:  # touching kernels count, as a gap of 0
             gaps.append((start - end, last, name))
         if end is None or stop > end:
             end, last = stop, name
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += stop - start
     sizes = sorted(g[0] for g in gaps)
     span = end - spans[0][0] if spans else 0.0
-    return {"tokens": done, "wall_ms": wall * 1e3, "wall_us_a_token": wall * 1e6 / max(done, 1),
-            "kernels": len(spans), "busy_us_a_token": (span - sum(sizes)) / max(done, 1),
-            "span_us_a_token": span / max(done, 1),
-            "gaps": len(gaps), "gap_us_a_token": sum(sizes) / max(done, 1),
+    kernels = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"tokens": steps, "wall_ms": wall_us / 1e3, "wall_us_a_token": wall_us / per,
+            "kernels": len(spans), "busy_us_a_token": (span - sum(sizes)) / per, "span_us_a_token": span / per,
+            "gaps": len(gaps), "gap_us_a_token": sum(sizes) / per,
             "gaps_over_5us": sum(1 for g in sizes if g > 5), "gap_us_over_5us": sum(g for g in sizes if g > 5),
             "gap_median_us": statistics.median(sizes) if sizes else None,
-            "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]]}
+            "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]],
+            "by_kernel": [{"name": n, "count_a_token": c / per, "us_a_token": round(t / per, 2)}
+                          for n, (c, t) in kernels]}
 
 
 def main() -> None:
@@ -113,20 +130,23 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--image-size", default="1024x768")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="requests decoded at once, each with its own picture")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     w, h = parse_size(args.image_size)
-    image = bench_image((w, h))
-    config = EngineConfig(dtype=args.dtype, device="cuda", max_batch_size=16, block_size=16, kv_budget_mb=1024,
+    images = [bench_image((w, h), seed=i) for i in range(args.batch)]
+    image = images[0]
+    config = EngineConfig(dtype=args.dtype, device="cuda", max_batch_size=max(16, args.batch), block_size=16,
+                          kv_budget_mb=max(1024, 64 * args.batch),
                           max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True,
                           vision_compile_sizes=((w, h),), prefix_cache=False)
     engine = Engine.load(args.model, config=config)
     params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
     for _ in range(2):  # warm-up: graphs captured, layers compiled
         engine.vision_cache.clear()
-        engine.generate(QUESTION, [image], params)
-    out: dict = {"model": str(args.model), "image": [w, h], "gpu": torch.cuda.get_device_name()}
+        engine.run_until_done([engine.submit(QUESTION, [picture], params) for picture in images])
+    out: dict = {"model": str(args.model), "image": [w, h], "batch": args.batch, "gpu": torch.cuda.get_device_name()}
 
     # Preprocessing and the vision tower.
     adapter = engine.adapter
@@ -140,7 +160,7 @@ def main() -> None:
     out["vision_eager_s"] = timed(lambda: tower._run(tower.module, processed.tensors), 5)
     out["vision_kernels"] = kernel_table(lambda: tower.encode(processed.tensors))
 
-    # One request, step by step; where the host's time goes in submit (preprocessing, hashing, prompt).
+    # The requests, step by step; where the host's time goes in submit (preprocessing, hashing, prompt).
     engine.vision_cache.clear()
     from torch._dynamo.utils import counters
 
@@ -149,7 +169,8 @@ def main() -> None:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     profiler.enable()
-    seq = engine.submit(QUESTION, [image], params)
+    seqs = [engine.submit(QUESTION, [picture], params) for picture in images]
+    seq = seqs[0]
     profiler.disable()
     out["submit_s"] = time.perf_counter() - t0
     out["dynamo_stats_during_submit"] = {k: v - graphs_before.get(k, 0) for k, v in counters["stats"].items()}
@@ -158,21 +179,21 @@ def main() -> None:
     out["submit_profile_top"] = stream.getvalue().splitlines()[:45]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    while not seq.generated:
+    while not all(s.generated for s in seqs):
         engine.step()
     torch.cuda.synchronize()
     out["prefill_s"] = seq.timings.prefill_s
     out["submit_to_first_token_s"] = time.perf_counter() - t0 + seq.timings.vision_s
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
-    before = len(seq.generated)
+    before = min(len(s.generated) for s in seqs)
     t0 = time.perf_counter()
     profiler.enable()
-    while len(seq.generated) - before < args.steps:
+    while min(len(s.generated) for s in seqs) - before < args.steps:
         engine.step()
     profiler.disable()
     torch.cuda.synchronize()
-    out["decode_step_wall_ms"] = (time.perf_counter() - t0) / (len(seq.generated) - before) * 1e3
+    out["decode_step_wall_ms"] = (time.perf_counter() - t0) / (min(len(s.generated) for s in seqs) - before) * 1e3
     out["decode_bursts"] = engine.counters["decode_bursts"]
     out["weight_layout"] = getattr(engine.decoder_engine, "weight_layout", None)
     out["decode_kernels"] = getattr(engine.decoder_engine, "kernel_report", None)
@@ -181,19 +202,21 @@ def main() -> None:
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
     out["host_profile_top"] = stream.getvalue().splitlines()[:60]
 
-    # The same sequence decodes on, now with the device's timeline recorded and no host profiler.
-    out["decode_timeline"] = decode_timeline(engine, seq, args.steps)
+    # The same sequences decode on, now with the device's timeline recorded and no host profiler.
+    out["decode_timeline"] = decode_timeline(engine, seqs, args.steps)
 
     graphs = getattr(engine.decoder_engine, "_graphs", {})
-    one = next((g for key, g in graphs.items() if key[0] == 1), None)  # keys start with the batch
+    bucket = min((key[0] for key in graphs if key[0] >= args.batch), default=None)  # keys start with the batch
+    one = next((g for key, g in graphs.items() if key[0] == bucket), None)
     if one is not None:
         out["graph_replay_ms"] = replay_ms(one.graph, 100)
         out["host_added_ms"] = out["decode_step_wall_ms"] - out["graph_replay_ms"]
     bursts = getattr(engine.decoder_engine, "_bursts", {})
-    burst = next((g for key, g in bursts.items() if key[0] == 1), None)
+    bucket = min((key[0] for key in bursts if key[0] >= args.batch), default=None)
+    burst = next((g for key, g in bursts.items() if key[0] == bucket), None)
     if burst is not None and hasattr(burst.replay, "__self__"):
-        # Replays of the greedy graph write into the pool at this sequence's next slots,
-        # which its table covers; the sequence is not used afterwards.
+        # Replays of the greedy graph write into the pool at these sequences' next slots,
+        # which their tables cover; the sequences are not used afterwards.
         out["burst_step_kernels"] = kernel_table(burst.replay, top=40)
     decoder = engine.model.decoder
     out["text_weight_bytes"] = sum(p.numel() * p.element_size() for n, p in decoder.named_parameters() if n != "embed")

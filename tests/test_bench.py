@@ -486,3 +486,17 @@ def test_a_worker_past_its_time_limit_is_stopped_with_the_limit_named():
 
     with pytest.raises(RuntimeError, match="did not finish within 0.01 s"):
         call_worker("gpu-bandwidth", {}, timeout_s=0.01)
+
+
+def test_the_profiles_timeline_counts_busy_time_gaps_and_each_kernel_a_step():
+    """Two steps' kernels: A 0-10 µs, B 12-20, A again 20-25 (touching B), C 30-31 inside a longer
+    D 28-35. Busy time is the span less the gaps (35 - 2 - 0 - 3 = 30 µs, 15 a step); A ran 15 µs
+    in two launches, one a step, the most of any kernel."""
+    timeline = _script("profile_gpu").timeline
+    spans = [(20.0, 25.0, "A"), (0.0, 10.0, "A"), (12.0, 20.0, "B"), (30.0, 31.0, "C"), (28.0, 35.0, "D")]
+    got = timeline(spans, wall_us=40.0, steps=2, top=3)
+    assert got["busy_us_a_token"] == pytest.approx(15.0) and got["span_us_a_token"] == pytest.approx(17.5)
+    assert got["gaps"] == 3 and got["gap_us_a_token"] == pytest.approx(2.5) and got["wall_us_a_token"] == 20.0
+    assert got["longest"][0] == {"us": 3.0, "after": "A", "before": "D"}
+    assert [k["name"] for k in got["by_kernel"]] == ["A", "B", "D"]
+    assert got["by_kernel"][0] == {"name": "A", "count_a_token": 1.0, "us_a_token": 7.5}
