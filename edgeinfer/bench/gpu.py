@@ -12,7 +12,7 @@ request pays for its own vision encoder, and no engine reuses another request's)
 question, exactly ``new_tokens`` tokens (EOS ignored). Ours has no prefix cache and its
 vision cache is cleared before every call. Each repeat times two whole calls with the
 device synchronised: ``T_n`` (``new_tokens`` tokens) and ``T_1`` (one token: preprocessing,
-vision, prefill and the first token). Both sides get the same two figures:
+vision, prefill and the first token). Both sides get the same figures:
 
 - whole request: ``b * new_tokens / T_n``;
 - decode only: ``b * (new_tokens - 1) / (T_n - T_1)``;
@@ -328,9 +328,10 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
 
     log = RunLog()
     measure(spec, OURS, call, log)
-    # Where each call's first token went (a diagnostic): the submits (preprocessing and the
-    # pictures' vision launched), of which each row's vision; the prefill, waits for the
-    # device included.
+    # Where each call's first token went (a diagnostic): ``submit_s`` the host's submits (each
+    # row's preprocessing and prompt, then its vision launched), ``vision_s`` the slowest row's
+    # vision launch alone, ``prefill_s`` the slowest row's prefill, its waits for the device
+    # included.
     for record, full, one in zip(log.records, parts[::2], parts[1::2], strict=True):
         record["parts"] = {"full": full, "one": one}
     decoder = engine.model.decoder
