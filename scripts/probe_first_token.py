@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgeinfer.bench.common import bench_image, sync  # noqa: E402
 from edgeinfer.bench.gpu import QUESTION  # noqa: E402
+from edgeinfer.bench.raw import print_and_save  # noqa: E402
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from edgeinfer.profiles import parse_size  # noqa: E402
 
@@ -113,9 +113,7 @@ def main() -> None:
     runs.append(pairs("disabled"))
     gc.enable()
     out["runs"] = runs
-    text = json.dumps(out, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_and_save(out, args.out)
     for r in runs:
         print(r["collector"], "first token full/one (ms):", round(r["first_token_ms_full"], 1),
               round(r["first_token_ms_one"], 1), "late:", r["late_full"], "of", args.pairs,

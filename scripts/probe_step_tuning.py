@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from edgeinfer.backends.torch import step_tuning, triton_decode
+from edgeinfer.bench.raw import print_and_save
 from edgeinfer.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,10 +100,7 @@ def main() -> None:
     for r in out["runs"]:
         r["retimed_median_us"] = round(statistics.median(times[names_key(r["ends"])]), 1)
     out["load_after"] = os.getloadavg()
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_and_save(out, args.out)
 
 
 if __name__ == "__main__":

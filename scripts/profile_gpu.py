@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgeinfer.bench.common import bench_image  # noqa: E402
 from edgeinfer.bench.gpu import QUESTION  # noqa: E402
+from edgeinfer.bench.raw import print_and_save  # noqa: E402
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from edgeinfer.profiles import parse_size  # noqa: E402
 from edgeinfer.quant.kernels import replay_ms  # noqa: E402
@@ -125,6 +125,13 @@ def timeline(spans: list[tuple[float, float, str]], wall_us: float, steps: int, 
                           for n, (c, t) in kernels]}
 
 
+def at_batch(graphs: dict, batch: int):
+    """The graph of the smallest batch bucket that holds ``batch`` rows (keys start with the
+    bucket), or None."""
+    bucket = min((key[0] for key in graphs if key[0] >= batch), default=None)
+    return next((g for key, g in graphs.items() if key[0] == bucket), None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -205,25 +212,18 @@ def main() -> None:
     # The same sequences decode on, now with the device's timeline recorded and no host profiler.
     out["decode_timeline"] = decode_timeline(engine, seqs, args.steps)
 
-    graphs = getattr(engine.decoder_engine, "_graphs", {})
-    bucket = min((key[0] for key in graphs if key[0] >= args.batch), default=None)  # keys start with the batch
-    one = next((g for key, g in graphs.items() if key[0] == bucket), None)
+    one = at_batch(getattr(engine.decoder_engine, "_graphs", {}), args.batch)
     if one is not None:
         out["graph_replay_ms"] = replay_ms(one.graph, 100)
         out["host_added_ms"] = out["decode_step_wall_ms"] - out["graph_replay_ms"]
-    bursts = getattr(engine.decoder_engine, "_bursts", {})
-    bucket = min((key[0] for key in bursts if key[0] >= args.batch), default=None)
-    burst = next((g for key, g in bursts.items() if key[0] == bucket), None)
+    burst = at_batch(getattr(engine.decoder_engine, "_bursts", {}), args.batch)
     if burst is not None and hasattr(burst.replay, "__self__"):
         # Replays of the greedy graph write into the pool at these sequences' next slots,
         # which their tables cover; the sequences are not used afterwards.
         out["burst_step_kernels"] = kernel_table(burst.replay, top=40)
     decoder = engine.model.decoder
     out["text_weight_bytes"] = sum(p.numel() * p.element_size() for n, p in decoder.named_parameters() if n != "embed")
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_and_save(out, args.out)
 
 
 if __name__ == "__main__":

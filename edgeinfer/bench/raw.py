@@ -26,6 +26,14 @@ from edgeinfer.errors import EdgeInferError
 SCHEMA = 2  # 1: the files before load averages, quiet verdicts and min/max were recorded
 
 
+def print_and_save(data: dict[str, Any], out: Path | None) -> None:
+    """A probe's result: printed as indented JSON and, with ``out``, written there too."""
+    text = json.dumps(data, indent=1)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def jsonable(value: Any) -> Any:
     """``value`` as plain JSON: NaN and infinities become null, paths and enums strings,
     dataclasses (or objects with ``to_dict``) dicts."""
