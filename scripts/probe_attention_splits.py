@@ -1,8 +1,11 @@
 """Diagnostic probe (not a benchmark): the paged attention of a Qwen2-VL-2B layer (12 heads, 2 KV
-heads, head 128) for ``PROBE_ROWS`` rows (1 unless given) by each row's past (1,024 and 256
-positions), the block table's width (1,040, 2,048 and 4,096 positions: the decode graphs bucket
-widths by powers of two), ``ATTENTION_PROGRAMS`` (which sets the splits) and ``MERGE_VALUES``
-(which sets the splits the merge takes at a time).
+heads, head 128) for ``PROBE_ROWS`` rows (a list; 1 unless given) by each row's past
+(``PROBE_CONTEXTS``: 1,024 and 256 positions unless given), the block table's width
+(``PROBE_WIDTHS``: 1,040, 2,048 and 4,096 positions unless given; the decode graphs bucket widths
+by powers of two), ``ATTENTION_PROGRAMS`` (which sets the splits) and ``MERGE_VALUES``
+(which sets the splits the merge takes at a time); ``PROBE_TILES`` (positions a step of a split
+reads, :data:`ATTENTION_TILE`, 32 unless given: the fewest positions a split takes follows it) and
+``PROBE_WARPS`` (:data:`ATTENTION_WARPS`). Each row reads its own pages.
 
     python scripts/probe_attention_splits.py > OUT.jsonl      # PROBE_P=1024 for the default only
     PROBE_MERGE=4096,16384 python scripts/probe_attention_splits.py    # keys then P<p>/M<values>
@@ -22,19 +25,27 @@ L, H, KVH, HD, BS = 28, 12, 2, 128, 16
 
 
 def main() -> None:
-    dev, dt = "cuda", torch.bfloat16
-    programs = [int(v) for v in os.environ.get("PROBE_P", "1024,256,128,64,32,16,8,4,2").split(",")]
-    rows = int(os.environ.get("PROBE_ROWS", "1"))
     merges = [int(v) for v in os.environ.get("PROBE_MERGE", str(td.MERGE_VALUES)).split(",")]
-    for ctx in (1024, 256):
-        for width in (1040, 2048, 4096):
+    tiles = [int(v) for v in os.environ.get("PROBE_TILES", str(td.ATTENTION_TILE)).split(",")]
+    warp_counts = [int(v) for v in os.environ.get("PROBE_WARPS", str(td.ATTENTION_WARPS)).split(",")]
+    programs = [int(v) for v in os.environ.get("PROBE_P", "1024,256,128,64,32,16,8,4,2").split(",")]
+    for rows in [int(v) for v in os.environ.get("PROBE_ROWS", "1").split(",")]:
+        probe(rows, programs, merges, tiles, warp_counts)
+
+
+def probe(rows: int, programs: list[int], merges: list[int], tiles: list[int], warp_counts: list[int]) -> None:
+    dev, dt = "cuda", torch.bfloat16
+    for ctx in [int(v) for v in os.environ.get("PROBE_CONTEXTS", "1024,256").split(",")]:
+        for width in [int(v) for v in os.environ.get("PROBE_WIDTHS", "1040,2048,4096").split(",")]:
             blocks = width // BS
-            k_pool = torch.randn(L, blocks, BS, KVH, HD, dtype=dt, device=dev)
+            # Each row its own pages, as each request has its own past (rows reading the same pages
+            # would find them in L2 and time a bandwidth no batch of requests gets).
+            k_pool = torch.randn(L, rows * blocks, BS, KVH, HD, dtype=dt, device=dev)
             v_pool = torch.randn_like(k_pool)
             qkv = torch.randn(rows, (H + 2 * KVH) * HD, dtype=dt, device=dev)
             cos = torch.ones(rows, HD, dtype=dt, device=dev)
             sin = torch.zeros_like(cos)
-            tables = torch.arange(blocks, device=dev)[None].repeat(rows, 1)  # rows read one past: none is written
+            tables = torch.arange(rows * blocks, device=dev).view(rows, blocks)
             lens = torch.full((rows,), ctx, device=dev)
             valid = torch.zeros(rows, dtype=torch.long, device=dev)  # no valid row: the pool is not written
             ws = SplitWorkspace(torch.device(dev))
@@ -43,16 +54,18 @@ def main() -> None:
                 return td.paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, lens, heads=H, kv_heads=KVH,
                                           head_dim=HD, valid=valid, workspace=ws)
             row, ref = {"rows": rows, "context": ctx, "table_positions": width}, None
-            for p in programs:
-                for merge in merges:
-                    td.ATTENTION_PROGRAMS, td.MERGE_VALUES = p, merge
-                    chunk = td.attention_chunk(rows, KVH, width)
-                    out = attention(0).float()
-                    ref = out if ref is None else ref
-                    us = min(graph_time_us([lambda i=i: attention(i) for i in range(L)], repeats=20) for _ in range(3))
-                    key = f"P{p}" if len(merges) == 1 else f"P{p}/M{merge}"
-                    row[key] = {"splits": -(-width // chunk), "chunk": chunk, "us": round(us, 2),
-                                "max_err": (out - ref).abs().max().item()}
+            for p, merge, tile, warps in ((p, m, t, w) for p in programs for m in merges for t in tiles
+                                          for w in warp_counts):
+                td.ATTENTION_PROGRAMS, td.MERGE_VALUES, td.ATTENTION_WARPS = p, merge, warps
+                td.ATTENTION_TILE = td.ATTENTION_CHUNK = tile
+                chunk = td.attention_chunk(rows, KVH, width)
+                out = attention(0).float()
+                ref = out if ref is None else ref
+                us = min(graph_time_us([lambda i=i: attention(i) for i in range(L)], repeats=20) for _ in range(3))
+                key = f"P{p}" + (f"/M{merge}" if len(merges) > 1 else "") + (f"/T{tile}" if len(tiles) > 1 else "") \
+                    + (f"/{warps}w" if len(warp_counts) > 1 else "")
+                row[key] = {"splits": -(-width // chunk), "chunk": chunk, "us": round(us, 2),
+                            "max_err": (out - ref).abs().max().item()}
             print(json.dumps(row), flush=True)
 
 

@@ -679,6 +679,7 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
 
 ATTENTION_CHUNK = 32  # fewest context positions per split: ~1k positions give 32 splits per KV head
 ATTENTION_TILE = 32
+ATTENTION_WARPS = 4
 
 
 def attention_chunk(rows: int, kv_heads: int, positions: int) -> int:
@@ -736,8 +737,8 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
         head_dim ** -0.5, eps, KVH=kv_heads, G=groups, GP=max(16, gm), HD=head_dim, HDP=hdp, BS=block_size,
         CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, GM=gm,
         MC=max(1, min(_pow2(splits), MERGE_VALUES // (gm * hdp))),
-        WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **_launch(qkv.device), num_warps=4,
-        num_stages=2)
+        WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **_launch(qkv.device),
+        num_warps=ATTENTION_WARPS, num_stages=2)
     return out
 
 
