@@ -677,8 +677,12 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
     return y
 
 
-ATTENTION_CHUNK = 32  # fewest context positions per split: ~1k positions give 32 splits per KV head
-ATTENTION_TILE = 32
+# Positions a split reads per step, and the fewest a split takes: ~1k positions give 8 splits per
+# KV head. On an H200 (scripts/probe_attention_splits.py, each row its own pages, a Qwen2-VL-2B
+# layer at 1,024 positions) steps of 128 took 4.85 µs at 1 row, 5.06 at 4 and 10.9 at 16, against
+# 5.53, 7.04 and 14.3 for steps of 32: fewer, longer splits leave less to merge.
+ATTENTION_CHUNK = 128
+ATTENTION_TILE = 128
 ATTENTION_WARPS = 4
 
 
