@@ -2,6 +2,11 @@
 """Where the time of one request goes on a GPU: preprocessing, the vision tower, prefill, decode steps.
 
     python scripts/profile_gpu.py --model DIR [--image-size 1024x768] [--steps 64] [--batch 1] --out profile.json
+    python scripts/profile_gpu.py --shape qwen2-vl-2b --weights w4a16-h8 --cache DIR --batch 16 --out profile.json
+
+``--shape`` (with ``--weights``, the checkpoint as it is by default, and ``--cache``) profiles the
+checkpoint ``edgeinfer bench gpu`` runs for that shape and weight format, built and quantized
+under ``--cache`` the first time, as the benchmark builds them.
 
 Decode is the engine's time per step (a token of every row; wall time under cProfile, host
 included, greedy bursts as the engine runs them) and the kernels of one burst step
@@ -31,9 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgeinfer.bench.common import bench_image  # noqa: E402
+from edgeinfer.bench.common import SHAPES, bench_checkpoint, bench_image  # noqa: E402
 from edgeinfer.bench.gpu import QUESTION  # noqa: E402
 from edgeinfer.bench.raw import print_and_save  # noqa: E402
+from edgeinfer.bench.weights import check_weights, dense_format, format_checkpoint  # noqa: E402
+from edgeinfer.cli.bench import DEFAULT_CACHE  # noqa: E402
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from edgeinfer.profiles import parse_size  # noqa: E402
 from edgeinfer.quant.kernels import replay_ms  # noqa: E402
@@ -132,15 +139,40 @@ def at_batch(graphs: dict, batch: int):
     return next((g for key, g in graphs.items() if key[0] == bucket), None)
 
 
+def shape_checkpoint(shape: str, fmt: str, cache: Path, group_size: int, dtype: str) -> Path:
+    """The checkpoint ``bench gpu --shape SHAPE --weights FMT`` runs, built (and quantized) under
+    ``cache`` the first time."""
+    return format_checkpoint(bench_checkpoint(shape, cache), fmt, cache, group_size, dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", type=Path)
+    which.add_argument("--shape", choices=sorted(SHAPES), help="the benchmarks' random checkpoint of this shape")
+    parser.add_argument("--weights", default=None, help="with --shape: a format of `bench gpu --weights` "
+                                                         "(default: the checkpoint as it is)")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                        help="with --shape: where its checkpoints are built once (bench's default)")
+    parser.add_argument("--group-size", type=int, default=128, help="with --shape: the quantized formats' group")
     parser.add_argument("--image-size", default="1024x768")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1, help="requests decoded at once, each with its own picture")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.model is not None and args.weights is not None:
+        parser.error("--weights goes with --shape: a --model folder is profiled as it is")
+    fmt = None
+    if args.shape is not None:
+        try:
+            fmt = args.weights or dense_format(args.dtype)
+            check_weights((fmt,), args.dtype)
+        except ValueError as error:
+            parser.error(str(error))
+    if not torch.cuda.is_available():
+        sys.exit("profile_gpu: no CUDA device is visible to torch")
+    model = args.model or shape_checkpoint(args.shape, fmt, args.cache, args.group_size, args.dtype)
     w, h = parse_size(args.image_size)
     images = [bench_image((w, h), seed=i) for i in range(args.batch)]
     image = images[0]
@@ -148,12 +180,12 @@ def main() -> None:
                           kv_budget_mb=max(1024, 64 * args.batch),
                           max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True,
                           vision_compile_sizes=((w, h),), prefix_cache=False)
-    engine = Engine.load(args.model, config=config)
+    engine = Engine.load(model, config=config)
     params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
     for _ in range(2):  # warm-up: graphs captured, layers compiled
         engine.vision_cache.clear()
         engine.run_until_done([engine.submit(QUESTION, [picture], params) for picture in images])
-    out: dict = {"model": str(args.model), "image": [w, h], "batch": args.batch, "gpu": torch.cuda.get_device_name()}
+    out: dict = {"model": str(model), "image": [w, h], "batch": args.batch, "gpu": torch.cuda.get_device_name()}
 
     # Preprocessing and the vision tower.
     adapter = engine.adapter

@@ -171,6 +171,15 @@ def test_a_quantized_checkpoint_is_written_once_under_a_key_of_what_it_depends_o
     assert spec.key() != key
 
 
+def test_a_format_runs_the_checkpoint_itself_or_its_quantized_copy(quantized):
+    """What ``scripts/profile_gpu.py --shape --weights`` profiles: the benchmark's folder for the format."""
+    from edgeinfer.bench.weights import format_checkpoint
+
+    source, cache, folder = quantized
+    assert format_checkpoint(source, "fp32", cache, GROUP, "float32") == source
+    assert format_checkpoint(source, "w4a16", cache, GROUP, "float32") == folder
+
+
 def test_prepare_weights_maps_each_format_to_its_checkpoint(quantized):
     source, cache, folder = quantized
     spec = GpuBenchSpec(source, dtype="float32", weights=("fp32", "w4a16"), group_size=GROUP)

@@ -61,8 +61,8 @@ from edgeinfer.bench.weights import (
     QuantizedCheckpointSpec,
     check_weights,
     dense_format,
+    format_checkpoint,
     is_quantized,
-    quantized_checkpoint,
 )
 
 QUESTION = "Describe this image."
@@ -262,11 +262,10 @@ def prepare_weights(spec: GpuBenchSpec, cache: Path, steps=None,
     if OURS not in spec.kinds:
         return checkpoints
     for fmt in filter(is_quantized, spec.formats):
-        quantized = QuantizedCheckpointSpec.of(fmt, spec.model, spec.group_size, spec.dtype)
-        folder = quantized.folder(cache)
+        folder = QuantizedCheckpointSpec.of(fmt, spec.model, spec.group_size, spec.dtype).folder(cache)
         if not (folder / "config.json").is_file():
             log(f"[bench gpu] quantizing {spec.model.name} to {fmt} (rtn, group {spec.group_size}) into {folder}")
-        checkpoints[fmt] = quantized_checkpoint(quantized, cache, steps)
+        checkpoints[fmt] = format_checkpoint(spec.model, fmt, cache, spec.group_size, spec.dtype, steps)
     return checkpoints
 
 

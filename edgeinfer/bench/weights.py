@@ -145,3 +145,11 @@ def quantized_checkpoint(spec: QuantizedCheckpointSpec, cache: Path, steps=None)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return path
+
+
+def format_checkpoint(source: Path, fmt: str, cache: Path, group_size: int, dtype: str, steps=None) -> Path:
+    """The checkpoint ``fmt`` runs: ``source`` itself for a dense format, else its quantized copy
+    under ``cache`` (:func:`quantized_checkpoint`, written once), quantized in ``dtype``."""
+    if not is_quantized(fmt):
+        return source
+    return quantized_checkpoint(QuantizedCheckpointSpec.of(fmt, source, group_size, dtype), cache, steps)
