@@ -13,8 +13,8 @@ included, greedy bursts as the engine runs them) and the kernels of one burst st
 (``burst_step_kernels``: device time per kernel), then the device's timeline over as many more
 steps (``decode_timeline``: the time some kernel ran against the wall, the gaps between kernels,
 and each kernel's device time a step, ``by_kernel``). ``--batch B`` decodes B requests at once,
-each with its own picture (the preprocessing and vision sections take the first). Where a single-step graph was captured (bursts off, or sampled
-rows), its replay alone is timed too (``graph_replay_ms``, replays back to back). The
+each with its own picture (the preprocessing and vision sections take the first). Where a
+single-step graph was captured (bursts off, or sampled rows), its replay alone is timed too (``graph_replay_ms``, replays back to back). The
 vision tower is readied for the image's size at load (as a profile's
 ``vision_compile_sizes`` do: captured in a CUDA graph, or compiled) and timed so and
 eagerly, its kernels listed with ``torch.profiler``. Prints a JSON object; nothing here is
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -36,11 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgeinfer.bench.common import SHAPES, bench_checkpoint, bench_image  # noqa: E402
+from edgeinfer.bench.common import CACHE_ENV, DEFAULT_CACHE, SHAPES, bench_checkpoint, bench_image  # noqa: E402
 from edgeinfer.bench.gpu import QUESTION  # noqa: E402
 from edgeinfer.bench.raw import print_and_save  # noqa: E402
 from edgeinfer.bench.weights import check_weights, dense_format, format_checkpoint  # noqa: E402
-from edgeinfer.cli.bench import DEFAULT_CACHE  # noqa: E402
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from edgeinfer.profiles import parse_size  # noqa: E402
 from edgeinfer.quant.kernels import replay_ms  # noqa: E402
@@ -152,8 +152,9 @@ def main() -> None:
     which.add_argument("--shape", choices=sorted(SHAPES), help="the benchmarks' random checkpoint of this shape")
     parser.add_argument("--weights", default=None, help="with --shape: a format of `bench gpu --weights` "
                                                          "(default: the checkpoint as it is)")
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
-                        help="with --shape: where its checkpoints are built once (bench's default)")
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(CACHE_ENV, DEFAULT_CACHE)),
+                        help=f"with --shape: where its checkpoints are built once (default: ${CACHE_ENV}, "
+                             "else the benchmarks' own)")
     parser.add_argument("--group-size", type=int, default=128, help="with --shape: the quantized formats' group")
     parser.add_argument("--image-size", default="1024x768")
     parser.add_argument("--steps", type=int, default=64)

@@ -140,6 +140,9 @@ def environment(device: str, threads: int | None = None) -> dict[str, Any]:
     return env
 
 
+# Where the benchmarks build their checkpoints unless told (``--cache``, or this variable).
+DEFAULT_CACHE = Path.home() / ".cache" / "edgeinfer" / "bench"
+CACHE_ENV = "EDGEINFER_BENCH_CACHE"
 # Checkpoint shapes the benchmarks build (random weights, published shapes): name -> family.
 SHAPES = {"smolvlm-256m": "smolvlm", "qwen2-vl-2b": "qwen2_vl", "qwen3-vl-2b": "qwen3_vl", "gemma-3-4b": "gemma3"}
 

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from edgeinfer.bench.common import SHAPES
+from edgeinfer.bench.common import CACHE_ENV, DEFAULT_CACHE, SHAPES
 from edgeinfer.bench.quiet import QUIET_LOAD
 from edgeinfer.cli.build import Int4BlockSizeOption, Int4SymmetricOption
 from edgeinfer.cli.errors import cli_errors
@@ -20,13 +20,12 @@ from edgeinfer.cli.errors import cli_errors
 bench_app = typer.Typer(help="Benchmarks against transformers (and our other backends), measured in the same run.",
                         no_args_is_help=True)
 
-DEFAULT_CACHE = Path.home() / ".cache" / "edgeinfer" / "bench"
 ModelOption = Annotated[Optional[Path], typer.Option(
     "--model", "-m", help="Checkpoint folder. Default: a random checkpoint of --shape, built once under --cache.")]
 ShapeOption = Annotated[str, typer.Option(
     help=f"Shape of the built checkpoint (random weights, published shapes): {', '.join(SHAPES)}.")]
 CacheOption = Annotated[Path, typer.Option(help="Where built checkpoints are kept.",
-                                           envvar="EDGEINFER_BENCH_CACHE")]
+                                           envvar=CACHE_ENV)]
 OutOption = Annotated[Path, typer.Option("--out", "-o", help="Folder for the raw JSON file (and its .md summary).")]
 RepeatsOption = Annotated[int, typer.Option(min=1, help="Timed runs; figures are the median of all of them.")]
 WarmupOption = Annotated[int, typer.Option(min=0, help="Untimed runs before them (compilation, caches).")]
