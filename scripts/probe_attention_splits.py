@@ -4,15 +4,15 @@ heads, head 128) for ``PROBE_ROWS`` rows (a list; 1 unless given) by each row's 
 (``PROBE_WIDTHS``: 1,040, 2,048 and 4,096 positions unless given; the decode graphs bucket widths
 by powers of two), ``ATTENTION_PROGRAMS`` (which sets the splits) and ``MERGE_VALUES``
 (which sets the splits the merge takes at a time); ``PROBE_TILES`` (positions a step of a split
-reads, :data:`ATTENTION_TILE`, 32 unless given: the fewest positions a split takes follows it) and
-``PROBE_WARPS`` (:data:`ATTENTION_WARPS`). Each row reads its own pages.
+reads, :data:`ATTENTION_TILE` unless given: the fewest positions a split takes follows it) and
+``PROBE_WARPS`` (:data:`ATTENTION_WARPS` unless given). Each row reads its own pages.
 
     python scripts/probe_attention_splits.py > OUT.jsonl      # PROBE_P=1024 for the default only
     PROBE_MERGE=4096,16384 python scripts/probe_attention_splits.py    # keys then P<p>/M<values>
 
 28 layers' pools back to back from one CUDA graph, dependent launches on, best of three timings
-of 20 replays; ``max_err`` against the default's output. Outputs of the runs the docs cite:
-docs/results/probes/h200-attention-splits-*.jsonl."""
+of 20 replays; ``max_err`` against the first setting's output. Outputs of the runs the docs cite:
+docs/results/probes/h200-attention-splits-*.jsonl, h200-attention-steps-own-pages.jsonl."""
 import json
 import os
 
