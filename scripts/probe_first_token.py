@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgeinfer.bench.common import bench_image, sync  # noqa: E402
-from edgeinfer.bench.gpu import QUESTION  # noqa: E402
+from edgeinfer.bench.gpu import QUESTION, ours_config  # noqa: E402
 from edgeinfer.bench.raw import print_and_save  # noqa: E402
-from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from edgeinfer.engine import Engine, SamplingParams  # noqa: E402
 from edgeinfer.profiles import parse_size  # noqa: E402
 
 
@@ -64,11 +64,7 @@ def main() -> None:
     args = parser.parse_args()
 
     size = parse_size(args.image_size)
-    cuda = args.device.startswith("cuda")
-    config = EngineConfig(dtype=args.dtype, device=args.device, max_batch_size=1, block_size=16, kv_budget_mb=1024,
-                          max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=cuda,
-                          prefix_cache=False, vision_compile_sizes=(size,) if cuda else ())
-    engine = Engine.load(args.model, config=config)
+    engine = Engine.load(args.model, config=ours_config(args.dtype, args.device, size, max_batch=1))
     image = bench_image(size, seed=0)
     collections = Collections()
 

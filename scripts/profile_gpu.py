@@ -14,8 +14,8 @@ included, greedy bursts as the engine runs them) and the kernels of one burst st
 steps (``decode_timeline``: the time some kernel ran against the wall, the gaps between kernels,
 and each kernel's device time a step, ``by_kernel``). ``--batch B`` decodes B requests at once,
 each with its own picture (the preprocessing and vision sections take the first). Where a
-single-step graph was captured (bursts off, or sampled rows), its replay alone is timed too (``graph_replay_ms``, replays back to back). The
-vision tower is readied for the image's size at load (as a profile's
+single-step graph was captured (bursts off, or sampled rows), its replay alone is timed too
+(``graph_replay_ms``, replays back to back). The vision tower is readied for the image's size at load (as a profile's
 ``vision_compile_sizes`` do: captured in a CUDA graph, or compiled) and timed so and
 eagerly, its kernels listed with ``torch.profiler``. Prints a JSON object; nothing here is
 a pass/fail check.
@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgeinfer.bench.common import CACHE_ENV, DEFAULT_CACHE, SHAPES, bench_checkpoint, bench_image  # noqa: E402
-from edgeinfer.bench.gpu import QUESTION  # noqa: E402
+from edgeinfer.bench.gpu import QUESTION, ours_config  # noqa: E402
 from edgeinfer.bench.raw import print_and_save  # noqa: E402
 from edgeinfer.bench.weights import check_weights, dense_format, format_checkpoint  # noqa: E402
-from edgeinfer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from edgeinfer.engine import Engine, SamplingParams  # noqa: E402
 from edgeinfer.profiles import parse_size  # noqa: E402
 from edgeinfer.quant.kernels import replay_ms  # noqa: E402
 
@@ -82,20 +82,25 @@ def kernel_table(fn, top: int = 25) -> dict:
             "top": [{"name": n, "count": c, "ms": round(t / 1e3, 4)} for n, (c, t) in rows]}
 
 
+def decoded(seqs) -> int:
+    """Steps every one of ``seqs`` has decoded: the fewest tokens any of them has."""
+    return min(len(s.generated) for s in seqs)
+
+
 def decode_timeline(engine, seqs, steps: int, top: int = 12) -> dict:
     """The device's timeline while the engine decodes ``steps`` steps of ``seqs`` (``torch.profiler``,
     CUDA activity only, no host profiler): see :func:`timeline`."""
     from torch.profiler import ProfilerActivity, profile
 
-    before = min(len(s.generated) for s in seqs)
+    before = decoded(seqs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        while min(len(s.generated) for s in seqs) - before < steps:
+        while decoded(seqs) - before < steps:
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    done = min(len(s.generated) for s in seqs) - before
+    done = decoded(seqs) - before
     spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"batch": len(seqs), **timeline(spans, wall * 1e6, done, top)}
@@ -177,11 +182,8 @@ def main() -> None:
     w, h = parse_size(args.image_size)
     images = [bench_image((w, h), seed=i) for i in range(args.batch)]
     image = images[0]
-    config = EngineConfig(dtype=args.dtype, device="cuda", max_batch_size=max(16, args.batch), block_size=16,
-                          kv_budget_mb=max(1024, 64 * args.batch),
-                          max_context=4096, prefill_chunk=4096, vision_cache_entries=1, cuda_graphs=True,
-                          vision_compile_sizes=((w, h),), prefix_cache=False)
-    engine = Engine.load(model, config=config)
+    # As `bench gpu --batch-sizes 1,16` loads ours, or for the larger batch asked for.
+    engine = Engine.load(model, config=ours_config(args.dtype, "cuda", (w, h), max(16, args.batch)))
     params = SamplingParams(max_new_tokens=4 * args.steps + 1, ignore_eos=True)
     for _ in range(2):  # warm-up: graphs captured, layers compiled
         engine.vision_cache.clear()
@@ -226,14 +228,14 @@ def main() -> None:
     out["submit_to_first_token_s"] = time.perf_counter() - t0 + seq.timings.vision_s
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
-    before = min(len(s.generated) for s in seqs)
+    before = decoded(seqs)
     t0 = time.perf_counter()
     profiler.enable()
-    while min(len(s.generated) for s in seqs) - before < args.steps:
+    while decoded(seqs) - before < args.steps:
         engine.step()
     profiler.disable()
     torch.cuda.synchronize()
-    out["decode_step_wall_ms"] = (time.perf_counter() - t0) / (min(len(s.generated) for s in seqs) - before) * 1e3
+    out["decode_step_wall_ms"] = (time.perf_counter() - t0) / (decoded(seqs) - before) * 1e3
     out["decode_bursts"] = engine.counters["decode_bursts"]
     out["weight_layout"] = getattr(engine.decoder_engine, "weight_layout", None)
     out["decode_kernels"] = getattr(engine.decoder_engine, "kernel_report", None)

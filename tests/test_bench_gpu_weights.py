@@ -171,13 +171,19 @@ def test_a_quantized_checkpoint_is_written_once_under_a_key_of_what_it_depends_o
     assert spec.key() != key
 
 
-def test_a_format_runs_the_checkpoint_itself_or_its_quantized_copy(quantized):
-    """What ``scripts/profile_gpu.py --shape --weights`` profiles: the benchmark's folder for the format."""
+def test_a_format_runs_the_checkpoint_itself_or_its_quantized_copy(quantized, tmp_path):
+    """What ``scripts/profile_gpu.py --shape --weights`` profiles: the benchmark's folder for the format,
+    quantized (and said so) only where the cache does not hold it yet."""
     from edgeinfer.bench.weights import format_checkpoint
 
     source, cache, folder = quantized
-    assert format_checkpoint(source, "fp32", cache, GROUP, "float32") == source
-    assert format_checkpoint(source, "w4a16", cache, GROUP, "float32") == folder
+    said = []
+    assert format_checkpoint(source, "fp32", cache, GROUP, "float32", log=said.append) == source
+    assert format_checkpoint(source, "w4a16", cache, GROUP, "float32", log=said.append) == folder
+    assert said == []
+    fresh = format_checkpoint(source, "w4a16", tmp_path / "fresh", GROUP, "float32", log=said.append)
+    assert fresh.parent == tmp_path / "fresh" and (fresh / "config.json").is_file()
+    assert len(said) == 1 and "w4a16" in said[0] and str(fresh) in said[0]
 
 
 def test_prepare_weights_maps_each_format_to_its_checkpoint(quantized):

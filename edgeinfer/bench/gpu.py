@@ -58,7 +58,6 @@ from edgeinfer.bench.quiet import (
 from edgeinfer.bench.roofline import Probe, best_bandwidth_gbs, roofline, step_bytes
 from edgeinfer.bench.stats import Spread, ratio, spread
 from edgeinfer.bench.weights import (
-    QuantizedCheckpointSpec,
     check_weights,
     dense_format,
     format_checkpoint,
@@ -262,10 +261,7 @@ def prepare_weights(spec: GpuBenchSpec, cache: Path, steps=None,
     if OURS not in spec.kinds:
         return checkpoints
     for fmt in filter(is_quantized, spec.formats):
-        folder = QuantizedCheckpointSpec.of(fmt, spec.model, spec.group_size, spec.dtype).folder(cache)
-        if not (folder / "config.json").is_file():
-            log(f"[bench gpu] quantizing {spec.model.name} to {fmt} (rtn, group {spec.group_size}) into {folder}")
-        checkpoints[fmt] = format_checkpoint(spec.model, fmt, cache, spec.group_size, spec.dtype, steps)
+        checkpoints[fmt] = format_checkpoint(spec.model, fmt, cache, spec.group_size, spec.dtype, steps, log)
     return checkpoints
 
 
@@ -289,22 +285,31 @@ def weight_record(fmt: str, checkpoint: Path, peer: bool, dtype: str) -> dict[st
 
 # --- ours ----------------------------------------------------------------------------------------
 
-def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
-    from edgeinfer.engine import Engine, EngineConfig, SamplingParams
+def ours_config(dtype: str, device: str, image_size: tuple[int, int], max_batch: int):
+    """The engine configuration ours runs in (the GPU profiling and probe scripts load it too).
 
-    cuda = spec.device.startswith("cuda")
-    # The picture's size is named as a profile names its cameras' (runtime.vision_compile_sizes),
-    # so the tower is ready for it at load. No prefix cache: every request pays for its prefill.
-    # 64 MB of KV per row (with 1 GB at least): a 1024x768 picture's prompt and its answer in
-    # a 2B model's pool at every batch size, so that no row is preempted while timed.
-    config = EngineConfig(dtype=spec.dtype, device=spec.device, max_batch_size=max(spec.batch_sizes), block_size=16,
-                          kv_budget_mb=max(1024, 64 * max(spec.batch_sizes)), max_context=4096, prefill_chunk=4096, vision_cache_entries=1,
-                          cuda_graphs=cuda, prefix_cache=False, vision_compile_sizes=(spec.image_size,) if cuda else ())
-    engine = Engine.load(spec.model, config=config)
+    The picture's size is named as a profile names its cameras' (runtime.vision_compile_sizes),
+    so the tower is ready for it at load. No prefix cache: every request pays for its prefill.
+    64 MB of KV per row (with 1 GB at least): a 1024x768 picture's prompt and its answer in a 2B
+    model's pool at every batch size, so that no row is preempted while timed."""
+    from edgeinfer.engine import EngineConfig
+
+    cuda = device.startswith("cuda")
+    return EngineConfig(dtype=dtype, device=device, max_batch_size=max_batch, block_size=16,
+                        kv_budget_mb=max(1024, 64 * max_batch), max_context=4096, prefill_chunk=4096,
+                        vision_cache_entries=1, cuda_graphs=cuda, prefix_cache=False,
+                        vision_compile_sizes=(image_size,) if cuda else ())
+
+
+def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
+    from edgeinfer.engine import Engine, SamplingParams
+
+    engine = Engine.load(spec.model, config=ours_config(spec.dtype, spec.device, spec.image_size,
+                                                        max(spec.batch_sizes)))
     prompts: list[list[int]] = []
     parts: list[dict[str, float]] = []  # each call's host-side parts, in the order of the calls
 
-    def call(batch: int, new_tokens: int, images: list) -> float:
+    def call(batch: int, new_tokens: int, images: list) -> tuple[float, float]:
         settings = SAMPLED_SETTINGS if spec.sampled else {}
         params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=i if spec.sampled else None,
                                  **settings) for i in range(len(images))]

@@ -161,7 +161,7 @@ def gpu_peer(spec, cache: str) -> dict[str, Any]:
     extra = {"cache_implementation": "static"} if cache == "static" else {}
     prompts: list[list[int]] = []
 
-    def call(batch: int, new_tokens: int, images: list) -> float:
+    def call(batch: int, new_tokens: int, images: list) -> tuple[float, float]:
         sync(spec.device)
         started = time.perf_counter()
         inputs = peer_inputs(processor, spec.model, [user_turn(QUESTION)] * batch, [[im] for im in images],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,9 +148,15 @@ def quantized_checkpoint(spec: QuantizedCheckpointSpec, cache: Path, steps=None)
     return path
 
 
-def format_checkpoint(source: Path, fmt: str, cache: Path, group_size: int, dtype: str, steps=None) -> Path:
+def format_checkpoint(source: Path, fmt: str, cache: Path, group_size: int, dtype: str, steps=None,
+                      log: Callable[[str], None] = print) -> Path:
     """The checkpoint ``fmt`` runs: ``source`` itself for a dense format, else its quantized copy
-    under ``cache`` (:func:`quantized_checkpoint`, written once), quantized in ``dtype``."""
+    under ``cache`` (:func:`quantized_checkpoint`, written once, ``log`` told when), quantized in
+    ``dtype``."""
     if not is_quantized(fmt):
         return source
-    return quantized_checkpoint(QuantizedCheckpointSpec.of(fmt, source, group_size, dtype), cache, steps)
+    spec = QuantizedCheckpointSpec.of(fmt, source, group_size, dtype)
+    folder = spec.folder(cache)
+    if not (folder / "config.json").is_file():
+        log(f"[bench] quantizing {source.name} to {fmt} ({spec.method}, group {group_size}) into {folder}")
+    return quantized_checkpoint(spec, cache, steps)
