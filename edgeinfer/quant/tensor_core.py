@@ -83,6 +83,8 @@ def word_layout(bn: int, bk: int, warps: int):
 
 
 if gluon is not None:
+    # a CTA's barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _BF16_DEQUANTIZE = gl.constexpr(BF16_DEQUANTIZE)
     _F16_DEQUANTIZE = gl.constexpr(F16_DEQUANTIZE)
 
@@ -177,7 +179,7 @@ if gluon is not None:
         if SPLIT_K:  # partials at [split, m, n]; the last split to arrive adds them in split order
             at = gl.expand_dims(rm_o * N, 0) + gl.expand_dims(rn_o, 1)
             gl.store(PARTS + split * (M * N) + at, acc, mask=ok)
-            gl.thread_barrier()  # every thread's partials are written before the count says so
+            _cta_barrier()  # every thread's partials are written before the count says so
             if gl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == splits - 1:
                 total = gl.zeros([BN, BM], gl.float32, layout=mma)
                 for j in range(0, splits):
