@@ -304,7 +304,6 @@ def test_each_format_has_its_own_roofline_and_projection():
     assert {r["source"] for r in data["jetson"]["rows"]} == {b.source for b in BOARDS}
 
 
-
 def test_the_roofline_takes_the_decode_rate_in_the_call_where_every_run_has_it():
     """A one-token call that ran 0.05 s long makes decode only 9 tokens in 0.45 s (20 tok/s) where the
     full call's own span is 9 in 0.5 s (18 tok/s): the share follows the call's own span, and decode
@@ -322,6 +321,7 @@ def test_the_roofline_takes_the_decode_rate_in_the_call_where_every_run_has_it()
     row = report.rooflines()["ours"][1]
     assert row["span"] == "decode_tok_s" and row["fraction"] == pytest.approx(20 / 40)
     assert "Byte roofline, decode only:" in markdown(report)
+
 
 def test_a_projection_without_a_measured_rate_is_a_hole_not_a_figure():
     rows = projection({"ours": {1: {"fraction": math.nan, "step_bytes": 1e9}}})
