@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from edgeinfer.device import DeviceInfo, detect_device, jetpack_for_l4t, read_sw
 from edgeinfer.errors import EdgeInferError, ProfileError
 from edgeinfer.power import read_clocks, read_power_mode
 from edgeinfer.profiles import DeviceProfile, choose_profile, load_profile, profile_fingerprint
+from edgeinfer.tile_cache import TILE_CACHE_ENV, default_folder
 
 Status = Literal["pass", "warn", "fail"]
 
@@ -197,6 +199,19 @@ def check_triton(env: Environment, device: DeviceInfo) -> Check:
     if device.kind == "jetson":  # JetPack's PyTorch comes without it, and no wheel is assured
         return _pass("triton", "not installed; CUDA-graph decode steps run eager layers")
     return _warn("triton", "not installed; CUDA-graph decode steps run eager layers", "pip install triton")
+
+
+def check_tile_cache(folder: Path | None) -> Check:
+    """Where the Triton kernels' tile choices are kept across processes (:mod:`edgeinfer.tile_cache`):
+    without a writable folder every load times them again."""
+    if folder is None:
+        return _pass("tile cache", f"off ({TILE_CACHE_ENV}=off): every load times the kernels' tiles")
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return _warn("tile cache", f"{folder} cannot be written: every load times the kernels' tiles",
+                     f"set {TILE_CACHE_ENV} to a writable folder")
+    files = len(list(folder.glob("*.json"))) if folder.is_dir() else 0
+    return _pass("tile cache", f"{folder} ({files} GPU and kernel build{'s' if files != 1 else ''} kept)")
 
 
 def check_onnxruntime(env: Environment, device: DeviceInfo) -> Check:
@@ -438,6 +453,8 @@ def run_checks(*, root: str | Path = "/", model_dir: Path | None = None, engines
     checks = [check_python(env), check_torch(env, device), check_transformers(env),
               check_cuda(env, device, chosen), check_tensorrt(env, device), check_triton(env, device),
               check_onnxruntime(env, device)]
+    if env.triton is not None and device.kind != "cpu":
+        checks.append(check_tile_cache(default_folder()))
     if device.kind == "jetson":
         checks += [check_jetpack(env, device), check_power_mode(root), check_clocks(root)]
     checks += [check_swap(root, device), check_profile(reason, chosen, error), check_memory(device, chosen)]

@@ -15,6 +15,9 @@
 # OUT/compare.md (gpu benchmarks). A run that fails is named at the end and the others go on;
 # the script then exits non-zero.
 set -uo pipefail
+# Every run times its own tiles (the tile cache off, unless the caller names one): a tree's runs
+# are then samples of its tuning too, not of the first run's choices.
+export EDGEINFER_TILE_CACHE=${EDGEINFER_TILE_CACHE:-off}
 
 usage="usage: scripts/bench_trees.sh OUT ROUNDS TREE [TREE ...] -- EDGEINFER-ARGS..."
 OUT=${1:?$usage}

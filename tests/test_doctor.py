@@ -102,6 +102,31 @@ def test_gpu_box_says_whether_the_fused_decode_kernels_can_run(tmp_path: Path, t
     assert checks["triton"] == (status, "pip install triton" if triton is None else None)
 
 
+def test_gpu_box_says_where_tile_choices_are_kept(tmp_path: Path, monkeypatch) -> None:
+    device = detect_device(make_dgpu(tmp_path), cuda_probe=lambda: CudaProbe("NVIDIA H200", "9.0", 143_000))
+
+    def tile_check(folder):
+        monkeypatch.setenv("EDGEINFER_TILE_CACHE", str(folder))
+        checks = run_checks(root=tmp_path, env=jetson_env(triton="3.6.0"), device=device, engines_dir=tmp_path / "e")
+        [check] = [c for c in checks if c.name == "tile cache"]
+        return check
+
+    fresh = tile_check(tmp_path / "cache" / "tiles")
+    assert fresh.status == "pass" and "0 GPU and kernel builds kept" in fresh.detail
+    (tmp_path / "cache" / "tiles").mkdir(parents=True)
+    (tmp_path / "cache" / "tiles" / "nvidia-h200-0123.json").write_text("{}")
+    assert "1 GPU and kernel build kept" in tile_check(tmp_path / "cache" / "tiles").detail
+    (tmp_path / "a-file").write_text("")
+    blocked = tile_check(tmp_path / "a-file" / "tiles")
+    assert blocked.status == "warn" and "EDGEINFER_TILE_CACHE" in blocked.fix
+    off = tile_check("off")
+    assert off.status == "pass" and "every load times" in off.detail
+    monkeypatch.setenv("EDGEINFER_TILE_CACHE", str(tmp_path / "tiles"))
+    cpu = run_checks(root=make_cpu(tmp_path / "cpu"), env=jetson_env(triton="3.6.0", cuda_available=False),
+                     engines_dir=tmp_path / "e")
+    assert "tile cache" not in by_name(cpu)
+
+
 def test_small_gpu_warns_against_the_profile(tmp_path: Path) -> None:
     device = detect_device(make_dgpu(tmp_path), cuda_probe=lambda: CudaProbe("NVIDIA T1000", "7.5", 8_000))
     checks = by_name(run_checks(root=tmp_path, env=jetson_env(), device=device, engines_dir=tmp_path / "e"))

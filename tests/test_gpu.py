@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from edgeinfer import tile_cache
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
@@ -199,6 +200,24 @@ def test_batch_one_fused_step_against_eager_in_bf16_is_reported(checkpoint, fami
     positions = [first_divergence(a, b) for a, b in zip(eager, fused)]
     print(f"{family}: first divergence batch-1 fused vs eager per request (None = identical): {positions}")
     assert all(p is None or p > 0 for p in positions)
+
+
+def test_tiles_one_engine_timed_are_taken_by_the_next_with_the_same_tokens(checkpoint, monkeypatch, tmp_path):
+    """The fused step's tiles are kept in the tile cache: a second engine (as a second process would,
+    its reads of the file forgotten) takes them, times nothing and gives the same tokens."""
+    _needs_triton()
+    monkeypatch.setenv(tile_cache.TILE_CACHE_ENV, str(tmp_path / "tiles"))
+    path = checkpoint("qwen2_vl")
+    first, engine = alone(path, device="cuda", dtype="bfloat16", cuda_graphs=True)
+    timed = engine.decoder_engine.kernel_report
+    assert timed["fused"] and timed["tiles"] == "timed", timed
+    assert list((tmp_path / "tiles").glob("*.json")), "the choices were written"
+    tile_cache.forget_reads()
+    monkeypatch.setattr(triton_decode, "graph_time_us", lambda calls: pytest.fail("timed a tile the cache holds"))
+    second, engine = alone(path, device="cuda", dtype="bfloat16", cuda_graphs=True)
+    kept = engine.decoder_engine.kernel_report
+    assert kept["tiles"] == "cache" and kept["products"] == timed["products"] and kept["step"] == timed["step"]
+    assert second == first
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from edgeinfer import tile_cache
 from edgeinfer.backends.registry import torch_engines
 from edgeinfer.backends.torch.triton_decode import PackedGemvConfig
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
@@ -281,10 +282,13 @@ def test_tuning_copies_a_weight_until_the_copies_fill_three_l2_caches_and_no_fur
 
 
 @needs_cuda
-def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one():
+def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one(monkeypatch, tmp_path):
     """On first use ``packed_mm`` times its tiles (the tensor-core kernel's among them where it can
     run) over copies of the weight that miss the L2 cache, keeps one for the shape and row tile,
-    frees the copies, and the kept tile computes what any other does."""
+    frees the copies, and the kept tile computes what any other does. The choice is kept in the
+    tile cache too: a later process (here, the same one with its choices forgotten) takes it
+    without timing anything."""
+    monkeypatch.setenv(tile_cache.TILE_CACHE_ENV, str(tmp_path / "tiles"))
     torch.manual_seed(8)
     n, k, group = 512, 2048, 128
     codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
@@ -300,10 +304,17 @@ def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one():
     assert chosen in kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout, 8)
     assert kernels.tuned_config(x, codes, scales, None, packed.layout) is chosen  # kept, not timed again
     [choice] = [c for c in kernels.tuned_choices() if (c["n"], c["k"], c["row_tile"]) == (n, k, 8)]
-    assert choice["kernel"] == ("tensor_core" if chosen.mma else "dot")
+    assert choice["kernel"] == ("tensor_core" if chosen.mma else "dot") and choice["source"] == "timed"
     want = kernels.packed_mm(x, codes, scales, None, packed.layout, kernels.MmConfig(32, 128, 1)).float()
     got = kernels.packed_mm(x, codes, scales, None, packed.layout).float()
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+    kernels._TUNED.clear()
+    tile_cache.forget_reads()
+    monkeypatch.setattr(kernels, "graph_time_us", lambda calls: pytest.fail("timed a tile the cache holds"))
+    assert kernels.tuned_config(x, codes, scales, None, packed.layout) == chosen
+    [choice] = [c for c in kernels.tuned_choices() if (c["n"], c["k"], c["row_tile"]) == (n, k, 8)]
+    assert choice["source"] == "cache"
 
 
 @needs_cuda

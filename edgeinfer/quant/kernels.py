@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
+from edgeinfer import tile_cache
 from edgeinfer.quant import tensor_core
 
 try:  # the import decides whether these kernels exist at all
@@ -516,14 +517,17 @@ def cold_copies(nbytes: int, l2_bytes: int) -> int:
     return max(1, min(256, -(-3 * l2_bytes // max(1, nbytes))))
 
 
-# Tile choices by (layout, row tile, device), timed once per process on first use outside a CUDA
-# graph capture (a capture uses the heuristic until then): Triton's own autotuner keeps its choices
-# the same way, per kernel and key. Timed as the decode step runs them: back to back from a CUDA
+# Tile choices by (layout, row tile, device), timed on first use outside a CUDA graph capture (a
+# capture uses the heuristic until then) and kept in the tile cache for later processes on the same
+# GPU and kernels (:mod:`edgeinfer.tile_cache`): Triton's own autotuner keeps its choices per kernel
+# and key the same way, in one process. Timed as the decode step runs them: back to back from a CUDA
 # graph, each call on weights the L2 cache does not hold. Timing single calls with events
 # (``triton.testing.do_bench``) picked tiles up to 2.4× slower than the best on an H200: a few-µs
 # kernel is lost in the events' own cost.
 _TUNED: dict[tuple, MmConfig] = {}
 _REFUSED: dict[tuple, str] = {}  # why the tensor-core kernel failed to compile or run, by the same key
+_FROM_CACHE: set[tuple] = set()  # choices an earlier process made (:mod:`edgeinfer.tile_cache`), by the same key
+PACKED_TILES = "packed-mm"  # the tile cache's kind for these choices
 
 
 def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig:
@@ -537,6 +541,13 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         return _TUNED[key]
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return mm_config(layout, x.shape[0], x.device)
+    cache, ident = tile_cache.default(), tile_cache.device_identity(x.device)
+    cache_key = {**asdict(layout), "row_tile": bm, "zeros": zeros is not None, "dtype": str(x.dtype)}
+    kept = _kept_config(cache.get(PACKED_TILES, cache_key, ident))
+    if kept is not None:
+        _TUNED[key] = kept
+        _FROM_CACHE.add(key)
+        return kept
     candidates = mm_candidates(layout)
     if tensor_core.unavailable(x, scales.dtype, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
         candidates += mma_candidates(layout, bm)
@@ -553,7 +564,16 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
                 raise
             _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
     _TUNED[key] = min(times, key=times.get)
+    cache.put(PACKED_TILES, cache_key, asdict(_TUNED[key]), ident)
     return _TUNED[key]
+
+
+def _kept_config(fields: dict | None) -> MmConfig | None:
+    """The tile a tile cache's entry names, or None where it names none this code can run."""
+    try:
+        return MmConfig(**fields) if fields is not None else None
+    except TypeError:
+        return None
 
 
 def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -602,7 +622,7 @@ def tuned_choices() -> list[dict]:
         layout, bm, has_z, dtype, _ = key
         choice = {"n": layout.n, "k": layout.k, "bits": layout.bits, "row_tile": bm, "zeros": has_z,
                   "dtype": str(dtype), "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split, "weight_first": cfg.w_a,
-                  "kernel": "tensor_core" if cfg.mma else "dot"}
+                  "kernel": "tensor_core" if cfg.mma else "dot", "source": "cache" if key in _FROM_CACHE else "timed"}
         if key in _REFUSED:
             choice["tensor_core_refused"] = _REFUSED[key]
         choices.append(choice)

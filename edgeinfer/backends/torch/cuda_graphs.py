@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeinfer import tile_cache
 from edgeinfer.backends.base import BurstSampling, SamplingStep
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
@@ -282,11 +283,13 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """Time the fused step's tiles at load, product by product and then, for up to
         ``step_tuning_s`` seconds, in the whole step. Left to its first use, the timing (a few
         seconds of compiling and replaying every candidate) fell on the first request whose prompt
-        was mostly a cached prefix. A failure falls back to the compiled layers, with a warning."""
+        was mostly a cached prefix. Tiles an earlier process chose on this GPU are taken from the
+        tile cache instead (:mod:`edgeinfer.tile_cache`). A failure falls back to the compiled
+        layers, with a warning."""
         if self._fused is None or self.device.type != "cuda":
             return
         try:
-            self._fused.tune(self.step_tuning_s)
+            self._fused.tune(self.step_tuning_s, tile_cache.default())
         except Exception as exc:  # noqa: BLE001 - any kernel or compiler failure has a fallback
             self.fused_off = f"{type(exc).__name__}: {exc}"[:500]
             self._fused = None
@@ -312,8 +315,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         if self._fused is None:
             return {"fused": False, "reason": self.fused_off}
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
-                "dependent_launch": dependent_launch(self.device), "products": self._fused.report,
-                "step": self._fused.step_report}
+                "dependent_launch": dependent_launch(self.device), "tiles": self._fused.tiles_source,
+                "products": self._fused.report, "step": self._fused.step_report}
 
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and

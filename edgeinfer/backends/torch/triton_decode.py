@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -61,6 +61,10 @@ from edgeinfer.backends.torch.step_tuning import (
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, graph_time_us, interpreting
 from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.tile_cache import TileCache, device_identity
+
+# The tile cache's kind for the batch-1 step's tiles.
+FUSED_TILES = "fused-step"
 
 try:  # the import decides whether this path exists at all
     import triton
@@ -781,6 +785,7 @@ class FusedDecode:
         self.configs: dict[str, GemvConfig | PackedGemvConfig] = {}
         self.report: dict[str, dict] = {}  # per product: its tile and timings
         self.step_report: dict | None = None  # what choosing the tiles by whole-step time changed
+        self.tiles_source: str | None = None  # "timed" here, or "cache": kept by an earlier process
         # Partial sums and arrival counts of split packed products and of the attention's splits, one
         # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
@@ -810,14 +815,69 @@ class FusedDecode:
             "lm_head": ([self.weight(d.lm_head_t)], {"norm_weight": d.norm.weight, "eps": d.norm.eps}),
         }
 
-    def tune(self, step_budget_s: float = 0.0) -> None:
+    def tune(self, step_budget_s: float = 0.0, cache: TileCache | None = None) -> None:
         """Choose every product's tile at batch 1: first alone (:meth:`_tune_alone`), then, for up
         to ``step_budget_s`` seconds, by the whole step's time (:meth:`_tune_in_step`; 0 skips it).
         Each trial of the second is a capture of two steps and their replays; it ends sooner
-        where a round of the products changes nothing."""
+        where a round of the products changes nothing.
+
+        With a ``cache`` (:mod:`edgeinfer.tile_cache`), tiles an earlier process chose for the same
+        products on the same GPU and kernels are taken instead, where that process's step tuning
+        had at least ``step_budget_s``; tiles chosen here are stored there."""
+        ident = device_identity(self.decoder.norm.weight.device) if cache is not None else None
+        key = self.tiles_key()
+        if ident is not None:
+            kept = cache.get(FUSED_TILES, key, ident)
+            if kept is not None and self.restore(kept, step_budget_s):
+                return
         ranked = self._tune_alone()
         if step_budget_s > 0:
             self._tune_in_step(ranked, step_budget_s)
+        self.tiles_source = "timed"
+        if ident is not None:
+            cache.put(FUSED_TILES, key, self.kept(step_budget_s), ident)
+
+    def tiles_key(self) -> dict:
+        """What the tiles were timed for: each product's shape, weight format and what it fuses, and
+        the layers the step runs (the step's attention is timed with them)."""
+        cfg = self.cfg
+        products = {}
+        for name, (weights, kw) in self._products().items():
+            w = weights[0]
+            fmt = ({"bits": w.bits, "groups": w.layout.groups, "group": w.layout.group_constexpr,
+                    "zeros": w.zeros is not None} if isinstance(w, PackedMatrix) else {"dtype": str(w.dtype)})
+            products[name] = {"shape": list(w.shape), **fmt, "bias": kw.get("bias") is not None,
+                              "norm": kw.get("norm_weight") is not None, "residual": bool(kw.get("residual")),
+                              "glu": bool(kw.get("glu"))}
+        return {"products": products, "dtype": str(self.decoder.norm.weight.dtype), "layers": cfg.num_layers,
+                "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                "qk_norm": cfg.qk_norm}
+
+    def kept(self, step_budget_s: float) -> dict:
+        """The tiles and their timings as :meth:`restore` takes them back."""
+        return {"configs": {name: {"packed": isinstance(c, PackedGemvConfig), **asdict(c)}
+                            for name, c in self.configs.items()},
+                "step_budget_s": step_budget_s, "report": self.report, "step_report": self.step_report}
+
+    def restore(self, kept: dict, step_budget_s: float) -> bool:
+        """Take the tiles of :meth:`kept` where they cover every product with a tile of the right
+        kind and were tuned in the step for at least ``step_budget_s``; False (nothing changed) else."""
+        try:
+            if float(kept["step_budget_s"]) < step_budget_s:
+                return False
+            configs = {}
+            for name, (weights, _) in self._products().items():
+                fields = dict(kept["configs"][name])
+                packed = fields.pop("packed")
+                if packed != isinstance(weights[0], PackedMatrix):
+                    return False
+                configs[name] = (PackedGemvConfig if packed else GemvConfig)(**fields)
+            report, step_report = dict(kept["report"]), kept["step_report"]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False
+        self.configs, self.report, self.step_report = configs, report, step_report
+        self.tiles_source = "cache"
+        return True
 
     def _tune_alone(self) -> dict[str, list[GemvConfig | PackedGemvConfig]]:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
