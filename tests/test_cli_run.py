@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,18 @@ def test_an_unknown_backend_is_refused_with_the_valid_names():
     done = edgeinfer("run", "--backend", "onnx", "what ?")
     assert done.returncode == 4 and "Traceback" not in done.stderr
     assert "unknown backend 'onnx'; choose one of: auto, torch, onnxruntime, tensorrt" in done.stderr
+
+
+def test_one_question_captures_graphs_on_first_use_unless_told_otherwise():
+    """``edgeinfer run`` answers one question: the profile's start-up captures (for a daemon) are
+    off, the rest of the profile, and so what a built engine is checked against, as it was."""
+    from edgeinfer.cli.run import one_question_profile
+    from edgeinfer.profiles import load_profile, profile_fingerprint
+
+    shipped = load_profile("cuda")
+    assert shipped.runtime.capture_budget_s > 0
+    one = one_question_profile("cuda", [])
+    assert one.runtime.capture_budget_s == 0
+    assert profile_fingerprint(one) == profile_fingerprint(shipped)
+    assert replace(one, runtime=shipped.runtime) == shipped
+    assert one_question_profile("cuda", ["runtime.capture_budget_s=30"]).runtime.capture_budget_s == 30

@@ -20,7 +20,7 @@ from edgeinfer.cli.options import (
 from edgeinfer.demo import DEMO_MODEL_DIR
 from edgeinfer.errors import ModelLoadError
 from edgeinfer.preflight import ImageRules, OnOversize
-from edgeinfer.profiles import load_profile
+from edgeinfer.profiles import DeviceProfile, load_profile
 
 
 def run(
@@ -66,7 +66,7 @@ def answer(question, images, model, profile, overrides, backend, max_tokens, tem
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               max_thinking_tokens=max_thinking_tokens)
     require_backend(backend)
-    device_profile = load_profile(None if profile in (None, "auto") else str(profile), overrides)
+    device_profile = one_question_profile(profile, overrides)
     started = time.perf_counter()
     prepared = prepare_images(images, image_rules_before_load(model, device_profile, trust_remote_code),
                               on_oversize)
@@ -94,6 +94,17 @@ def answer(question, images, model, profile, overrides, backend, max_tokens, tem
     report.update(model=str(model), backend=ran.backend, precision=ran.precision, profile=engine.config.profile_name,
                   stale_engines=list(ran.passed_over))
     typer.echo(json.dumps(report, indent=2))
+
+
+# One question: its graphs are captured when its request first needs them. Capturing every batch,
+# width and sampler bucket at load (the profile's capture_budget_s, there for a daemon) would make
+# the one answer wait for graphs it never replays. A --set of the field still wins.
+ONE_QUESTION_CAPTURE = "runtime.capture_budget_s=0"
+
+
+def one_question_profile(profile, overrides) -> DeviceProfile:
+    """The profile ``edgeinfer run`` loads: the chosen one with :data:`ONE_QUESTION_CAPTURE`, then ``overrides``."""
+    return load_profile(None if profile in (None, "auto") else str(profile), [ONE_QUESTION_CAPTURE, *overrides])
 
 
 def image_rules_before_load(model, device_profile, trust_remote_code: bool) -> ImageRules:
