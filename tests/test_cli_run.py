@@ -37,6 +37,8 @@ def test_json_report_has_answer_timings_usage_preflight_and_cache(checkpoint, im
     assert len(report["token_ids"]) == report["usage"]["completion_tokens"] <= 6
     assert report["usage"]["image_tokens"] > 0 and report["finish_reason"] in ("stop", "length")
     assert {"preflight_s", "vision_s", "prefill_s", "ttft_s", "total_s"} <= set(report["timings"])
+    load = report["timings"]["load"]
+    assert set(load) == {"model_s", "engines_s", "engine_s", "capture_s"} and min(load.values()) >= 0
     assert report["preflight"][0]["original_size"] == [480, 360] and report["preflight"][0]["action"] == "none"
     assert "prefix_tokens_reused" in report["cache"] and report["backend"] == "torch" and report["profile"] == "cpu"
 

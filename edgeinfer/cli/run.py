@@ -89,6 +89,8 @@ def answer(question, images, model, profile, overrides, backend, max_tokens, tem
         return
     report = result.to_dict()
     report["timings"] = {"preflight_s": preflight_s, **report["timings"]}
+    if engine.load_timings is not None:
+        report["timings"]["load"] = engine.load_timings.to_dict()
     report["preflight"] = [item.report.to_dict() for item in prepared]
     ran = engine.engines
     report.update(model=str(model), backend=ran.backend, precision=ran.precision, profile=engine.config.profile_name,

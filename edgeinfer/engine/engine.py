@@ -60,6 +60,22 @@ class LoadRecipe:
     trust_remote_code: bool
 
 
+@dataclass(frozen=True, slots=True)
+class LoadTimings:
+    """Where :meth:`Engine.load` spent its seconds: reading the checkpoint onto the device
+    (``model_s``), opening the backend's engines (``engines_s``: on a GPU, compiling and timing
+    the kernels' tiles, unless the tile cache holds them), building the engine and its KV pool
+    (``engine_s``) and the profile's start-up graph captures (``capture_s``)."""
+
+    model_s: float
+    engines_s: float
+    engine_s: float
+    capture_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, engines: Engines, profile: Any = None,
                  recipe: LoadRecipe | None = None) -> None:
@@ -73,6 +89,7 @@ class Engine:
         self.recipe = recipe
         self.sleep_stats = SleepStats()
         self.startup_capture: dict[str, float] | None = None  # what capture_graphs did at load
+        self.load_timings: LoadTimings | None = None  # set by Engine.load
         self._stash: PinnedHostStash | FileStash | DroppedWeights | None = None
         self._carried: Counter[str] = Counter()  # counters of the parts a sleep dropped
         # On a GPU, pictures are encoded (and prompts' embeddings made) on a stream of their own:
@@ -353,14 +370,20 @@ class Engine:
             # An explicit config keeps its sizes and runs the engines built for ``profile``.
             device_profile = _profile(profile, overrides)
             config = replace(config, profile_name=device_profile.name)
+        marks = [time.perf_counter()]
         model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
+        marks.append(time.perf_counter())
         engines = open_engines(chosen, model, device_profile, config, engines_root)
+        marks.append(time.perf_counter())
         if device_profile is not None and engines.backend == Backend.TORCH.value:
             # The profile's plan left room for dense weights: what packed ones save goes to the KV pool.
             config = config.grown_by(bytes_saved(model.decoder, config.torch_dtype))
         recipe = LoadRecipe(Path(path), chosen, device_profile, engines_root, trust_remote_code)
         engine = cls(model, config, engines, profile=device_profile, recipe=recipe)
+        marks.append(time.perf_counter())
         engine.capture_graphs()
+        marks.append(time.perf_counter())
+        engine.load_timings = LoadTimings(*(b - a for a, b in zip(marks, marks[1:])))
         return engine
 
     # Sampler kinds a burst is captured for at start-up: greedy, sampled, penalized, both.
