@@ -215,16 +215,23 @@ def test_the_fused_step_takes_the_tiles_an_earlier_process_chose_and_times_nothi
     from edgeinfer.backends.torch import triton_decode
 
     calls, current = timers
+    heard = []
     first = current["fused"] = fused_step(checkpoint)
-    first.tune(step_budget_s=60, cache=TileCache(tmp_path))
+    first.tune(step_budget_s=60, cache=TileCache(tmp_path), progress=lambda *event: heard.append(event))
     assert first.tiles_source == "timed" and calls["alone"] > 0 and calls["step"] > 0
     assert first.configs["o"] == triton_decode.GEMV_CANDIDATES[2]
+    # the progress bar hears every timing: alone against a known total, in the step as they come
+    alone = [e for e in heard if e[0] == triton_decode.TILES_ALONE]
+    total = 5 * len(triton_decode.GEMV_CANDIDATES)  # five dense products (cuBLAS's timings are not tiles)
+    assert [e[1:] for e in alone] == [(done, total) for done in range(1, total + 1)]
+    assert [e[1] for e in heard if e[0] == triton_decode.TILES_IN_STEP] == list(range(1, calls["step"] + 1))
 
     tile_cache.forget_reads()
     timed = dict(calls)
+    heard.clear()
     second = current["fused"] = fused_step(checkpoint)
-    second.tune(step_budget_s=8, cache=TileCache(tmp_path))
-    assert calls == timed, "nothing is timed when the cache holds the step's tiles"
+    second.tune(step_budget_s=8, cache=TileCache(tmp_path), progress=lambda *event: heard.append(event))
+    assert calls == timed and not heard, "nothing is timed when the cache holds the step's tiles"
     assert second.tiles_source == "cache"
     assert second.configs == first.configs
     assert second.report == first.report and second.step_report == first.step_report
