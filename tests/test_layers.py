@@ -1,5 +1,5 @@
-"""Imports run one way: ``cli, server → engine → backends → {models, quant, kv, artifacts} →
-{profiles, preflight, device, power, tile_cache} → errors`` (docs/architecture.md), with no cycles.
+"""Imports run one way: ``cli, server → engine → backends → {models, quant, kv, artifacts, tile_cache} →
+{profiles, preflight, device, power, progress} → errors`` (docs/architecture.md), with no cycles.
 
 Every ``edgeinfer`` import in the package is read from the source (deferred imports inside
 functions included), so a lower room reaching up is caught even where it imports lazily.
@@ -19,8 +19,8 @@ PACKAGE = Path(edgeinfer.__file__).parent
 # Room -> layer; a module may import its own layer or lower ones, never a higher one.
 LAYERS = {
     "errors": 0,
-    "profiles": 1, "preflight": 1, "device": 1, "power": 1, "demo": 1, "tile_cache": 1,
-    "models": 2, "quant": 2, "kv": 2, "artifacts": 2,
+    "profiles": 1, "preflight": 1, "device": 1, "power": 1, "demo": 1, "progress": 1,
+    "models": 2, "quant": 2, "kv": 2, "artifacts": 2, "tile_cache": 2,
     "backends": 3,
     "engine": 4,
     "cli": 5, "server": 5, "bench": 5, "doctor": 5, "testing": 5, "__init__": 5,

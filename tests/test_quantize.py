@@ -14,11 +14,11 @@ import torch
 from typer.testing import CliRunner
 
 from edgeinfer.cli.main import app
+from edgeinfer.progress import NoSteps
 from edgeinfer.quant import awq
 from edgeinfer.quant.compress import (
     REPORT_NAME,
     Method,
-    NoSteps,
     QuantizeOptions,
     QuantSpec,
     fake_quantized,

@@ -171,6 +171,21 @@ def test_warnings_are_given_once_per_message(tmp_path):
     assert len([w for w in caught if "ignoring the tile cache" in str(w.message)]) == 1
 
 
+class Heard:
+    """:class:`edgeinfer.progress.Steps` that keeps each phase as [description, total, steps done]."""
+
+    def __init__(self) -> None:
+        self.phases: list[list] = []
+
+    def phase(self, description, total):
+        entry = [description, total, 0]
+        self.phases.append(entry)
+
+        def advance():
+            entry[2] += 1
+        return advance
+
+
 def fused_step(checkpoint, family: str = "qwen2_vl"):
     from edgeinfer.backends.torch import triton_decode
     from edgeinfer.backends.torch.cuda_graphs import _relayout
@@ -215,23 +230,22 @@ def test_the_fused_step_takes_the_tiles_an_earlier_process_chose_and_times_nothi
     from edgeinfer.backends.torch import triton_decode
 
     calls, current = timers
-    heard = []
+    heard = Heard()
     first = current["fused"] = fused_step(checkpoint)
-    first.tune(step_budget_s=60, cache=TileCache(tmp_path), progress=lambda *event: heard.append(event))
+    first.tune(step_budget_s=60, cache=TileCache(tmp_path), steps=heard)
     assert first.tiles_source == "timed" and calls["alone"] > 0 and calls["step"] > 0
     assert first.configs["o"] == triton_decode.GEMV_CANDIDATES[2]
-    # the progress bar hears every timing: alone against a known total, in the step as they come
-    alone = [e for e in heard if e[0] == triton_decode.TILES_ALONE]
+    # the progress bars hear every timing: alone against a known total, in the step as they come
     total = 5 * len(triton_decode.GEMV_CANDIDATES)  # five dense products (cuBLAS's timings are not tiles)
-    assert [e[1:] for e in alone] == [(done, total) for done in range(1, total + 1)]
-    assert [e[1] for e in heard if e[0] == triton_decode.TILES_IN_STEP] == list(range(1, calls["step"] + 1))
+    assert heard.phases == [[triton_decode.TILES_ALONE, total, total],
+                            [triton_decode.TILES_IN_STEP, None, calls["step"]]]
 
     tile_cache.forget_reads()
     timed = dict(calls)
-    heard.clear()
+    heard = Heard()
     second = current["fused"] = fused_step(checkpoint)
-    second.tune(step_budget_s=8, cache=TileCache(tmp_path), progress=lambda *event: heard.append(event))
-    assert calls == timed and not heard, "nothing is timed when the cache holds the step's tiles"
+    second.tune(step_budget_s=8, cache=TileCache(tmp_path), steps=heard)
+    assert calls == timed and not heard.phases, "nothing is timed when the cache holds the step's tiles"
     assert second.tiles_source == "cache"
     assert second.configs == first.configs
     assert second.report == first.report and second.step_report == first.step_report

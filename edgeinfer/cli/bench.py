@@ -193,24 +193,13 @@ def _weights(text: str | None, dtype: str) -> tuple[str, ...]:
 
 def _quantized_checkpoints(spec, cache: Path) -> dict[str, Path]:
     """Each weight format's checkpoint, quantizing (with a progress bar on stderr) what is not cached yet."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     from edgeinfer.bench.gpu import prepare_weights
     from edgeinfer.bench.weights import is_quantized
-    from edgeinfer.cli.quantize import RichSteps
+    from edgeinfer.progress import RichSteps, stderr_bars
 
     if not any(map(is_quantized, spec.formats)):
         return prepare_weights(spec, cache)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True))
-    with progress:
+    with stderr_bars() as progress:
         return prepare_weights(spec, cache, RichSteps(progress),
                                log=lambda line: progress.console.print(line, markup=False, highlight=False))
 

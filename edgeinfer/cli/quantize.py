@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from edgeinfer.cli.errors import cli_errors
@@ -24,17 +22,6 @@ class QuantMethod(str, Enum):
 
 class LmHead(str, Enum):
     int8 = "int8"
-
-
-class RichSteps:
-    """Progress bars on stderr, one per phase (calibrating, searching scales, quantizing)."""
-
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
-
-    def phase(self, description: str, total: int) -> Callable[[], None]:
-        task = self.progress.add_task(description, total=total)
-        return lambda: self.progress.advance(task)
 
 
 def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder to quantize.")],
@@ -74,14 +61,13 @@ def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint
 
 def _quantize(model: Path, out: Path, bits: int, group_size: int, method: QuantMethod, calibration: Path | None,
               samples: int, lm_head: LmHead | None, symmetric: bool, force: bool, quiet: bool, dtype: str | None = None):
+    from edgeinfer.progress import RichSteps, stderr_bars
     from edgeinfer.quant.compress import Method, QuantizeOptions, QuantSpec
     from edgeinfer.quant.quantize import quantize_checkpoint
 
     spec = QuantSpec.from_options(bits, group_size, symmetric, lm_head is LmHead.int8)
     options = QuantizeOptions(model, out, spec, Method(method.value), calibration, samples, force, dtype=dtype)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), disable=quiet)
-    with progress:
+    with stderr_bars(disable=quiet) as progress:  # calibrating, searching scales, quantizing
         return quantize_checkpoint(options, RichSteps(progress))
 
 

@@ -399,13 +399,11 @@ class Engine:
         capture_all = getattr(self.engines.bursts, "capture_all", None)
         if self.config.capture_budget_s <= 0 or capture_all is None or not self.kv.k.is_cuda:
             return None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from edgeinfer.progress import stderr_bars
 
         samplings = [None] + [SamplingRows((p,), (0,), ((),), ((),)) for p in self._CAPTURED_SAMPLING]
-        columns = (TextColumn("capturing graphs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
-            task = bar.add_task("capture", total=None)
+        with stderr_bars(transient=True, disable=not progress) as bar:
+            task = bar.add_task("capturing graphs", total=None)
             report = capture_all(self.kv.k, self.kv.v, samplings, self.config.capture_budget_s,
                                  lambda done, total: bar.update(task, completed=done, total=total),
                                  prompt_chunk=self.config.prefill_chunk if self.config.prefill_graphs else 0)

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from edgeinfer.errors import QuantizeSettingsError
+from edgeinfer.progress import Steps
 from edgeinfer.quant.compress import (
     QuantizeOptions,
-    Steps,
     decoder_layers,
     fake_quantized,
     relative_error,

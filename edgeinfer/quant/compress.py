@@ -17,11 +17,9 @@ computes them; ``awq`` first moves activation outliers into the weights (:mod:`.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -30,6 +28,7 @@ from edgeinfer.errors import (
     QuantizeSettingsError,
     UnsupportedArchitectureError,
 )
+from edgeinfer.progress import Steps
 
 SUPPORTED_BITS = (4, 8)
 REPORT_NAME = "quantize-report.json"
@@ -152,17 +151,6 @@ class QuantizeReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-class Steps(Protocol):
-    """Where progress goes: a phase of ``total`` steps starts, then one call per step done."""
-
-    def phase(self, description: str, total: int) -> Callable[[], None]: ...
-
-
-class NoSteps:
-    def phase(self, description: str, total: int) -> Callable[[], None]:
-        return lambda: None
 
 
 # --------------------------------------------------------------------------- which layers

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 
+from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant.awq import smooth_model
 from edgeinfer.quant.compress import (
     REPORT_NAME,
     Method,
-    NoSteps,
     QuantizeOptions,
     QuantizeReport,
-    Steps,
     attach_quantization,
     check_group_size,
     check_out,

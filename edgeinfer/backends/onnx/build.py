@@ -208,11 +208,9 @@ class Steps:
 
     def __enter__(self) -> "Steps":
         if self.show:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from edgeinfer.progress import stderr_bars
 
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), console=Console(stderr=True))
+            self._progress = stderr_bars()
             self._progress.__enter__()
             self._task = self._progress.add_task(self.label, total=self.total)
         return self

@@ -55,7 +55,6 @@ decoder to keep (``take_decoder=True``, as ``Engine.load`` does with the model i
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 from collections import OrderedDict
@@ -66,6 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer import tile_cache
+from edgeinfer.progress import RichSteps, stderr_bars
 from edgeinfer.backends.base import BurstSampling, SamplingStep
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
@@ -229,26 +229,6 @@ class _PrefillGraph:
     last: torch.Tensor  # [1] index of the chunk's last real token
 
 
-@contextlib.contextmanager
-def _tuning_progress():
-    """A rich bar on stderr for each phase of the fused step's tile timing (a first load on this GPU
-    and build of the kernels: later loads take the tiles from the tile cache); yields the
-    ``progress(phase, done, total)`` callback :meth:`FusedDecode.tune` takes."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(phase: str, done: int, total: int | None) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(phase, total=total)
-            bar.update(tasks[phase], completed=done, total=total)
-
-        yield progress
-
-
 class CudaGraphDecoderEngine(TorchDecoderEngine):
     """The torch decoder engine with decode steps captured in CUDA graphs.
 
@@ -310,8 +290,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         if self._fused is None or self.device.type != "cuda":
             return
         try:
-            with _tuning_progress() as progress:
-                self._fused.tune(self.step_tuning_s, tile_cache.default(), progress)
+            with stderr_bars(transient=True) as bars:  # a bar per phase where the tiles are timed
+                self._fused.tune(self.step_tuning_s, tile_cache.default(), RichSteps(bars))
         except Exception as exc:  # noqa: BLE001 - any kernel or compiler failure has a fallback
             self.fused_off = f"{type(exc).__name__}: {exc}"[:500]
             self._fused = None

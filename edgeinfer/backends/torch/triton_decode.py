@@ -59,6 +59,7 @@ from edgeinfer.backends.torch.step_tuning import (
     step_time_us,
 )
 from edgeinfer.models.decoder import DecoderLayer
+from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, graph_time_us, interpreting
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.tile_cache import TileCache, device_identity
@@ -818,8 +819,7 @@ class FusedDecode:
             "lm_head": ([self.weight(d.lm_head_t)], {"norm_weight": d.norm.weight, "eps": d.norm.eps}),
         }
 
-    def tune(self, step_budget_s: float = 0.0, cache: TileCache | None = None,
-             progress: Callable[[str, int, int | None], None] | None = None) -> None:
+    def tune(self, step_budget_s: float = 0.0, cache: TileCache | None = None, steps: Steps | None = None) -> None:
         """Choose every product's tile at batch 1: first alone (:meth:`_tune_alone`), then, for up
         to ``step_budget_s`` seconds, by the whole step's time (:meth:`_tune_in_step`; 0 skips it).
         Each trial of the second is a capture of two steps and their replays; it ends sooner
@@ -827,20 +827,20 @@ class FusedDecode:
 
         With a ``cache`` (:mod:`edgeinfer.tile_cache`), tiles an earlier process chose for the same
         products on the same GPU and kernels are taken instead, where that process's step tuning
-        had at least ``step_budget_s``; tiles chosen here are stored there. ``progress(phase,
-        done, total)`` hears of every timing (``total`` None where the count is not known ahead)."""
+        had at least ``step_budget_s``; tiles chosen here are stored there. ``steps`` hears of
+        every timing, a phase alone and one in the step."""
         ident = device_identity(self.decoder.norm.weight.device) if cache is not None else None
-        key = self.tiles_key()
-        if ident is not None:
+        key = self.tiles_key() if ident is not None else None
+        if key is not None:
             kept = cache.get(FUSED_TILES, key, ident)
             if kept is not None and self.restore(kept, step_budget_s):
                 return
-        report = progress or (lambda phase, done, total: None)
-        ranked = self._tune_alone(report)
+        steps = steps or NoSteps()
+        ranked = self._tune_alone(steps)
         if step_budget_s > 0:
-            self._tune_in_step(ranked, step_budget_s, report)
+            self._tune_in_step(ranked, step_budget_s, steps)
         self.tiles_source = "timed"
-        if ident is not None:
+        if key is not None:
             cache.put(FUSED_TILES, key, self.kept(step_budget_s), ident)
 
     def tiles_key(self) -> dict:
@@ -885,8 +885,7 @@ class FusedDecode:
         self.tiles_source = "cache"
         return True
 
-    def _tune_alone(self, progress: Callable[[str, int, int | None], None]
-                    ) -> dict[str, list[GemvConfig | PackedGemvConfig]]:
+    def _tune_alone(self, steps: Steps) -> dict[str, list[GemvConfig | PackedGemvConfig]]:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
         (as a step does: from memory, not from the L2 cache), and keep the fastest; cuBLAS is timed
         beside it for the report (on the dense weights; a packed product has no cuBLAS twin).
@@ -894,9 +893,8 @@ class FusedDecode:
         dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         ranked = {}
         products = self._products()
-        total = sum(len(PACKED_GEMV_CANDIDATES if isinstance(ws[0], PackedMatrix) else GEMV_CANDIDATES)
-                    for ws, _ in products.values())
-        done = 0
+        advance = steps.phase(TILES_ALONE, sum(len(PACKED_GEMV_CANDIDATES if isinstance(ws[0], PackedMatrix)
+                                                   else GEMV_CANDIDATES) for ws, _ in products.values()))
         for name, (weights, kw) in products.items():
             n, k = weights[0].shape
             x = torch.randn(1, k, dtype=dtype, device=device)
@@ -910,8 +908,7 @@ class FusedDecode:
             for c in PACKED_GEMV_CANDIDATES if packed else GEMV_CANDIDATES:
                 calls = [lambda w=w, o=o, c=c: self._product(x, w, c, out=o, **kw) for w, o in zip(weights, outs)]
                 times[c] = graph_time_us(calls)
-                done += 1
-                progress(TILES_ALONE, done, total)
+                advance()
             best = min(times, key=times.get)
             self.configs[name] = best
             mb = _nbytes(weights[0]) / 1e6
@@ -927,19 +924,17 @@ class FusedDecode:
         return ranked
 
     def _tune_in_step(self, ranked: dict[str, list[GemvConfig | PackedGemvConfig]], budget_s: float,
-                      progress: Callable[[str, int, int | None], None]) -> None:
+                      steps: Steps) -> None:
         """Change the tiles where the whole step gets faster (:func:`.step_tuning.descend`), timing
         a batch-1 step over a past of :data:`STEP_TUNING_CONTEXT` positions in a scratch pool, over
         each product's :data:`STEP_CANDIDATES` fastest tiles alone."""
         step = self._scratch_step(STEP_TUNING_CONTEXT)
-        timed = 0
+        advance = steps.phase(TILES_IN_STEP, None)  # as many timings as the budget and rounds allow
 
         def step_us(configs):
-            nonlocal timed
             self.configs = configs
             us = step_time_us(step)
-            timed += 1
-            progress(TILES_IN_STEP, timed, None)
+            advance()
             return us
 
         started = time.monotonic()
