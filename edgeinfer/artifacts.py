@@ -142,12 +142,16 @@ def file_problems(folder: Path, digests: Mapping[str, str]) -> list[str]:
 # --------------------------------------------------------------------------- the checkpoint
 
 
+def cache_home() -> Path:
+    """This machine's cache folder for edgeinfer (checkpoint digests, the KV disk tier's default,
+    kernel tiles): ``$XDG_CACHE_HOME/edgeinfer``, else ``~/.cache/edgeinfer``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgeinfer"
+
+
 def checkpoint_digests() -> Path:
     """Where checkpoint files' digests are remembered across processes (never inside the
-    checkpoint's folder, which may be read-only or shared): ``$XDG_CACHE_HOME/edgeinfer/``,
-    else ``~/.cache/edgeinfer/``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "edgeinfer" / "checkpoint-sha256.json"
+    checkpoint's folder, which may be read-only or shared): under :func:`cache_home`."""
+    return cache_home() / "checkpoint-sha256.json"
 
 
 def checkpoint_fingerprint(model_dir: str | Path) -> str:

@@ -14,7 +14,8 @@ old one. Within a file an entry is one tuning's answer (a ``kind`` and its ``key
 formats and settings it was timed for).
 
 Where (:func:`default`): ``$EDGEINFER_TILE_CACHE`` (a folder; ``off`` keeps nothing), else
-``$XDG_CACHE_HOME/edgeinfer/tiles``, else ``~/.cache/edgeinfer/tiles``::
+``tiles`` under :func:`~edgeinfer.artifacts.cache_home` (``$XDG_CACHE_HOME/edgeinfer/tiles``, else
+``~/.cache/edgeinfer/tiles``)::
 
     <folder>/<gpu>-<identity digest>.json   {"identity": {...}, "entries": {"<kind>/<key digest>": {...}}}
 
@@ -40,6 +41,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from edgeinfer.artifacts import cache_home
+
 TILE_CACHE_ENV = "EDGEINFER_TILE_CACHE"
 OFF = "off"
 SCHEMA = 1
@@ -58,8 +61,7 @@ def default_folder() -> Path | None:
     chosen = os.environ.get(TILE_CACHE_ENV)
     if chosen is not None and chosen.strip():
         return None if chosen.strip().lower() == OFF else Path(chosen)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "edgeinfer" / "tiles"
+    return cache_home() / "tiles"
 
 
 def default() -> TileCache:

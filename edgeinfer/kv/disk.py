@@ -43,6 +43,8 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edgeinfer.artifacts import cache_home
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -96,9 +98,9 @@ class FreeSpace:
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/edgeinfer/kv``, else ``~/.cache/edgeinfer/kv``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "edgeinfer" / "kv"
+    """``kv`` under :func:`~edgeinfer.artifacts.cache_home`: ``$XDG_CACHE_HOME/edgeinfer/kv``, else
+    ``~/.cache/edgeinfer/kv``."""
+    return cache_home() / "kv"
 
 
 @dataclass(frozen=True, slots=True)
