@@ -13,7 +13,7 @@ user waits for it. After each run the cache file's entries and modification time
 run that timed nothing leaves the file as it was.
 
 Writes ``DIR/tile-cache-<shape>-<weights>.json``: every run's wall time, the load average before
-and after it, its answer's token ids and what it left in the cache; and the medians of each
+and after it (and, under ``quiet``, other processes' share of it as the benchmarks judge it), its answer's token ids and what it left in the cache; and the medians of each
 kind over all its runs.
 """
 
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgeinfer.bench.common import bench_checkpoint  # noqa: E402
+from edgeinfer.bench.quiet import LoadTracker, RunLog, judge  # noqa: E402
 from edgeinfer.bench.weights import format_checkpoint  # noqa: E402
 from edgeinfer.tile_cache import TILE_CACHE_ENV  # noqa: E402
 
@@ -47,20 +48,21 @@ def cache_state(folder: Path) -> dict:
             for f in files}
 
 
-def one_run(model: Path, tiles: str, max_tokens: int) -> dict:
+def one_run(runs: RunLog, label: str, model: Path, tiles: str, max_tokens: int, timed: bool = True) -> dict:
+    """One ``edgeinfer run`` process, recorded in ``runs`` with the load before and after it."""
     env = {**os.environ, TILE_CACHE_ENV: tiles}
     command = [sys.executable, "-m", "edgeinfer.cli.main", "run", "--model", str(model), "--image", str(IMAGE),
                "--max-tokens", str(max_tokens), "--json", QUESTION]
-    before = os.getloadavg()
-    started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - started
+    with runs.run(label, timed) as record:
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+        record["wall_s"] = time.perf_counter() - started
     if done.returncode:
         raise RuntimeError(f"edgeinfer run exited with {done.returncode}:\n{done.stderr[-4000:]}")
     answer = json.loads(done.stdout)
-    return {"wall_s": wall, "load_before": before, "load_after": os.getloadavg(), "token_ids": answer["token_ids"],
-            "timings": answer["timings"], "backend": answer["backend"], "precision": answer["precision"],
-            "profile": answer["profile"]}
+    record.update(token_ids=answer["token_ids"], timings=answer["timings"], backend=answer["backend"],
+                  precision=answer["precision"], profile=answer["profile"])
+    return record
 
 
 def main() -> None:
@@ -80,21 +82,25 @@ def main() -> None:
     model = format_checkpoint(dense, args.weights, args.cache, args.group_size, "bfloat16")
     tiles = args.out / "tiles"
     args.out.mkdir(parents=True, exist_ok=True)
+    runs = RunLog()
     record = {"shape": args.shape, "weights": args.weights, "max_tokens": args.max_tokens, "question": QUESTION,
               "image": IMAGE.name, "cpus": os.cpu_count(), "runs": []}
     out = args.out / f"tile-cache-{args.shape}-{args.weights}.json"
 
-    if not args.no_untimed:
-        print("[probe] untimed run, tile cache off (compiles)", flush=True)
-        record["untimed"] = one_run(model, "off", args.max_tokens)
-    for pair in range(args.pairs):
-        shutil.rmtree(tiles, ignore_errors=True)
-        for kind in ("empty", "full"):
-            run = one_run(model, str(tiles), args.max_tokens)
-            run.update(kind=kind, pair=pair, cache_after=cache_state(tiles))
-            record["runs"].append(run)
-            print(f"[probe] pair {pair} {kind}: {run['wall_s']:.2f} s, load {run['load_before'][0]:.2f}", flush=True)
-            out.write_text(json.dumps(record, indent=1))
+    with LoadTracker() as tracker:  # our processes' share of the load, as the benchmarks judge quiet runs
+        if not args.no_untimed:
+            print("[probe] untimed run, tile cache off (compiles)", flush=True)
+            record["untimed"] = one_run(runs, "untimed", model, "off", args.max_tokens, timed=False)
+        for pair in range(args.pairs):
+            shutil.rmtree(tiles, ignore_errors=True)
+            for kind in ("empty", "full"):
+                run = one_run(runs, f"{kind} #{pair}", model, str(tiles), args.max_tokens)
+                run.update(kind=kind, pair=pair, cache_after=cache_state(tiles))
+                record["runs"].append(run)
+                print(f"[probe] pair {pair} {kind}: {run['wall_s']:.2f} s, load {run['load']['before'][0]:.2f}",
+                      flush=True)
+                out.write_text(json.dumps(record, indent=1))
+    record["quiet"] = judge(runs.records, tracker.share_at, enforced=False).to_dict()
     record["median_wall_s"] = {kind: statistics.median(r["wall_s"] for r in record["runs"] if r["kind"] == kind)
                                for kind in ("empty", "full")}
     record["same_tokens_full_as_empty"] = [
