@@ -129,7 +129,7 @@ def quantizer_identity() -> str:
 def quantized_checkpoint(spec: QuantizedCheckpointSpec, cache: Path, steps=None) -> Path:
     """The quantized checkpoint of ``spec`` under ``cache``, written once (into a temporary
     folder renamed at the end, so an interrupted run is never taken for a finished one).
-    ``steps`` receives the quantizer's progress (:class:`edgeinfer.quant.compress.Steps`)."""
+    ``steps`` receives the quantizer's progress (:class:`edgeinfer.progress.Steps`)."""
     from edgeinfer.quant.compress import Method, QuantizeOptions, QuantSpec
     from edgeinfer.quant.quantize import quantize_checkpoint
 
