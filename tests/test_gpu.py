@@ -220,6 +220,32 @@ def test_tiles_one_engine_timed_are_taken_by_the_next_with_the_same_tokens(check
     assert second == first
 
 
+def test_the_fused_step_compiles_its_tiles_ahead_and_its_timings_compile_nothing(checkpoint, monkeypatch):
+    """Every candidate tile is compiled on threads before the timings (``kernels.compile_ahead``):
+    with the kernels' own caches emptied and no tile cache, no timing compiles a kernel."""
+    _needs_triton()
+    from collections import defaultdict
+
+    from edgeinfer.testing.triton_compile import binaries
+
+    monkeypatch.setenv(tile_cache.TILE_CACHE_ENV, "off")
+    jitted = [triton_decode._gemv_kernel, triton_decode._packed_gemv_kernel]
+    for kernel in jitted:
+        monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
+    timings, real = [], triton_decode.graph_time_us
+
+    def graph_time_us(calls):
+        before = binaries(jitted)
+        us = real(calls)
+        timings.append(binaries(jitted) - before)
+        return us
+
+    monkeypatch.setattr(triton_decode, "graph_time_us", graph_time_us)
+    alone(checkpoint("qwen2_vl"), device="cuda", dtype="bfloat16", cuda_graphs=True)
+    assert timings and binaries(jitted) > 0
+    assert not any(timings), f"kernels compiled during the timings: {timings}"
+
+
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])
 def test_graphs_captured_at_start_up_leave_nothing_to_capture_on_live_traffic(checkpoint, family):
     """With a capture budget, every decode graph is captured at load: greedy, sampled and

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (CPU builds of torch come without it)")
 
@@ -159,3 +160,36 @@ def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype
             kernel = triton.compile(source, target=target, options={"num_warps": warps})
             # whole: no shared memory at all; split: the arrival count handed to every thread, nothing else
             assert kernel.asm["cubin"] and kernel.metadata.shared <= (16 if split_k else 0)
+
+
+def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up():
+    """``compile_ahead`` compiles a tuner's candidate tiles on threads, through the wrappers' own
+    arguments (``warmup=True``), and leaves each where its launch looks it up: the same calls made
+    again compile nothing. Batch-1 products (packed and dense) and few-row packed products (the
+    dot kernel, and the tensor-core kernel where this Triton has Gluon), compiled for Orin."""
+    from edgeinfer.quant import tensor_core
+    from edgeinfer.quant.packed import PackedMatrix
+    from edgeinfer.testing.triton_compile import binaries, compile_only
+
+    n, k = 256, 1536
+    packed = PackedMatrix(torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32),
+                          torch.rand(n, k // 128, dtype=torch.bfloat16), None, 4, 128, (n, k))
+    dense = torch.randn(n, k, dtype=torch.bfloat16)
+    one, rows = torch.randn(1, k, dtype=torch.bfloat16), torch.randn(4, k, dtype=torch.bfloat16)
+    layout = packed.layout
+    calls = [lambda c=c: triton_decode.packed_gemv(one, packed, c, norm_weight=one[0], eps=1e-6, warmup=True)
+             for c in triton_decode.PACKED_GEMV_CANDIDATES[:3]]
+    calls += [lambda c=c: triton_decode.gemv(one, dense, residual=one[:, :n], config=c, warmup=True)
+              for c in triton_decode.GEMV_CANDIDATES[:2]]
+    mm = kernels.mm_candidates(layout)[:2] + (kernels.mma_candidates(layout, 8)[:1] if tensor_core.gluon else [])
+    calls += [lambda c=c: kernels.packed_mm(rows, packed.codes, packed.scales, None, layout, c, warmup=True)
+              for c in mm]
+    jitted = [triton_decode._packed_gemv_kernel, triton_decode._gemv_kernel, kernels._packed_mm_kernel]
+    jitted += [tensor_core._mma_mm_kernel] if tensor_core.gluon else []
+    with compile_only(TARGETS["sm_87 (Orin)"], jitted):
+        kernels.compile_ahead(calls, workers=2)
+        ahead = binaries(jitted)
+        for call in calls:  # each finds its kernel compiled; nothing is launched
+            call()
+        assert binaries(jitted) == ahead, "a launch after compile_ahead compiled its kernel again"
+    assert ahead == len(calls)

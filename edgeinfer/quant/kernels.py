@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
 from edgeinfer import tile_cache
+from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant import tensor_core
 
 try:  # the import decides whether these kernels exist at all
@@ -44,6 +47,11 @@ try:  # grid dependency control (Triton 3.4 and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton, or none
     gdc_launch_dependents = gdc_wait = None
+
+try:  # compiles handed to a pool of threads (Triton 3.4 and later; 3.6 and 3.9 tested)
+    from triton.runtime._async_compile import AsyncCompileMode
+except ImportError:  # pragma: no cover - older Triton, or none
+    AsyncCompileMode = None
 
 # Set to 0 to launch every kernel after the one before it has finished, as a plain stream does.
 DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
@@ -83,6 +91,56 @@ def dependent_launch(device: torch.device) -> bool:
     if os.environ.get(DEPENDENT_LAUNCH_ENV, "1") == "0":
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+COMPILING = "compiling the tiles' kernels"  # the progress phase of compile_ahead
+
+
+def compile_ahead(warmups: Iterable[Callable[[], object]], steps: Steps | None = None,
+                  workers: int | None = None) -> None:
+    """Compile, on a pool of ``workers`` threads (one a core), the kernels that ``warmups`` (each a
+    kernel's wrapper called with ``warmup=True``: its compile, no launch) name, before a tuner
+    times them. Launched one after another, a tuner's tiles compiled one at a time: about a
+    hundred of them, a second or more each, all in the first process on a GPU, and on a board's
+    slower cores longer still. Triton's compiler spends most of a compile outside the GIL (MLIR,
+    LLVM, ``ptxas``), so threads run them side by side; each compiled kernel goes into the
+    kernel's own cache under the key its launch looks up, so the timings compile nothing.
+
+    A compile that fails here is left for the launch to fail, where the caller handles it (the
+    tensor-core kernel's refusal, say); nothing runs where Triton cannot compile ahead (no Triton,
+    the interpreter, a Triton without asynchronous compiles). ``steps`` hears of each compile
+    done."""
+    if triton is None or interpreting() or AsyncCompileMode is None:
+        return
+    done = (steps or NoSteps()).phase(COMPILING, None)
+    workers = workers or len(os.sched_getaffinity(0))
+    with _ReportingPool(workers, done) as pool, AsyncCompileMode(pool, ignore_errors=True):
+        for warm in warmups:
+            try:
+                warm()
+            except Exception:  # noqa: BLE001 - the same call fails again at its launch, where it is handled
+                pass
+
+
+class _ReportingPool(ThreadPoolExecutor):
+    """A thread pool that calls ``done`` as each job ends."""
+
+    def __init__(self, workers: int, done: Callable[[], None]) -> None:
+        super().__init__(workers, thread_name_prefix="triton-compile")
+        self._done = done
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(lambda _: self._done())
+        return future
+
+
+def launch(kernel, grid: tuple[int, ...], warmup: bool, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``; with ``warmup`` only its compile (nothing runs), under the
+    key the launch would look up (:func:`compile_ahead`)."""
+    if warmup:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
 
 
 if triton is not None:
@@ -555,6 +613,7 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     weights = [(codes, scales, zeros)] + [
         (codes.clone(), scales.clone(), None if zeros is None else zeros.clone())
         for _ in range(cold_copies(nbytes, torch.cuda.get_device_properties(x.device).L2_cache_size) - 1)]
+    compile_ahead(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg, warmup=True) for cfg in candidates)
     times = {}
     for cfg in candidates:
         try:
@@ -577,9 +636,10 @@ def _kept_config(fields: dict | None) -> MmConfig | None:
 
 
 def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-              layout: PackedGeometry, config: MmConfig | None = None) -> torch.Tensor:
+              layout: PackedGeometry, config: MmConfig | None = None, warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for ``x`` [M, K] with M ≤ :data:`MAX_DOT_ROWS`, ``W`` the packed [N, K] weight;
-    ``config`` None: :func:`tuned_config`."""
+    ``config`` None: :func:`tuned_config`. ``warmup``: compile the kernel, run nothing, return None
+    (:func:`compile_ahead`)."""
     m = x.shape[0]
     if m > MAX_DOT_ROWS:
         raise ValueError(f"packed_mm takes at most {MAX_DOT_ROWS} rows, got {m}: dequantize and use a GEMM")
@@ -588,19 +648,19 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
                                   split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),
-                                  ahead=cfg.stages - 1)
+                                  ahead=cfg.stages - 1, warmup=warmup)
     bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)
     parts, arrivals = _workspace(x.device).take(cfg.split * m * layout.n, grid[0] * grid[1]) \
         if cfg.split > 1 else (y, y)
-    _packed_mm_kernel[grid](
-        x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, layout.n, layout.k,
-        layout.groups, x.stride(0), layout.n, cfg.split,
-        BM=bm, BN=cfg.bn, BK=cfg.bk, SPLIT_K=cfg.split > 1, BITS=layout.bits, GS=layout.group_constexpr,
-        HAS_Z=zeros is not None, IEEE=x.dtype == torch.float32, W_A=cfg.w_a, ASM=not interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages)
-    return y
+    launch(_packed_mm_kernel, grid, warmup,
+           x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, layout.n, layout.k,
+           layout.groups, x.stride(0), layout.n, cfg.split,
+           BM=bm, BN=cfg.bn, BK=cfg.bk, SPLIT_K=cfg.split > 1, BITS=layout.bits, GS=layout.group_constexpr,
+           HAS_Z=zeros is not None, IEEE=x.dtype == torch.float32, W_A=cfg.w_a, ASM=not interpreting(),
+           num_warps=cfg.warps, num_stages=cfg.stages)
+    return None if warmup else y
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, layout: PackedGeometry,

@@ -220,10 +220,12 @@ def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: in
 
 
 def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, n: int,
-           group: int, *, bn: int, bk: int, split: int, warps: int, workspace, ahead: int = 2) -> torch.Tensor:
+           group: int, *, bn: int, bk: int, split: int, warps: int, workspace, ahead: int = 2,
+           warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for ``x`` [M ≤ 16, K] (bf16 or fp16) and W packed 4-bit [N, K] in groups of
     ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
-    ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials."""
+    ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials.
+    ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     m, k = x.shape
     if group % bk or k % bk or bk % 64 or bn % 64:
         raise ValueError(f"K steps of {bk} must divide the row ({k}) and lie in one group ({group}); "
@@ -235,9 +237,13 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
     tiles = triton.cdiv(n, bn)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     parts, arrivals = workspace.take(splits * m * n, tiles) if splits > 1 else (y, y)
-    _mma_mm_kernel[(tiles, splits)](
-        x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, n, k, scales.shape[1],
-        x.stride(0), y.stride(0), per_split, splits, BN=bn, BM=8 if m <= 8 else 16, BK=bk, GS=group,
-        HAS_Z=zeros is not None, SPLIT_K=splits > 1, WARPS=warps, LW=word_layout(bn, bk, warps),
-        BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype], AHEAD=ahead, num_warps=warps)
+    args = (x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, n, k, scales.shape[1],
+            x.stride(0), y.stride(0), per_split, splits)
+    given = dict(BN=bn, BM=8 if m <= 8 else 16, BK=bk, GS=group, HAS_Z=zeros is not None, SPLIT_K=splits > 1,
+                 WARPS=warps, LW=word_layout(bn, bk, warps), BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype],
+                 AHEAD=ahead, num_warps=warps)
+    if warmup:  # the compile alone (kernels.launch; this module is below kernels)
+        _mma_mm_kernel.warmup(*args, grid=(tiles, splits), **given)
+        return None
+    _mma_mm_kernel[(tiles, splits)](*args, **given)
     return y

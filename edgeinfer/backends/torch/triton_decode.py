@@ -60,7 +60,8 @@ from edgeinfer.backends.torch.step_tuning import (
 )
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
-from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, graph_time_us, interpreting
+from edgeinfer.quant.kernels import (SplitWorkspace, compile_ahead, dependent_launch, graph_time_us, interpreting,
+                                     launch)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.tile_cache import TileCache, device_identity
 
@@ -589,10 +590,12 @@ def _outputs(n: int, glu: bool, residual: torch.Tensor | None) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         glu: bool = False, config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         glu: bool = False, config: GemvConfig | None = None, out: torch.Tensor | None = None,
+         warmup: bool = False) -> torch.Tensor | None:
     """``f(x) @ w.T (+ bias) (+ residual)`` for ``x`` [M, K] and a dense ``w`` [N, K] (a packed
     one: :func:`packed_gemv`); with ``glu`` (``w``'s rows gate | up, N / 2 each) SiLU(gate)·up
-    of that product, [M, N / 2].
+    of that product, [M, N / 2]. ``warmup``: compile the kernel, run nothing, return None
+    (:func:`~edgeinfer.quant.kernels.compile_ahead`).
 
     ``f`` is RMSNorm with ``norm_weight``; M is padded to a power of two inside the kernel's
     tile (rows past M compute nothing anyone reads).
@@ -611,14 +614,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         residual = None if residual is None else torch.nn.functional.pad(residual, (0, 0, 0, mp - m))
     y = out if out is not None else torch.empty(mp, outputs, dtype=x.dtype, device=x.device)
     prologue = RMSNORM if norm_weight is not None else NONE
-    _gemv_kernel[(triton.cdiv(outputs, cfg.bn // 2 if glu else cfg.bn),)](
-        x, w, bias if bias is not None else w, residual if residual is not None else w,
-        norm_weight if norm_weight is not None else w, y, n, k, x.stride(0),
-        residual.stride(0) if residual is not None else 0, y.stride(0), eps,
-        MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, XB=_norm_block(k, mp, prologue),
-        GLU=glu, **_launch(x.device), num_warps=cfg.warps, num_stages=cfg.stages)
-    return y[:m]
+    launch(_gemv_kernel, (triton.cdiv(outputs, cfg.bn // 2 if glu else cfg.bn),), warmup,
+           x, w, bias if bias is not None else w, residual if residual is not None else w,
+           norm_weight if norm_weight is not None else w, y, n, k, x.stride(0),
+           residual.stride(0) if residual is not None else 0, y.stride(0), eps,
+           MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+           BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, XB=_norm_block(k, mp, prologue),
+           GLU=glu, **_launch(x.device), num_warps=cfg.warps, num_stages=cfg.stages)
+    return None if warmup else y[:m]
 
 
 @dataclass(frozen=True)
@@ -649,13 +652,18 @@ PACKED_GEMV_CANDIDATES = (
 )
 
 
+def _candidates(w: torch.Tensor | PackedMatrix) -> tuple[GemvConfig, ...] | tuple[PackedGemvConfig, ...]:
+    """The tiles timed for a product of weight ``w`` at batch 1."""
+    return PACKED_GEMV_CANDIDATES if isinstance(w, PackedMatrix) else GEMV_CANDIDATES
+
+
 def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 glu: bool = False, out: torch.Tensor | None = None,
-                workspace: SplitWorkspace | None = None) -> torch.Tensor:
-    """``f(x) @ W.T (+ bias) (+ residual)`` for one row ``x`` [1, K] and a packed ``W``; ``f`` and
-    ``glu`` as in :func:`gemv`. A split product needs a ``workspace`` (a fresh one is made per
-    call otherwise)."""
+                workspace: SplitWorkspace | None = None, warmup: bool = False) -> torch.Tensor | None:
+    """``f(x) @ W.T (+ bias) (+ residual)`` for one row ``x`` [1, K] and a packed ``W``; ``f``,
+    ``glu`` and ``warmup`` as in :func:`gemv`. A split product needs a ``workspace`` (a fresh one
+    is made per call otherwise)."""
     if x.shape[0] != 1:
         raise ValueError(f"packed_gemv reads one row, got {x.shape[0]}: use edgeinfer.quant.kernels.packed_mm")
     layout = w.layout
@@ -672,17 +680,17 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
     prologue = RMSNORM if norm_weight is not None else NONE
     codes, gs = w.codes, layout.group_constexpr
     registers = {"maxnreg": config.registers} if config.registers else {}
-    _packed_gemv_kernel[(tiles, splits)](
-        x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
-        bias if bias is not None else codes, residual if residual is not None else codes,
-        norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, layout.groups, per_split,
-        splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BN=config.bn, BK=bk, BITS=layout.bits, GS=gs, HAS_Z=w.zeros is not None,
-        SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
-        ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and _pow2(gs) == gs,
-        XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(), **_launch(x.device),
-        num_warps=config.warps, **registers)
-    return y
+    launch(_packed_gemv_kernel, (tiles, splits), warmup,
+           x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
+           bias if bias is not None else codes, residual if residual is not None else codes,
+           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, layout.groups, per_split,
+           splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+           BN=config.bn, BK=bk, BITS=layout.bits, GS=gs, HAS_Z=w.zeros is not None,
+           SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
+           ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and _pow2(gs) == gs,
+           XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(), **_launch(x.device),
+           num_warps=config.warps, **registers)
+    return None if warmup else y
 
 
 # Positions a split reads per step, and the fewest a split takes: ~1k positions give 8 splits per
@@ -892,20 +900,24 @@ class FusedDecode:
         Returns each product's candidates, fastest first."""
         dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         ranked = {}
-        products = self._products()
-        advance = steps.phase(TILES_ALONE, sum(len(PACKED_GEMV_CANDIDATES if isinstance(ws[0], PackedMatrix)
-                                                   else GEMV_CANDIDATES) for ws, _ in products.values()))
-        for name, (weights, kw) in products.items():
+        timed = {}  # per product: its weights, x, what it fuses and its outputs, as a step calls it
+        for name, (weights, kw) in self._products().items():
             n, k = weights[0].shape
-            x = torch.randn(1, k, dtype=dtype, device=device)
             kw = dict(kw)
             if kw.pop("residual", False):
                 kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
             outs = [torch.empty(1, _outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
                     for _ in weights]
+            timed[name] = weights, torch.randn(1, k, dtype=dtype, device=device), kw, outs
+        if device.type == "cuda":  # every candidate compiled on threads first: the timings then compile nothing
+            compile_ahead((lambda c=c, w=ws[0], x=x, kw=kw, o=outs[0]: self._product(x, w, c, out=o, warmup=True, **kw)
+                           for ws, x, kw, outs in timed.values() for c in _candidates(ws[0])), steps)
+        advance = steps.phase(TILES_ALONE, sum(len(_candidates(ws[0])) for ws, *_ in timed.values()))
+        for name, (weights, x, kw, outs) in timed.items():
+            n, k = weights[0].shape
             times = {}
             packed = isinstance(weights[0], PackedMatrix)
-            for c in PACKED_GEMV_CANDIDATES if packed else GEMV_CANDIDATES:
+            for c in _candidates(weights[0]):
                 calls = [lambda w=w, o=o, c=c: self._product(x, w, c, out=o, **kw) for w, o in zip(weights, outs)]
                 times[c] = graph_time_us(calls)
                 advance()
@@ -968,7 +980,7 @@ class FusedDecode:
         valid = torch.ones(1, dtype=torch.long, device=weight.device)
         return lambda: self.layers(x, cos, sin, k_pool, v_pool, tables, context_lens, valid)
 
-    def _product(self, x, w, config, **kw):
+    def _product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
         if isinstance(w, PackedMatrix):
             return packed_gemv(x, w, config, workspace=self.workspace, **kw)
         return gemv(x, w, config=config, **kw)
@@ -976,8 +988,7 @@ class FusedDecode:
     def _gemv(self, name, x, w, **kw):
         if not self.configs:
             if x.device.type != "cuda":  # the interpreter: nothing to time
-                self.configs = {name: PACKED_GEMV_CANDIDATES[0] if isinstance(ws[0], PackedMatrix) else
-                                GEMV_CANDIDATES[0] for name, (ws, _) in self._products().items()}
+                self.configs = {name: _candidates(ws[0])[0] for name, (ws, _) in self._products().items()}
             elif torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the fused decode kernels must be tuned before a capture")
             else:

@@ -1,0 +1,125 @@
+"""Diagnostic probe (not a benchmark), no GPU needed: how long the fused batch-1 step's tiles take to
+compile, one after another as their first launches compiled them, and on a pool of threads
+(``kernels.compile_ahead``), for Orin (sm_87) or Hopper (sm_90).
+
+    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N]
+
+On a GPU the tuner compiles every candidate tile of every product the first time a checkpoint
+loads (the tile cache then keeps the choices, and Triton's own cache the binaries). This probe
+compiles the same kernels with the same arguments — the products of a Qwen2-VL-2B layer in 4 bits
+(groups of 128) and its 8-bit head, as ``FusedDecode._tune_alone`` calls them — through the
+wrappers' ``warmup`` path under a compile-only driver (:mod:`edgeinfer.testing.triton_compile`).
+Each run is a fresh process with an empty Triton cache; the two ways alternate, ``--pairs`` times.
+The raw file records each run's seconds, kernels, the load before and after it, and our own share
+of that load, as the CPU benchmarks judge a quiet run. Launch options that depend on the device
+(dependent launches on Hopper) are those of a CPU tensor: off."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edgeinfer.bench.quiet import LoadTracker, RunLog, judge  # noqa: E402
+
+HIDDEN, INTERMEDIATE, QKV, VOCAB = 1536, 8960, 2048, 151936  # Qwen2-VL-2B's decoder
+
+
+def products():
+    """(weight, what the product fuses) for q|k|v, o, gate|up and down in 4 bits and the 8-bit head."""
+    import torch
+
+    from edgeinfer.quant.packed import PackedMatrix
+
+    def packed(n, k, bits, group):
+        return PackedMatrix(torch.randint(-2**31, 2**31 - 1, (n, k * bits // 32), dtype=torch.int32),
+                            torch.rand(n, -(-k // group), dtype=torch.bfloat16), None, bits, group, (n, k))
+
+    def row(n):
+        return torch.randn(1, n, dtype=torch.bfloat16)
+
+    norm = {"norm_weight": row(HIDDEN)[0], "eps": 1e-6}
+    return {"qkv": (packed(QKV, HIDDEN, 4, 128), {"bias": row(QKV)[0], **norm}),
+            "o": (packed(HIDDEN, HIDDEN, 4, 128), {"residual": row(HIDDEN)}),
+            "gate_up": (packed(2 * INTERMEDIATE, HIDDEN, 4, 128), {"glu": True, **norm}),
+            "down": (packed(HIDDEN, INTERMEDIATE, 4, 128), {"residual": row(HIDDEN)}),
+            "lm_head": (packed(VOCAB, HIDDEN, 8, HIDDEN), norm)}
+
+
+def child(way: str, arch: int, workers: int) -> None:
+    """One run: compile every product's candidate tiles ``way`` (serial or ahead); print the figures."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.quant import kernels
+    from edgeinfer.testing.triton_compile import binaries, compile_only
+
+    calls = []
+    for w, kw in products().values():
+        x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
+        calls += [lambda c=c, w=w, x=x, kw=kw: triton_decode.packed_gemv(x, w, c, warmup=True, **kw)
+                  for c in triton_decode.PACKED_GEMV_CANDIDATES]
+    jitted = [triton_decode._packed_gemv_kernel]
+    with compile_only(GPUTarget("cuda", arch, 32), jitted):
+        started = time.perf_counter()
+        if way == "ahead":
+            kernels.compile_ahead(calls, workers=workers)
+        else:
+            for call in calls:
+                call()
+        seconds = time.perf_counter() - started
+        print(json.dumps({"seconds": seconds, "kernels": binaries(jitted), "calls": len(calls)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--arch", type=int, default=87, help="87: Orin; 90: Hopper")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--child", choices=("serial", "ahead"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.arch, args.workers)
+        return
+
+    import triton
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"compile-ahead-sm{args.arch}.json"
+    runs = RunLog()
+    record = {"arch": args.arch, "workers": args.workers, "cpus": os.cpu_count(), "triton": triton.__version__,
+              "shape": "qwen2-vl-2b w4a16 g128, 8-bit head", "runs": []}
+    with LoadTracker() as tracker:  # our processes' share of the load, as the benchmarks judge quiet runs
+        for pair in range(args.pairs):
+            for way in ("serial", "ahead"):
+                with tempfile.TemporaryDirectory() as cache, runs.run(f"{way} #{pair}") as run:
+                    env = {**os.environ, "TRITON_CACHE_DIR": cache, "TRITON_DEFAULT_FP_FUSION": "1"}
+                    done = subprocess.run([sys.executable, __file__, "--child", way, "--arch", str(args.arch),
+                                           "--workers", str(args.workers), "--out", str(args.out)],
+                                          capture_output=True, text=True, env=env, cwd=ROOT)
+                    if done.returncode:
+                        raise RuntimeError(f"the {way} run exited with {done.returncode}:\n{done.stderr[-4000:]}")
+                    run.update(way=way, pair=pair, **json.loads(done.stdout.strip().splitlines()[-1]))
+                record["runs"].append(run)
+                print(f"[probe] pair {pair} {way}: {run['seconds']:.1f} s, {run['kernels']} kernels, "
+                      f"load {run['load']['before'][0]:.2f}", flush=True)
+                out.write_text(json.dumps(record, indent=1))
+    record["quiet"] = judge(runs.records, tracker.share_at).to_dict()
+    record["median_s"] = {way: statistics.median(r["seconds"] for r in record["runs"] if r["way"] == way)
+                          for way in ("serial", "ahead")}
+    out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["median_s"]), "quiet" if record["quiet"]["publishable"] else "NOT quiet", flush=True)
+
+
+if __name__ == "__main__":
+    main()
