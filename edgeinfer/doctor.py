@@ -86,6 +86,7 @@ class Environment:
     onnxruntime: str | None
     ort_providers: tuple[str, ...] = field(default_factory=tuple)
     triton: str | None = None
+    triton_cannot_build: str | None = None  # why Triton cannot build kernels for GPU 0 (None: it can, or no GPU)
 
 
 def _distribution_version(*names: str) -> str | None:
@@ -122,6 +123,17 @@ def _probe_ort() -> tuple[str | None, tuple[str, ...]]:
     return onnxruntime.__version__, tuple(onnxruntime.get_available_providers())
 
 
+def _probe_triton_build(cuda_available: bool) -> str | None:
+    """Why Triton cannot build kernels for GPU 0 (:func:`edgeinfer.quant.kernels.cannot_build`)."""
+    if not cuda_available:
+        return None
+    import torch
+
+    from edgeinfer.quant.kernels import cannot_build
+
+    return cannot_build(torch.device("cuda", 0))
+
+
 def probe_environment() -> Environment:
     torch_version, torch_cuda, available, device = _probe_torch()
     ort_version, providers = _probe_ort()
@@ -131,7 +143,8 @@ def probe_environment() -> Environment:
         python=tuple(sys.version_info[:3]), torch=torch_version, torch_cuda=torch_cuda,
         cuda_available=available, cuda_device=device, transformers=_distribution_version("transformers"),
         tensorrt=tensorrt, onnxruntime=ort_version, ort_providers=providers,
-        triton=_distribution_version("triton", "pytorch-triton") or _module_version("triton"))
+        triton=_distribution_version("triton", "pytorch-triton") or _module_version("triton"),
+        triton_cannot_build=_probe_triton_build(available))
 
 
 def _major(version: str) -> int:
@@ -192,6 +205,11 @@ def check_tensorrt(env: Environment, device: DeviceInfo) -> Check:
 def check_triton(env: Environment, device: DeviceInfo) -> Check:
     """Triton runs the fused batch-1 decode kernels and torch.compile's GPU code; without it a
     CUDA-graph decode step runs eager layers."""
+    if env.triton is not None and env.triton_cannot_build is not None and device.kind != "cpu":
+        return _warn("triton", f"{env.triton} cannot build for this GPU ({env.triton_cannot_build}); the fused "
+                     "decode and low-bit kernels are off, torch runs those products",
+                     "install a Triton whose ptxas knows this GPU (Jetson Thor, sm_110 from CUDA 13: "
+                     "Triton 3.9 builds for it, 3.6 does not)")
     if env.triton is not None:
         return _pass("triton", f"{env.triton}; batch-1 decode runs fused kernels")
     if device.kind == "cpu":

@@ -102,6 +102,16 @@ def test_gpu_box_says_whether_the_fused_decode_kernels_can_run(tmp_path: Path, t
     assert checks["triton"] == (status, "pip install triton" if triton is None else None)
 
 
+def test_a_gpu_triton_cannot_build_for_is_a_warning_with_the_reason(tmp_path: Path) -> None:
+    device = detect_device(make_dgpu(tmp_path), cuda_probe=lambda: CudaProbe("NVIDIA Thor", "11.0", 128_000))
+    verdict = "PTXASError: ptxas-blackwell fatal   : Value 'sm_110a' is not defined for option 'gpu-name'"
+    checks = run_checks(root=tmp_path, env=jetson_env(triton="3.6.0", triton_cannot_build=verdict), device=device,
+                        engines_dir=tmp_path / "e")
+    [check] = [c for c in checks if c.name == "triton"]
+    assert check.status == "warn" and "sm_110a" in check.detail and "kernels are off" in check.detail
+    assert "Triton 3.9" in check.fix
+
+
 def test_gpu_box_says_where_tile_choices_are_kept(tmp_path: Path, monkeypatch) -> None:
     device = detect_device(make_dgpu(tmp_path), cuda_probe=lambda: CudaProbe("NVIDIA H200", "9.0", 143_000))
 

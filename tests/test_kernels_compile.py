@@ -26,12 +26,13 @@ from edgeinfer.quant import kernels  # noqa: E402
 TARGETS = {"sm_90 (Hopper)": GPUTarget("cuda", 90, 32), "sm_87 (Orin)": GPUTarget("cuda", 87, 32)}
 
 
-def compiled(fn, types: dict[str, str], constexprs: dict, warps: int = 4, stages: int = 3) -> dict[str, int]:
+def compiled(fn, types: dict[str, str], constexprs: dict, warps: int = 4, stages: int = 3,
+             targets: dict[str, GPUTarget] = TARGETS) -> dict[str, int]:
     """Cubin bytes per target of ``fn`` with pointer/scalar ``types`` and ``constexprs``; a kernel that
     can launch as a programmatic dependent (``PDL``) does so where its wrapper would (sm_90 and later)."""
     names = fn.arg_names
     sizes = {}
-    for label, target in TARGETS.items():
+    for label, target in targets.items():
         given = {**constexprs, **({"PDL": target.arch >= 90} if "PDL" in names else {})}
         missing = set(names) - set(types) - set(given)
         assert not missing, f"no type given for {sorted(missing)}"
@@ -193,3 +194,66 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up():
             call()
         assert binaries(jitted) == ahead, "a launch after compile_ahead compiled its kernel again"
     assert ahead == len(calls)
+
+
+def test_a_gpu_this_triton_cannot_build_for_is_named_quietly(capsys):
+    """``cannot_build`` gives ptxas's verdict in a line for a GPU this Triton's ``ptxas`` does not
+    know (an sm_999 here) and None for one it does; Triton's PTX dump stays off stdout."""
+    from edgeinfer.testing.triton_compile import compile_only
+
+    with compile_only(GPUTarget("cuda", 999, 32), [kernels._copy_one]):
+        verdict = kernels._cannot_build_for.__wrapped__((99, 9))
+    with compile_only(TARGETS["sm_87 (Orin)"], [kernels._copy_one]):
+        assert kernels._cannot_build_for.__wrapped__((8, 7)) is None
+    assert verdict and "sm_999" in verdict and "\n" not in verdict
+    assert capsys.readouterr().out == ""
+
+
+def test_the_decode_kernels_build_for_jetson_thor():
+    """Jetson Thor is sm_110 from CUDA 13 on: the batch-1 products (packed and dense), the batched
+    packed product and the attention build for it, where this Triton's ``ptxas`` knows it."""
+    from edgeinfer.testing.triton_compile import compile_only
+
+    thor = {"sm_110 (Thor)": GPUTarget("cuda", 110, 32)}
+    with compile_only(thor["sm_110 (Thor)"], [kernels._copy_one]):
+        verdict = kernels._cannot_build_for.__wrapped__((11, 0))
+    if verdict:
+        pytest.skip(f"Triton {triton.__version__} cannot build for sm_110: {verdict}")
+    packed = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    for prologue, glu in EPILOGUES:
+        assert all(compiled(triton_decode._packed_gemv_kernel, packed, dict(
+            PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=4, GS=128,
+            HAS_Z=False, SPLIT_K=True, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
+            XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True), targets=thor).values())
+    dense = {**pointers("bf16", "X", "W", "BIAS", "RES", "NORM_W", "Y"),
+             **dict.fromkeys(("N", "K", "stride_x", "stride_r", "stride_y"), "i32"), "eps": "fp32"}
+    assert all(compiled(triton_decode._gemv_kernel, dense, dict(
+        MP=1, PROLOGUE=1, HAS_BIAS=True, HAS_RES=False, BN=8, BK=512, USE_DOT=False, IEEE=False, XB=2048,
+        GLU=True), stages=2, targets=thor).values())
+    mm = {**pointers("bf16", "X", "S", "Z", "Y"), "Q": "*i32", "PARTS": "*fp32", "ARRIVALS": "*i32",
+          **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y", "splits"), "i32")}
+    for w_a in (False, True):
+        assert all(compiled(kernels._packed_mm_kernel, mm, dict(
+            BM=16, BN=64, BK=128, SPLIT_K=True, BITS=4, GS=128, HAS_Z=True, IEEE=False, W_A=w_a, ASM=True),
+            targets=thor).values())
+    attention = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
+                 **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
+                 "ARRIVALS": "*i32", **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks",
+                                                      "stride_out"), "i32"), "scale": "fp32", "eps": "fp32"}
+    assert all(compiled(triton_decode._attention_kernel, attention, dict(
+        KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
+        TILE=triton_decode.ATTENTION_TILE, SPLITS=32, MC=16, WRITE_POOL=True, IEEE=False, QK_NORM=False),
+        stages=2, targets=thor).values())
+    from edgeinfer.quant import tensor_core
+
+    if tensor_core.gluon is not None:  # the 4-bit tensor-core product (Gluon's mma_v2: mma.sync, which Thor has)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        names = tensor_core._mma_mm_kernel.arg_names
+        given = dict(BN=128, BM=16, BK=128, GS=128, HAS_Z=True, SPLIT_K=True, WARPS=4,
+                     LW=tensor_core.word_layout(128, 128, 4), BF16=True, MAGIC=128.0, AHEAD=2)
+        source = GluonASTSource(tensor_core._mma_mm_kernel, {n: {**mm, "per_split": "i32"}.get(n, "constexpr")
+                                                            for n in names},
+                                {(names.index(k),): v for k, v in given.items()})
+        assert triton.compile(source, target=thor["sm_110 (Thor)"], options={"num_warps": 4}).asm["cubin"]

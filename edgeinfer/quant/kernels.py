@@ -25,7 +25,9 @@ dequantized dense weight up to summation order and rounding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,10 +68,40 @@ def interpreting() -> bool:
 
 
 def usable(device: torch.device) -> bool:
-    """Whether the kernels can run on ``device`` (a GPU, or Triton's CPU interpreter for checks)."""
+    """Whether the kernels can run on ``device``: a GPU this Triton can build for
+    (:func:`cannot_build`), or Triton's CPU interpreter for checks."""
     if triton is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+    if device.type == "cuda":
+        return cannot_build(device) is None
+    return device.type == "cpu" and interpreting()
+
+
+def cannot_build(device: torch.device) -> str | None:
+    """Why this Triton cannot build kernels for ``device``'s GPU, None where it can (or where
+    ``device`` is not a GPU). A Triton's ``ptxas`` knows the GPUs of its CUDA: Jetson Thor is
+    ``sm_110`` from CUDA 13 on, which Triton 3.9 builds for and 3.6 does not. Found once per
+    GPU model by building a kernel of one load and one store for it; the kernels that cannot be
+    built are then not used (torch runs the products), rather than failing at their first launch."""
+    if triton is None or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        return _cannot_build_for(_capability(index))
+
+
+@functools.cache  # per compute capability: the kernel's binary lands in Triton's cache after the first try
+def _cannot_build_for(capability: tuple[int, int]) -> str | None:
+    """What building :func:`_copy_one` for the active device's target raised, in a line; None if nothing."""
+    try:  # Triton prints a failed build's whole PTX to stdout, where a command's answer goes
+        with contextlib.redirect_stdout(io.StringIO()):
+            _copy_one.warmup(torch.empty(1), torch.empty(1), grid=(1,))
+    except Exception as e:  # noqa: BLE001 - whatever stops the build stops every kernel: it is the answer
+        lines = str(e).splitlines() or [""]
+        # ptxas's own verdict ("Value 'sm_110a' is not defined for option 'gpu-name'") names the GPU
+        verdict = next((line.strip() for line in lines if "fatal" in line), lines[0])
+        return f"{type(e).__name__}: {verdict}"[:300]
+    return None
 
 
 @functools.cache
@@ -144,6 +176,11 @@ def launch(kernel, grid: tuple[int, ...], warmup: bool, *args, **kwargs):
 
 
 if triton is not None:
+
+    @triton.jit
+    def _copy_one(X, Y):
+        """The smallest kernel a GPU build must take (:func:`cannot_build`)."""
+        tl.store(Y, tl.load(X))
 
     @triton.jit
     def await_inputs(PDL: tl.constexpr):

@@ -60,8 +60,8 @@ from edgeinfer.backends.torch.step_tuning import (
 )
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
-from edgeinfer.quant.kernels import (SplitWorkspace, compile_ahead, dependent_launch, graph_time_us, interpreting,
-                                     launch)
+from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, compile_ahead, dependent_launch, graph_time_us,
+                                     interpreting, launch)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.tile_cache import TileCache, device_identity
 
@@ -94,7 +94,8 @@ def available(device: torch.device) -> str | None:
         return "triton is not installed"
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return "not a CUDA device"
-    return None
+    reason = cannot_build(device)
+    return f"Triton {triton.__version__} cannot build for this GPU ({reason})" if reason else None
 
 
 # The rows the Triton products serve: they stream each weight once per row tile and beat
