@@ -188,12 +188,12 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up():
     jitted = [triton_decode._packed_gemv_kernel, triton_decode._gemv_kernel, kernels._packed_mm_kernel]
     jitted += [tensor_core._mma_mm_kernel] if tensor_core.gluon else []
     with compile_only(TARGETS["sm_87 (Orin)"], jitted):
-        kernels.compile_ahead(calls, workers=2)
+        report = kernels.compile_ahead(calls, workers=2)
         ahead = binaries(jitted)
         for call in calls:  # each finds its kernel compiled; nothing is launched
             call()
         assert binaries(jitted) == ahead, "a launch after compile_ahead compiled its kernel again"
-    assert ahead == len(calls)
+    assert ahead == len(calls) and report.compiles == len(calls) and report.workers == 2
 
 
 def test_a_gpu_this_triton_cannot_build_for_is_named_quietly(capsys):

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import io
 import os
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -128,8 +129,18 @@ def dependent_launch(device: torch.device) -> bool:
 COMPILING = "compiling the tiles' kernels"  # the progress phase of compile_ahead
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledAhead:
+    """What :func:`compile_ahead` did: ``compiles`` handed to ``workers`` threads, in ``seconds``
+    (a kernel already compiled, in this process or Triton's cache on disk, is no compile here)."""
+
+    compiles: int
+    workers: int
+    seconds: float
+
+
 def compile_ahead(warmups: Iterable[Callable[[], object]], steps: Steps | None = None,
-                  workers: int | None = None) -> None:
+                  workers: int | None = None) -> CompiledAhead | None:
     """Compile, on a pool of ``workers`` threads (one a core), the kernels that ``warmups`` (each a
     kernel's wrapper called with ``warmup=True``: its compile, no launch) name, before a tuner
     times them. Launched one after another, a tuner's tiles compiled one at a time: about a
@@ -140,18 +151,20 @@ def compile_ahead(warmups: Iterable[Callable[[], object]], steps: Steps | None =
 
     A compile that fails here is left for the launch to fail, where the caller handles it (the
     tensor-core kernel's refusal, say); nothing runs where Triton cannot compile ahead (no Triton,
-    the interpreter, a Triton without asynchronous compiles). ``steps`` hears of each compile
-    done."""
+    the interpreter, a Triton without asynchronous compiles: then None). ``steps`` hears of each
+    compile done."""
     if triton is None or interpreting() or AsyncCompileMode is None:
-        return
+        return None
     done = (steps or NoSteps()).phase(COMPILING, None)
     workers = workers or len(os.sched_getaffinity(0))
+    started = time.perf_counter()
     with _ReportingPool(workers, done) as pool, AsyncCompileMode(pool, ignore_errors=True):
         for warm in warmups:
             try:
                 warm()
             except Exception:  # noqa: BLE001 - the same call fails again at its launch, where it is handled
                 pass
+    return CompiledAhead(pool.submitted, workers, round(time.perf_counter() - started, 2))
 
 
 class _ReportingPool(ThreadPoolExecutor):
@@ -160,8 +173,10 @@ class _ReportingPool(ThreadPoolExecutor):
     def __init__(self, workers: int, done: Callable[[], None]) -> None:
         super().__init__(workers, thread_name_prefix="triton-compile")
         self._done = done
+        self.submitted = 0
 
     def submit(self, fn, /, *args, **kwargs):
+        self.submitted += 1
         future = super().submit(fn, *args, **kwargs)
         future.add_done_callback(lambda _: self._done())
         return future

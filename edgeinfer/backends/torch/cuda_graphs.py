@@ -318,7 +318,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return {"fused": False, "reason": self.fused_off}
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
                 "dependent_launch": dependent_launch(self.device), "tiles": self._fused.tiles_source,
-                "products": self._fused.report, "step": self._fused.step_report}
+                "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
+                "step": self._fused.step_report}
 
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and

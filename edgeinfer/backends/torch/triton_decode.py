@@ -799,6 +799,7 @@ class FusedDecode:
         self.report: dict[str, dict] = {}  # per product: its tile and timings
         self.step_report: dict | None = None  # what choosing the tiles by whole-step time changed
         self.tiles_source: str | None = None  # "timed" here, or "cache": kept by an earlier process
+        self.compiled_ahead: dict | None = None  # what compile_ahead did before the timings (none from the cache)
         # Partial sums and arrival counts of split packed products and of the attention's splits, one
         # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
@@ -911,8 +912,9 @@ class FusedDecode:
                     for _ in weights]
             timed[name] = weights, torch.randn(1, k, dtype=dtype, device=device), kw, outs
         if device.type == "cuda":  # every candidate compiled on threads first: the timings then compile nothing
-            compile_ahead((lambda c=c, w=ws[0], x=x, kw=kw, o=outs[0]: self._product(x, w, c, out=o, warmup=True, **kw)
+            ahead = compile_ahead((lambda c=c, w=ws[0], x=x, kw=kw, o=outs[0]: self._product(x, w, c, out=o, warmup=True, **kw)
                            for ws, x, kw, outs in timed.values() for c in _candidates(ws[0])), steps)
+            self.compiled_ahead = asdict(ahead) if ahead is not None else None
         advance = steps.phase(TILES_ALONE, sum(len(_candidates(ws[0])) for ws, *_ in timed.values()))
         for name, (weights, x, kw, outs) in timed.items():
             n, k = weights[0].shape
