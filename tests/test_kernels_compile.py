@@ -257,3 +257,18 @@ def test_the_decode_kernels_build_for_jetson_thor():
                                                             for n in names},
                                 {(names.index(k),): v for k, v in given.items()})
         assert triton.compile(source, target=thor["sm_110 (Thor)"], options={"num_warps": 4}).asm["cubin"]
+
+
+def test_a_compile_that_fails_as_it_finishes_leaves_the_launches_to_compile(monkeypatch):
+    """A compile hook that raises as a compile finishes does not fail the tuner: compile_ahead
+    returns, and leaves Triton's launches compiling as usual (no asynchronous mode left on)."""
+    from edgeinfer.testing.triton_compile import compile_only
+
+    def failing(**_):
+        raise RuntimeError("a hook that fails")
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", failing)
+    with compile_only(TARGETS["sm_87 (Orin)"], [kernels._copy_one]):
+        report = kernels.compile_ahead([lambda: kernels._copy_one.warmup(torch.empty(1), torch.empty(1), grid=(1,))],
+                                       workers=1)
+    assert report.compiles == 1 and kernels._async_compile_mode.get() is None

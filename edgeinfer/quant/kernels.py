@@ -53,8 +53,9 @@ except ImportError:  # pragma: no cover - older Triton, or none
 
 try:  # compiles handed to a pool of threads (Triton 3.4 and later; 3.6 and 3.9 tested)
     from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime._async_compile import active_mode as _async_compile_mode
 except ImportError:  # pragma: no cover - older Triton, or none
-    AsyncCompileMode = None
+    AsyncCompileMode = _async_compile_mode = None
 
 # Set to 0 to launch every kernel after the one before it has finished, as a plain stream does.
 DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
@@ -158,12 +159,16 @@ def compile_ahead(warmups: Iterable[Callable[[], object]], steps: Steps | None =
     done = (steps or NoSteps()).phase(COMPILING, None)
     workers = workers or len(os.sched_getaffinity(0))
     started = time.perf_counter()
-    with _ReportingPool(workers, done) as pool, AsyncCompileMode(pool, ignore_errors=True):
-        for warm in warmups:
-            try:
-                warm()
-            except Exception:  # noqa: BLE001 - the same call fails again at its launch, where it is handled
-                pass
+    with _ReportingPool(workers, done) as pool:
+        try:
+            with AsyncCompileMode(pool, ignore_errors=True):
+                for warm in warmups:
+                    try:
+                        warm()
+                    except Exception:  # noqa: BLE001 - the same call fails again at its launch, where it is handled
+                        pass
+        except Exception:  # noqa: BLE001 - a compile hook that failed as it finished: launches compile what is left
+            _async_compile_mode.set(None)  # Triton 3.6 leaves the mode set when its exit raises
     return CompiledAhead(pool.submitted, workers, round(time.perf_counter() - started, 2))
 
 
