@@ -1,8 +1,17 @@
-"""Diagnostic probe (not a benchmark), no GPU needed: how long the fused batch-1 step's tiles take to
-compile, one after another as their first launches compiled them, and on a pool of threads
-(``kernels.compile_ahead``), for Orin (sm_87) or Hopper (sm_90).
+"""Diagnostic probe (not a benchmark): how long the fused batch-1 step's tiles take to compile, one
+after another as their first launches compiled them, and on a pool of threads
+(``kernels.compile_ahead``). Without a GPU, the compiles alone, for Orin (sm_87) or Hopper (sm_90);
+with ``--gpu``, whole ``edgeinfer run`` processes on a GPU.
 
     python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N]
+    python scripts/probe_compile_ahead.py --gpu --out DIR [--pairs 2] [--cache /tmp/cache]
+
+``--gpu``: the benchmark's 4-bit checkpoint of ``--shape`` (Qwen2-VL-2B; built once under ``--cache``,
+as ``probe_tile_cache.py`` builds it), one untimed ``edgeinfer run`` first (torch.compile's cache
+and the checkpoint's digests then warm for every run alike), then ``--pairs`` times a run with
+``$EDGEINFER_COMPILE_AHEAD`` on and one with it off (``0``), each with Triton's cache emptied and
+the tile cache off, so each compiles and times every tile: its wall time, the load's parts
+(``timings.load``) and tokens. Writes ``DIR/compile-ahead-gpu.json``.
 
 On a GPU the tuner compiles every candidate tile of every product the first time a checkpoint
 loads (the tile cache then keeps the choices, and Triton's own cache the binaries). This probe
@@ -80,16 +89,60 @@ def child(way: str, arch: int, workers: int) -> None:
         print(json.dumps({"seconds": seconds, "kernels": binaries(jitted), "calls": len(calls)}))
 
 
+def on_gpu(args) -> None:
+    """``edgeinfer run`` with compile_ahead on and off, Triton's cache empty before each run."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from probe_tile_cache import one_run, summarize
+
+    from edgeinfer.bench.common import bench_checkpoint
+    from edgeinfer.bench.weights import format_checkpoint
+    from edgeinfer.quant.kernels import COMPILE_AHEAD_ENV
+
+    model = format_checkpoint(bench_checkpoint(args.shape, args.cache), "w4a16-h8", args.cache, args.group_size,
+                              "bfloat16")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / "compile-ahead-gpu.json"
+    runs = RunLog()
+    record = {"shape": args.shape, "weights": "w4a16-h8", "group_size": args.group_size, "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
+              "runs": []}
+    with LoadTracker() as tracker:
+        with tempfile.TemporaryDirectory() as cache:
+            record["untimed"] = one_run(runs, "untimed", model, "off", args.max_tokens, timed=False,
+                                        env={"TRITON_CACHE_DIR": cache})
+        for pair in range(args.pairs):
+            for way, flag in (("ahead", "1"), ("serial", "0")):
+                with tempfile.TemporaryDirectory() as cache:
+                    run = one_run(runs, f"{way} #{pair}", model, "off", args.max_tokens,
+                                  env={"TRITON_CACHE_DIR": cache, COMPILE_AHEAD_ENV: flag})
+                run.update(way=way, pair=pair)
+                record["runs"].append(run)
+                print(f"[probe] pair {pair} {way}: {run['wall_s']:.1f} s, load {run['timings'].get('load')}",
+                      flush=True)
+                out.write_text(json.dumps(record, indent=1))
+    summarize(record, runs, tracker, "way", ("ahead", "serial"))
+    record["same_tokens"] = len({tuple(r["token_ids"]) for r in record["runs"]}) == 1
+    out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["median_wall_s"]), "same tokens" if record["same_tokens"] else "TOKENS DIFFER", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--arch", type=int, default=87, help="87: Orin; 90: Hopper")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--gpu", action="store_true", help="whole edgeinfer run processes on this machine's GPU")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/cache"), help="--gpu: where the checkpoints are built")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--shape", default="qwen2-vl-2b", help="--gpu: the benchmark's checkpoint shape")
+    parser.add_argument("--group-size", type=int, default=128, help="--gpu: the 4-bit checkpoint's groups")
     parser.add_argument("--child", choices=("serial", "ahead"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.arch, args.workers)
+        return
+    if args.gpu:
+        on_gpu(args)
         return
 
     import triton

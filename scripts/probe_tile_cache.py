@@ -48,9 +48,11 @@ def cache_state(folder: Path) -> dict:
             for f in files}
 
 
-def one_run(runs: RunLog, label: str, model: Path, tiles: str, max_tokens: int, timed: bool = True) -> dict:
-    """One ``edgeinfer run`` process, recorded in ``runs`` with the load before and after it."""
-    env = {**os.environ, TILE_CACHE_ENV: tiles}
+def one_run(runs: RunLog, label: str, model: Path, tiles: str, max_tokens: int, timed: bool = True,
+            env: dict[str, str] | None = None) -> dict:
+    """One ``edgeinfer run`` process (``env`` added to ours), recorded in ``runs`` with the load before
+    and after it."""
+    env = {**os.environ, TILE_CACHE_ENV: tiles, **(env or {})}
     command = [sys.executable, "-m", "edgeinfer.cli.main", "run", "--model", str(model), "--image", str(IMAGE),
                "--max-tokens", str(max_tokens), "--json", QUESTION]
     with runs.run(label, timed) as record:
@@ -63,6 +65,14 @@ def one_run(runs: RunLog, label: str, model: Path, tiles: str, max_tokens: int, 
     record.update(token_ids=answer["token_ids"], timings=answer["timings"], backend=answer["backend"],
                   precision=answer["precision"], profile=answer["profile"])
     return record
+
+
+def summarize(record: dict, runs: RunLog, tracker: LoadTracker, field: str, kinds: tuple[str, ...]) -> None:
+    """Into ``record``: the load verdict of its runs (recorded, not enforced: GPU figures) and the
+    median wall time of each of ``kinds`` (the runs' ``field``) over all its runs."""
+    record["quiet"] = judge(runs.records, tracker.share_at, enforced=False).to_dict()
+    record["median_wall_s"] = {kind: statistics.median(r["wall_s"] for r in record["runs"] if r[field] == kind)
+                               for kind in kinds}
 
 
 def main() -> None:
@@ -100,9 +110,7 @@ def main() -> None:
                 print(f"[probe] pair {pair} {kind}: {run['wall_s']:.2f} s, load {run['load']['before'][0]:.2f}",
                       flush=True)
                 out.write_text(json.dumps(record, indent=1))
-    record["quiet"] = judge(runs.records, tracker.share_at, enforced=False).to_dict()
-    record["median_wall_s"] = {kind: statistics.median(r["wall_s"] for r in record["runs"] if r["kind"] == kind)
-                               for kind in ("empty", "full")}
+    summarize(record, runs, tracker, "kind", ("empty", "full"))
     record["same_tokens_full_as_empty"] = [
         next(r for r in record["runs"] if (r["pair"], r["kind"]) == (p, "empty"))["token_ids"]
         == next(r for r in record["runs"] if (r["pair"], r["kind"]) == (p, "full"))["token_ids"]

@@ -163,7 +163,7 @@ def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype
             assert kernel.asm["cubin"] and kernel.metadata.shared <= (16 if split_k else 0)
 
 
-def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up():
+def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):
     """``compile_ahead`` compiles a tuner's candidate tiles on threads, through the wrappers' own
     arguments (``warmup=True``), and leaves each where its launch looks it up: the same calls made
     again compile nothing. Batch-1 products (packed and dense) and few-row packed products (the
@@ -194,6 +194,8 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up():
             call()
         assert binaries(jitted) == ahead, "a launch after compile_ahead compiled its kernel again"
     assert ahead == len(calls) and report.compiles == len(calls) and report.workers == 2
+    monkeypatch.setenv(kernels.COMPILE_AHEAD_ENV, "0")  # each compiles at its first launch, as before
+    assert kernels.compile_ahead(calls) is None
 
 
 def test_a_gpu_this_triton_cannot_build_for_is_named_quietly(capsys):

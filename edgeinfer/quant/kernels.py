@@ -59,6 +59,8 @@ except ImportError:  # pragma: no cover - older Triton, or none
 
 # Set to 0 to launch every kernel after the one before it has finished, as a plain stream does.
 DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
+# Set to 0 to compile each candidate tile at its first launch, one after another (compile_ahead off).
+COMPILE_AHEAD_ENV = "EDGEINFER_COMPILE_AHEAD"
 
 MAX_DOT_ROWS = 64  # rows past this take dequantize + GEMM: the tile of weight is then reused enough
 
@@ -152,9 +154,9 @@ def compile_ahead(warmups: Iterable[Callable[[], object]], steps: Steps | None =
 
     A compile that fails here is left for the launch to fail, where the caller handles it (the
     tensor-core kernel's refusal, say); nothing runs where Triton cannot compile ahead (no Triton,
-    the interpreter, a Triton without asynchronous compiles: then None). ``steps`` hears of each
-    compile done."""
-    if triton is None or interpreting() or AsyncCompileMode is None:
+    the interpreter, a Triton without asynchronous compiles, ``$EDGEINFER_COMPILE_AHEAD=0``: then
+    None). ``steps`` hears of each compile done."""
+    if triton is None or interpreting() or AsyncCompileMode is None or os.environ.get(COMPILE_AHEAD_ENV) == "0":
         return None
     done = (steps or NoSteps()).phase(COMPILING, None)
     workers = workers or len(os.sched_getaffinity(0))
