@@ -89,8 +89,12 @@ def cannot_build(device: torch.device) -> str | None:
     built are then not used (torch runs the products), rather than failing at their first launch."""
     if triton is None or device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with torch.cuda.device(index):
+    return _cannot_build_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache  # every packed product asks (usable): after the first, a lookup
+def _cannot_build_on(index: int) -> str | None:
+    with torch.cuda.device(index):  # Triton builds for the current device's target
         return _cannot_build_for(_capability(index))
 
 
