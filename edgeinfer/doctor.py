@@ -380,9 +380,17 @@ def check_model_files(model_dir: Path) -> list[Check]:
     return checks
 
 
-def check_model_weights(model_dir: Path, profile: DeviceProfile | None = None) -> Check:
+def _kernels_off(env: Environment) -> str | None:
+    """Why the low-bit GPU kernels cannot run here (None: they can)."""
+    if env.triton is None:
+        return "Triton is not installed"
+    return None if env.triton_cannot_build is None else f"Triton {env.triton} cannot build for this GPU"
+
+
+def check_model_weights(model_dir: Path, profile: DeviceProfile | None = None, kernels_off: str | None = None) -> Check:
     """The checkpoint's weight format and bytes, and on a GPU profile what its packed layers leave
-    the KV pool; an unsupported quantization format fails."""
+    the KV pool, or, where the low-bit kernels cannot run (``kernels_off``: why), that the decoder
+    is dequantized at load; an unsupported quantization format fails."""
     try:
         from edgeinfer.quant.footprint import weight_footprint
     except ImportError as exc:
@@ -392,6 +400,11 @@ def check_model_weights(model_dir: Path, profile: DeviceProfile | None = None) -
     except EdgeInferError as exc:
         return _fail("model weights", str(exc), "use a dense checkpoint or one in a supported format")
     detail = footprint.describe()
+    if profile is not None and footprint.quantized_layers and profile.runtime.device.startswith("cuda") \
+            and kernels_off is not None:
+        return _warn("model weights", f"{detail}; on {profile.name} the decoder is dequantized at load "
+                     f"({kernels_off}): dense weights, as the profile's plan allows, and none of 4 bits' speed",
+                     "install a Triton that builds for this GPU, or build TensorRT / ONNX Runtime engines")
     if profile is not None and footprint.quantized_layers and profile.runtime.device.startswith("cuda"):
         dtype_bytes = 4 if profile.runtime.dtype == "float32" else 2
         saved = footprint.saved_bytes(dtype_bytes) // 2**20
@@ -479,7 +492,8 @@ def run_checks(*, root: str | Path = "/", model_dir: Path | None = None, engines
     gpu = check_gpu_memory(device, chosen) if chosen else None
     checks += [gpu] if gpu else []
     if model_dir is not None:
-        checks += [check_model_architecture(model_dir), *check_model_files(model_dir), check_model_weights(model_dir, chosen)]
+        checks += [check_model_architecture(model_dir), *check_model_files(model_dir),
+                   check_model_weights(model_dir, chosen, _kernels_off(env))]
     return checks + check_engines(engines_dir, env, device)
 
 

@@ -375,6 +375,20 @@ def test_doctor_says_what_packed_layers_leave_the_kv_pool_on_a_gpu_profile(quant
     saved = footprint.saved_bytes(2) // 2**20
     assert cuda.status == "pass" and f"4096 + {saved} = {4096 + saved} MiB" in cuda.detail
     assert "packed" not in check_model_weights(path, load_profile("cpu")).detail  # the CPU dequantizes
+    off = check_model_weights(path, load_profile("cuda"), kernels_off="Triton is not installed")
+    assert off.status == "warn" and "dequantized at load (Triton is not installed)" in off.detail
+
+
+def test_a_gpu_whose_kernels_cannot_run_dequantizes_at_load(monkeypatch):
+    """Where the low-bit kernels cannot run on a GPU, the decoder is dequantized at load rather than
+    rebuilt in torch at every product; where they run it stays packed; a CPU always dequantizes."""
+    from edgeinfer.models.loader import keeps_packed
+    from edgeinfer.quant import kernels
+
+    monkeypatch.setattr(kernels, "usable", lambda device: False)  # no Triton, or none that builds for the GPU
+    assert not keeps_packed("cuda:0") and not keeps_packed("cpu")
+    monkeypatch.setattr(kernels, "usable", lambda device: device.type == "cuda")
+    assert keeps_packed("cuda:0") and not keeps_packed("cpu")
 
 
 def test_doctor_fails_an_unsupported_format(quantized, tmp_path):

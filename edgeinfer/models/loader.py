@@ -13,6 +13,7 @@ from edgeinfer.models.base import Checkpoint, FamilyAdapter, rename_weights
 from edgeinfer.models.decoder import Decoder
 from edgeinfer.models.registry import adapter_for, not_yet_supported, supported_architectures
 from edgeinfer.quant import QuantizedCheckpoint, QuantizedWeight, dequantize_tensors, read_quant_scheme
+from edgeinfer.quant import kernels
 
 
 @dataclass(slots=True)
@@ -114,10 +115,14 @@ def _dense(tensors: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def keeps_packed(device: str) -> bool:
-    """Whether a quantized checkpoint's decoder products stay low-bit on ``device``: on a GPU they do
-    (they are read by the kernels of :mod:`edgeinfer.quant.kernels`, or dequantized per product
-    where Triton is missing); on a CPU the torch backend runs dense weights, dequantized at load."""
-    return torch.device(device).type == "cuda"
+    """Whether a quantized checkpoint's decoder products stay low-bit on ``device``: on a GPU where
+    the kernels of :mod:`edgeinfer.quant.kernels` run they do. Elsewhere — a CPU, a GPU without
+    Triton, one this Triton cannot build for (:func:`~edgeinfer.quant.kernels.cannot_build`) —
+    the weights are dequantized at load, which the profile's memory plan (dense weights) leaves
+    room for: rebuilding every weight in torch at every product took 73 times the dense products'
+    time for a layer on a CPU (docs/quantization.md, "What happens at load")."""
+    where = torch.device(device)
+    return where.type == "cuda" and kernels.usable(where)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
