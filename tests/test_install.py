@@ -73,6 +73,14 @@ def test_no_package_module_imports_matplotlib():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_command_line_answers_help_without_importing_torch():
+    """``edgeinfer --help`` (and every command's) waits for no torch import: on a Jetson's cores
+    that import takes seconds. A command imports what it needs when it runs."""
+    script = "import sys, edgeinfer.cli.main\nprint(sorted(k for k in ('torch', 'transformers') if k in sys.modules))\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_built_engines_are_ignored_but_their_readme_is_not():
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout: .gitignore does not apply")

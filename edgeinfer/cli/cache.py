@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -12,7 +12,9 @@ from rich.table import Table
 
 from edgeinfer.cli.errors import cli_errors
 from edgeinfer.cli.options import JsonOption, ProfileOption, SetOption
-from edgeinfer.kv.inventory import CacheReport, cache_stats, clear_cache, verify_cache
+
+if TYPE_CHECKING:  # the KV room imports torch: every command's --help would wait for it
+    from edgeinfer.kv.inventory import CacheReport
 
 cache_app = typer.Typer(help="See, clear and check the persisted cache (KV blocks, vision entries).",
                         no_args_is_help=True)
@@ -79,6 +81,8 @@ def stats(*, dir_: DirOption = None, model: ModelPrefix = None, profile: Profile
           set_: SetOption = None, json_: JsonOption = False) -> None:
     """Model folders, KV blocks and bytes, per-model fingerprints, vision entries."""
     with cli_errors(json_):
+        from edgeinfer.kv.inventory import cache_stats
+
         _print(cache_stats(cache_root(dir_, profile, set_), model), json_)
 
 
@@ -90,6 +94,8 @@ def clear(*, dir_: DirOption = None, model: ModelPrefix = None,
     """Remove KV blocks and vision entries (both unless --kv or --vision picks one)."""
     both = not (vision or kv)
     with cli_errors(json_):
+        from edgeinfer.kv.inventory import clear_cache
+
         report = clear_cache(cache_root(dir_, profile, set_), model, kv=kv or both, vision=vision or both)
         _print(report, json_)
 
@@ -99,4 +105,6 @@ def verify(*, dir_: DirOption = None, model: ModelPrefix = None, profile: Profil
            set_: SetOption = None, json_: JsonOption = False) -> None:
     """Check every KV block and vision entry against its checksum; remove the damaged ones."""
     with cli_errors(json_):
+        from edgeinfer.kv.inventory import verify_cache
+
         _print(verify_cache(cache_root(dir_, profile, set_), model), json_)
