@@ -381,7 +381,9 @@ def check_model_files(model_dir: Path) -> list[Check]:
 
 
 def _kernels_off(env: Environment) -> str | None:
-    """Why the low-bit GPU kernels cannot run here (None: they can)."""
+    """Why the low-bit GPU kernels cannot run on this machine's GPU (None: they can, or no GPU to ask)."""
+    if not env.cuda_available:
+        return None
     if env.triton is None:
         return "Triton is not installed"
     return None if env.triton_cannot_build is None else f"Triton {env.triton} cannot build for this GPU"
@@ -403,7 +405,7 @@ def check_model_weights(model_dir: Path, profile: DeviceProfile | None = None, k
     if profile is not None and footprint.quantized_layers and profile.runtime.device.startswith("cuda") \
             and kernels_off is not None:
         return _warn("model weights", f"{detail}; on {profile.name} the decoder is dequantized at load "
-                     f"({kernels_off}): dense weights, as the profile's plan allows, and none of 4 bits' speed",
+                     f"({kernels_off}): dense weights, as the profile's plan allows, at the dense model's speed",
                      "install a Triton that builds for this GPU, or build TensorRT / ONNX Runtime engines")
     if profile is not None and footprint.quantized_layers and profile.runtime.device.startswith("cuda"):
         dtype_bytes = 4 if profile.runtime.dtype == "float32" else 2

@@ -204,9 +204,9 @@ def test_a_gpu_this_triton_cannot_build_for_is_named_quietly(capsys):
     from edgeinfer.testing.triton_compile import compile_only
 
     with compile_only(GPUTarget("cuda", 999, 32), [kernels._copy_one]):
-        verdict = kernels._cannot_build_for.__wrapped__((99, 9))
+        verdict = kernels._cannot_build_for((99, 9))
     with compile_only(TARGETS["sm_87 (Orin)"], [kernels._copy_one]):
-        assert kernels._cannot_build_for.__wrapped__((8, 7)) is None
+        assert kernels._cannot_build_for((8, 7)) is None
     assert verdict and "sm_999" in verdict and "\n" not in verdict
     assert capsys.readouterr().out == ""
 
@@ -218,7 +218,7 @@ def test_the_decode_kernels_build_for_jetson_thor():
 
     thor = {"sm_110 (Thor)": GPUTarget("cuda", 110, 32)}
     with compile_only(thor["sm_110 (Thor)"], [kernels._copy_one]):
-        verdict = kernels._cannot_build_for.__wrapped__((11, 0))
+        verdict = kernels._cannot_build_for((11, 0))
     if verdict:
         pytest.skip(f"Triton {triton.__version__} cannot build for sm_110: {verdict}")
     packed = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",

@@ -98,9 +98,9 @@ def _cannot_build_on(index: int) -> str | None:
         return _cannot_build_for(_capability(index))
 
 
-@functools.cache  # per compute capability: the kernel's binary lands in Triton's cache after the first try
 def _cannot_build_for(capability: tuple[int, int]) -> str | None:
-    """What building :func:`_copy_one` for the active device's target raised, in a line; None if nothing."""
+    """What building :func:`_copy_one` for the active device's target (of ``capability``) raised, in
+    a line; None if nothing."""
     try:  # Triton prints a failed build's whole PTX to stdout, where a command's answer goes
         with contextlib.redirect_stdout(io.StringIO()):
             _copy_one.warmup(torch.empty(1), torch.empty(1), grid=(1,))
@@ -168,14 +168,18 @@ def compile_ahead(warmups: Iterable[Callable[[], object]], steps: Steps | None =
     with _ReportingPool(workers, done) as pool:
         try:
             with AsyncCompileMode(pool, ignore_errors=True):
-                for warm in warmups:
-                    try:
-                        warm()
-                    except Exception:  # noqa: BLE001 - the same call fails again at its launch, where it is handled
-                        pass
+                _submit_all(warmups)
         except Exception:  # noqa: BLE001 - a compile hook that failed as it finished: launches compile what is left
             _async_compile_mode.set(None)  # Triton 3.6 leaves the mode set when its exit raises
     return CompiledAhead(pool.submitted, workers, round(time.perf_counter() - started, 2))
+
+
+def _submit_all(warmups: Iterable[Callable[[], object]]) -> None:
+    for warm in warmups:
+        try:
+            warm()
+        except Exception:  # noqa: BLE001 - the same call fails again at its launch, where it is handled
+            pass
 
 
 class _ReportingPool(ThreadPoolExecutor):
@@ -672,11 +676,11 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     candidates = mm_candidates(layout)
     if tensor_core.unavailable(x, scales.dtype, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
         candidates += mma_candidates(layout, bm)
+    compile_ahead(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg, warmup=True) for cfg in candidates)
     nbytes = sum(t.numel() * t.element_size() for t in (codes, scales, zeros) if t is not None)
     weights = [(codes, scales, zeros)] + [
         (codes.clone(), scales.clone(), None if zeros is None else zeros.clone())
         for _ in range(cold_copies(nbytes, torch.cuda.get_device_properties(x.device).L2_cache_size) - 1)]
-    compile_ahead(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg, warmup=True) for cfg in candidates)
     times = {}
     for cfg in candidates:
         try:
