@@ -85,7 +85,7 @@ def cannot_build(device: torch.device) -> str | None:
     """Why this Triton cannot build kernels for ``device``'s GPU, None where it can (or where
     ``device`` is not a GPU). A Triton's ``ptxas`` knows the GPUs of its CUDA: Jetson Thor is
     ``sm_110`` from CUDA 13 on, which Triton 3.9 builds for and 3.6 does not. Found once per
-    GPU model by building a kernel of one load and one store for it; the kernels that cannot be
+    GPU and process by building a kernel of one load and one store for it; the kernels that cannot be
     built are then not used (torch runs the products), rather than failing at their first launch."""
     if triton is None or device.type != "cuda":
         return None
