@@ -281,6 +281,112 @@ def test_tuning_copies_a_weight_until_the_copies_fill_three_l2_caches_and_no_fur
     assert kernels.cold_copies(233 * mb, 60 * mb) == 1  # a vocabulary's int8 head: read as it is
 
 
+def random_packed(n: int, k: int, group: int, bits: int = 4, zeros: bool = False, device: str = "cpu",
+                  dtype=torch.bfloat16) -> PackedMatrix:
+    torch.manual_seed(n + k)
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=device)
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, device=device) * 0.02 + 0.001).to(dtype)
+    z = torch.randint(0, 2 ** bits, (n, groups), device=device).to(dtype) if zeros else None
+    return PackedMatrix(codes, scales, z, bits, group, (n, k))
+
+
+def test_a_tile_is_checked_at_both_ends_of_n_and_between_against_torch_s_product():
+    """The check reads the first and last outputs (tiles cut short at N's end) and outputs spread
+    between, and its reference is the product with the dequantized weight at exactly those outputs."""
+    assert kernels.checked_outputs(40).tolist() == list(range(40))
+    outputs = kernels.checked_outputs(5000)
+    assert outputs[:128].tolist() == list(range(128)) and outputs[-128:].tolist() == list(range(4872, 5000))
+    inner = outputs[128:-128]  # the spread between the ends, some 39 outputs apart
+    assert len(inner) >= 118 and bool((inner.diff() >= 39).all()) and outputs.unique().numel() == len(outputs)
+    packed = random_packed(300, 256, 64, zeros=True)
+    x = torch.randn(3, 256).bfloat16()
+    dense = dequantize_with_torch(packed.codes, packed.scales, packed.zeros, packed.layout, torch.bfloat16)
+    outputs = kernels.checked_outputs(300)
+    want = (x.float() @ dense.float().t()).bfloat16().float()[:, outputs]
+    got = kernels.reference_outputs(x, packed.codes, packed.scales, packed.zeros, packed.layout, outputs)
+    assert torch.equal(got, want)
+
+
+def test_a_divergence_names_the_first_output_a_tile_got_wrong_and_rounding_is_none():
+    torch.manual_seed(3)
+    want = torch.randn(4, 200).bfloat16().float()
+    assert kernels.divergence(want.clone(), want) is None
+    # another summation order: the float32 sum rounded to bf16 one unit the other way
+    ulp = want.abs() * 2 ** -8
+    assert kernels.divergence(want + ulp * torch.sign(torch.randn_like(want)), want) is None
+    wrong = want.clone()
+    wrong[2, 57] += 0.5  # a code from the wrong nibble moves an output by a scale's worth or more
+    outputs = torch.arange(1000, 1200)
+    why = kernels.divergence(wrong, want, outputs)
+    assert why is not None and why.startswith("row 2, output 1057:")
+    swapped = want[:, torch.arange(200).roll(1)]  # outputs written one place over
+    assert kernels.divergence(swapped, want).startswith("row 0, output 0:")
+
+
+@needs_kernels
+def test_the_tuner_refuses_a_tile_whose_outputs_are_not_torch_s(monkeypatch):
+    """Before a tile is timed its outputs are checked against torch's: a tile whose kernel moves one
+    output is refused, with where, and the others are kept; the kernels' own tiles all pass (here in
+    float32, which the interpreter multiplies faithfully)."""
+    packed = random_packed(96, 512, 128, zeros=True, device=DEVICE, dtype=torch.float32)
+    x = torch.randn(3, 512, device=DEVICE)
+    tiles = [kernels.MmConfig(32, 128, 1), kernels.MmConfig(64, 128, 2), kernels.MmConfig(32, 64, 4, w_a=True)]
+    key = ("tiles", DEVICE)
+    kernels._WRONG.pop(key, None)
+    args = (x, packed.codes, packed.scales, packed.zeros, packed.layout)
+    assert kernels._right_tiles(key, tiles, *args) == tiles and key not in kernels._WRONG
+
+    real = kernels.packed_mm
+
+    def one_tile_wrong(x, codes, scales, zeros, layout, config=None, warmup=False):
+        y = real(x, codes, scales, zeros, layout, config, warmup)
+        if config == tiles[1]:
+            y[1, 95] += 1.0  # the last output, in the tile cut short at N's end
+        return y
+
+    monkeypatch.setattr(kernels, "packed_mm", one_tile_wrong)
+    assert kernels._right_tiles(key, tiles, *args) == [tiles[0], tiles[2]]
+    assert kernels._WRONG.pop(key)[tiles[1]].startswith("row 1, output 95:")
+
+
+@needs_cuda
+def test_a_tile_with_wrong_outputs_is_never_chosen_and_none_right_falls_back_to_torch(monkeypatch, tmp_path):
+    """On the GPU the tuner drops a wrong tile before timing and reports it; where every tile is
+    wrong it warns and multiplies by the dequantized weight, which gives torch's outputs."""
+    monkeypatch.setenv(tile_cache.TILE_CACHE_ENV, str(tmp_path / "tiles"))
+    packed = random_packed(512, 2048, 128, device="cuda")
+    x = torch.randn(5, 2048, device="cuda").bfloat16()
+    args = (packed.codes, packed.scales, None, packed.layout)
+    real = kernels.packed_mm
+    wrong_tiles = {kernels.mm_candidates(packed.layout)[0]}
+
+    def some_tiles_wrong(x, codes, scales, zeros, layout, config=None, warmup=False):
+        y = real(x, codes, scales, zeros, layout, config, warmup)
+        if y is not None and config in wrong_tiles:
+            y[0, 0] += 1.0
+        return y
+
+    monkeypatch.setattr(kernels, "packed_mm", some_tiles_wrong)
+    kernels._TUNED.clear()
+    kernels._WRONG.clear()
+    chosen = kernels.tuned_config(x, *args)
+    assert chosen is not None and chosen not in wrong_tiles
+    [choice] = [c for c in kernels.tuned_choices() if (c["n"], c["k"]) == (512, 2048)]
+    assert list(choice["wrong_outputs"]) == [kernels._tile_name(t) for t in wrong_tiles]
+
+    wrong_tiles.update(kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout, 8))
+    kernels._TUNED.clear()
+    kernels._WRONG.clear()
+    with pytest.warns(UserWarning, match="gave wrong outputs on this GPU"):
+        assert kernels.tuned_config(x, *args) is None
+    dense = dequantize_with_torch(packed.codes, packed.scales, None, packed.layout, torch.bfloat16)
+    torch.testing.assert_close(real(x, *args), x @ dense.t())
+    assert [c["kernel"] for c in kernels.tuned_choices() if (c["n"], c["k"]) == (512, 2048)] == ["torch"]
+    kernels._TUNED.clear()
+    kernels._WRONG.clear()
+
+
 @needs_cuda
 def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one(monkeypatch, tmp_path):
     """On first use ``packed_mm`` times its tiles (the tensor-core kernel's among them where it can

@@ -30,6 +30,7 @@ import functools
 import io
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -608,6 +609,52 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
             if row_tile <= 8 and layout.k // bk >= split and layout.group_constexpr % bk == 0]
 
 
+def dequantize_with_torch(codes, scales, zeros, layout: PackedGeometry, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[N, K]`` weight by plain torch ops: where Triton is missing, and the kernels' reference."""
+    shifts = torch.arange(0, 32, layout.bits, dtype=torch.int32, device=codes.device)
+    u = ((codes.unsqueeze(-1) >> shifts) & ((1 << layout.bits) - 1)).reshape(layout.n, -1)[:, :layout.k]
+    group = torch.arange(layout.k, device=codes.device) // layout.group_constexpr
+    z = zeros[:, group] if zeros is not None else torch.tensor(1 << (layout.bits - 1), dtype=scales.dtype)
+    return ((u.to(scales.dtype) - z) * scales[:, group]).to(dtype)
+
+
+CHECKED_OUTPUTS = 128  # outputs a tile's check reads at each end of N and spread between
+
+
+def checked_outputs(n: int) -> torch.Tensor:
+    """The outputs a tile is checked on before it is timed: the first and last
+    :data:`CHECKED_OUTPUTS` (tiles cut short at N's end) and as many spread between (later tiles)."""
+    spread = torch.linspace(0, n - 1, CHECKED_OUTPUTS).round().long()
+    ends = torch.cat([torch.arange(min(n, CHECKED_OUTPUTS)), torch.arange(max(0, n - CHECKED_OUTPUTS), n)])
+    return torch.unique(torch.cat([ends, spread]))
+
+
+def reference_outputs(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry,
+                      outputs: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` at ``outputs`` (columns of the result) by torch, in float32 with the weight rounded
+    once in the scales' dtype and the result once in x's: what every tile must give, up to summation
+    order. Only those rows of W are dequantized (a vocabulary's head whole would be gigabytes)."""
+    at = outputs.to(codes.device)
+    rows = PackedGeometry(len(outputs), layout.k, layout.bits, layout.groups, layout.group_constexpr)
+    w = dequantize_with_torch(codes[at], scales[at], None if zeros is None else zeros[at], rows, scales.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype).float()
+
+
+def divergence(got: torch.Tensor, want: torch.Tensor, outputs: torch.Tensor | None = None) -> str | None:
+    """None where ``got`` equals ``want`` within a 16-bit float's rounding (four units in the last
+    place of bf16, and 2^-8 of ``want``'s largest value near zero), else where they first part
+    (``outputs``: the output each column is): a wrong row, column, group or nibble moves whole
+    outputs, far past that."""
+    got = got.float()
+    close = torch.isclose(got, want, rtol=2 ** -6, atol=2 ** -8 * want.abs().max().item())
+    if bool(close.all()):
+        return None
+    first = int((~close).flatten().nonzero()[0])
+    row, column = divmod(first, want.shape[1])
+    output = column if outputs is None else int(outputs[column])
+    return f"row {row}, output {output}: {got[row, column].item():.6g} where {want[row, column].item():.6g}"
+
+
 def graph_time_us(calls: list, repeats: int = 5) -> float:
     """Device microseconds per call of ``calls`` (functions), replayed from one CUDA graph so that
     launches cost what they cost in the decode step's graph."""
@@ -651,14 +698,20 @@ def cold_copies(nbytes: int, l2_bytes: int) -> int:
 # kernel is lost in the events' own cost.
 _TUNED: dict[tuple, MmConfig] = {}
 _REFUSED: dict[tuple, str] = {}  # why the tensor-core kernel failed to compile or run, by the same key
+_WRONG: dict[tuple, dict[MmConfig, str]] = {}  # tiles whose outputs were not torch's, and where, by the same key
 _FROM_CACHE: set[tuple] = set()  # choices an earlier process made (:mod:`edgeinfer.tile_cache`), by the same key
 PACKED_TILES = "packed-mm"  # the tile cache's kind for these choices
 
 
-def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig:
+def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig | None:
     """The fastest of :func:`mm_candidates` (and, where it can run, :func:`mma_candidates`) for ``x``'s
     row tile on this device, each timed over :func:`cold_copies` copies of the weight replayed from
-    a CUDA graph (the copies live for the timing only: three times the L2 cache at most)."""
+    a CUDA graph (the copies live for the timing only: three times the L2 cache at most).
+
+    Each tile is first checked against torch (:func:`reference_outputs`, on random rows of x's
+    shape): one that gives other outputs, as a miscompiled or misbuilt kernel would, is not timed and
+    never chosen, and why is kept for the report. None where no tile is right: :func:`packed_mm` then
+    multiplies by the dequantized weight, slowly but correctly (a warning says so)."""
     rows = x.shape[0]
     bm = 8 if rows <= 8 else max(16, pow2(rows))  # the tensor-core kernel's row tiles are 8 and 16
     key = (layout, bm, zeros is not None, x.dtype, x.device)
@@ -677,6 +730,14 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     if tensor_core.unavailable(x, scales.dtype, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
         candidates += mma_candidates(layout, bm)
     compile_ahead(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg, warmup=True) for cfg in candidates)
+    candidates = _right_tiles(key, candidates, x, codes, scales, zeros, layout)
+    if not candidates:
+        _TUNED[key] = None
+        wrong = _WRONG[key]
+        first = next(iter(wrong))
+        warnings.warn(f"every tile of the {layout.bits}-bit {layout.n}×{layout.k} product gave wrong outputs on "
+                      f"this GPU (tile {_tile_name(first)}: {wrong[first]}): it multiplies by the dequantized weight")
+        return None
     nbytes = sum(t.numel() * t.element_size() for t in (codes, scales, zeros) if t is not None)
     weights = [(codes, scales, zeros)] + [
         (codes.clone(), scales.clone(), None if zeros is None else zeros.clone())
@@ -694,6 +755,37 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     return _TUNED[key]
 
 
+def _right_tiles(key: tuple, candidates: list[MmConfig], x: torch.Tensor, codes, scales, zeros,
+                 layout: PackedGeometry) -> list[MmConfig]:
+    """The candidates whose outputs equal torch's (:func:`divergence`) on random rows of ``x``'s shape
+    and dtype; the others' first divergence goes to ``_WRONG[key]``, a tensor-core tile that fails to
+    build or run to ``_REFUSED[key]``."""
+    check = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device).to(x.dtype)
+    outputs = checked_outputs(layout.n)
+    want = reference_outputs(check, codes, scales, zeros, layout, outputs)
+    outputs = outputs.to(x.device)
+    right = []
+    for cfg in candidates:
+        try:
+            got = packed_mm(check, codes, scales, zeros, layout, cfg)
+        except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
+            if not cfg.mma:
+                raise
+            _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
+        why = divergence(got[:, outputs], want, outputs)
+        if why is None:
+            right.append(cfg)
+        else:
+            _WRONG.setdefault(key, {})[cfg] = why
+    return right
+
+
+def _tile_name(cfg: MmConfig) -> str:
+    kind = "tensor-core" if cfg.mma else "dot"
+    return f"{kind} {cfg.bn}x{cfg.bk}/split{cfg.split}/{cfg.warps}w/{cfg.stages}s" + ("/wa" if cfg.w_a else "")
+
+
 def _kept_config(fields: dict | None) -> MmConfig | None:
     """The tile a tile cache's entry names, or None where it names none this code can run."""
     try:
@@ -705,13 +797,16 @@ def _kept_config(fields: dict | None) -> MmConfig | None:
 def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
               layout: PackedGeometry, config: MmConfig | None = None, warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for ``x`` [M, K] with M ≤ :data:`MAX_DOT_ROWS`, ``W`` the packed [N, K] weight;
-    ``config`` None: :func:`tuned_config`. ``warmup``: compile the kernel, run nothing, return None
+    ``config`` None: :func:`tuned_config` (where no tile is right, the dequantized weight).
+    ``warmup``: compile the kernel, run nothing, return None
     (:func:`compile_ahead`)."""
     m = x.shape[0]
     if m > MAX_DOT_ROWS:
         raise ValueError(f"packed_mm takes at most {MAX_DOT_ROWS} rows, got {m}: dequantize and use a GEMM")
     x = x.contiguous()
     cfg = config or tuned_config(x, codes, scales, zeros, layout)
+    if cfg is None:  # no tile gave torch's outputs here (tuned_config warned)
+        return None if warmup else x @ dequantize_with_torch(codes, scales, zeros, layout, x.dtype).t()
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
                                   split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),
@@ -743,14 +838,21 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
 
 
 def tuned_choices() -> list[dict]:
-    """The tiles :func:`tuned_config` chose in this process, for benchmark reports."""
+    """The tiles :func:`tuned_config` chose in this process, for benchmark reports: each one's kernel
+    (``torch`` where no tile was right), and the tiles refused for their outputs (``wrong_outputs``)."""
     choices = []
     for key, cfg in _TUNED.items():
         layout, bm, has_z, dtype, _ = key
         choice = {"n": layout.n, "k": layout.k, "bits": layout.bits, "row_tile": bm, "zeros": has_z,
-                  "dtype": str(dtype), "bn": cfg.bn, "bk": cfg.bk, "split": cfg.split, "weight_first": cfg.w_a,
-                  "kernel": "tensor_core" if cfg.mma else "dot", "source": "cache" if key in _FROM_CACHE else "timed"}
+                  "dtype": str(dtype), "source": "cache" if key in _FROM_CACHE else "timed"}
+        if cfg is None:
+            choice["kernel"] = "torch"
+        else:
+            choice.update(bn=cfg.bn, bk=cfg.bk, split=cfg.split, weight_first=cfg.w_a,
+                          kernel="tensor_core" if cfg.mma else "dot")
         if key in _REFUSED:
             choice["tensor_core_refused"] = _REFUSED[key]
+        if key in _WRONG:
+            choice["wrong_outputs"] = {_tile_name(c): why for c, why in _WRONG[key].items()}
         choices.append(choice)
     return choices

@@ -17,6 +17,7 @@ from torch import library as op_registry
 from torch import nn
 
 from edgeinfer.quant import kernels
+from edgeinfer.quant.kernels import dequantize_with_torch
 from edgeinfer.quant.weights import PackedLayout as StoredLayout
 from edgeinfer.quant.weights import QuantizedWeight
 
@@ -66,15 +67,6 @@ def _dequantize(codes, scales, zeros, layout: kernels.PackedGeometry, dtype: tor
     if kernels.usable(codes.device):
         return kernels.dequantize(codes, scales, zeros, layout, dtype)
     return dequantize_with_torch(codes, scales, zeros, layout, dtype)
-
-
-def dequantize_with_torch(codes, scales, zeros, layout: kernels.PackedGeometry, dtype: torch.dtype) -> torch.Tensor:
-    """The dense ``[N, K]`` weight by plain torch ops: where Triton is missing, and the kernels' reference."""
-    shifts = torch.arange(0, 32, layout.bits, dtype=torch.int32, device=codes.device)
-    u = ((codes.unsqueeze(-1) >> shifts) & ((1 << layout.bits) - 1)).reshape(layout.n, -1)[:, :layout.k]
-    group = torch.arange(layout.k, device=codes.device) // layout.group_constexpr
-    z = zeros[:, group] if zeros is not None else torch.tensor(1 << (layout.bits - 1), dtype=scales.dtype)
-    return ((u.to(scales.dtype) - z) * scales[:, group]).to(dtype)
 
 
 # The product is an op of its own library, so torch.compile and CUDA graphs take it as one
