@@ -10,6 +10,11 @@ graph (``triton_decode.graph_time_us``). Every tile is checked against the produ
 weight dequantized to bf16 (largest difference over the largest output). Writes
 ``$OUT/probe-packed-mm.json``.
 
+For 4-bit weights and up to 16 rows it also times the tensor-core kernel's tiles
+(``kernels.mma_candidates``; ``/tc`` in a tile's name), x read from memory each step and x put in
+shared memory (``/x-shared``), at 16 rows as well, where the tuner no longer times the first:
+``ROWS=1,4,16 OUT=folder python scripts/probe_packed_mm.py`` compares them.
+
 The run docs/results/probes/h200-packed-mm.json also timed, at 16 rows (``classes``), the
 kernel that ``packed_mm`` had before (a dot per value ``i`` of the words, each value dequantized
 with its scale), since removed; it used ``mm_candidates`` of that time.
@@ -49,7 +54,8 @@ def new_mm(x, w, cfg):
 
 
 def key(c):
-    return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s/split{c.split}" + ("/wa" if c.w_a else "")
+    return (f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s/split{c.split}" + ("/wa" if c.w_a else "")
+            + ("/tc" if c.mma else "") + ("/x-shared" if c.x_shared else ""))
 
 
 def sweep(fn, ws, x, want, configs):
@@ -70,6 +76,17 @@ def sweep(fn, ws, x, want, configs):
 def best(table):
     ok = {c: v for c, v in table.items() if v[0] is not None}
     return (lambda c: {"config": c, "us": ok[c][0], "err": ok[c][1]})(min(ok, key=lambda c: ok[c][0])) if ok else None
+
+
+def tensor_core_configs(layout, rows):
+    """The tuner's tensor-core tiles for ``rows``, and at 16 rows the x-in-registers ones it no longer times."""
+    if layout.bits != 4 or rows > 16:
+        return []
+    out = kernels.mma_candidates(layout, 8 if rows <= 8 else 16)
+    if rows > 8:
+        out += [kernels.MmConfig(bn, bk, split, stages=stages, mma=True) for bn, bk, split in kernels.MMA_TILES
+                for stages in (2, 4) if layout.k // bk >= split and layout.group_constexpr % bk == 0]
+    return out
 
 
 def new_configs(layout, bks):
@@ -96,7 +113,7 @@ def product(name):
         x = torch.randn(m, k, device=dev, dtype=bf)
         want = (x @ dense0.t()).float()
         row = {"cublas_bf16_us": round(td.graph_time_us([lambda d=d: x @ d.t() for d in dense]), 2)}
-        table = sweep(new_mm, ws, x, want, new_configs(ws[0].layout, bks))
+        table = sweep(new_mm, ws, x, want, new_configs(ws[0].layout, bks) + tensor_core_configs(ws[0].layout, m))
         row["new"], row["new_best"] = table, best(table)
         row["seconds"] = round(time.time() - t0, 1)
         r[f"m{m}"] = row

@@ -2,6 +2,13 @@
 product's K-step loop, instruction by instruction kind, for the tiles the H200 chose.
 
     python scripts/probe_sass_loops.py > OUT.txt
+    python scripts/probe_sass_loops.py --tensor-core > OUT.txt
+
+``--tensor-core``: the 4-bit tensor-core kernel (Gluon) instead, for sm_90 and sm_87, at 8 and 16
+rows, with x read from memory each step or put in shared memory once a CTA (``X_SHARED``): its
+K step's instructions by kind, registers a thread, spilled bytes and shared memory, compiled as a
+launch specializes it (pointers, N, K and strides multiples of 16). Output of the run the docs
+cite: docs/results/probes/sass-tensor-core-x-shared.txt.
 
 Triton compiles the kernel on the CPU down to the binary (its wheel carries ``ptxas`` and
 ``nvdisasm``); each backward branch is a loop, and its body's instructions are counted. A tile of
@@ -11,6 +18,7 @@ docs/results/probes/sm90-packed-gemv-loops.txt."""
 import collections
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -21,6 +29,7 @@ from triton.compiler import ASTSource
 from edgeinfer.backends.torch import triton_decode
 
 NV = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
+CUOBJDUMP = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
 
 def pointers(dt, *names):
@@ -67,7 +76,57 @@ def loop_ops(out):
     return res
 
 
-if __name__ == "__main__":
+def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split: int, k: int, x_shared: bool):
+    """The tensor-core kernel compiled for sm_``arch`` as :func:`tensor_core.mma_mm` launches it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from edgeinfer.quant import kernels, tensor_core
+
+    fn = tensor_core._mma_mm_kernel
+    names = fn.arg_names
+    types = {**pointers("bf16", "X", "S", "Z", "Y"), "Q": "*i32", "PARTS": "*fp32", "ARRIVALS": "*i32",
+             **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y", "per_split", "splits"), "i32")}
+    per_split = -(-(k // bk) // split) * bk
+    given = dict(BN=bn, BM=8 if rows <= 8 else 16, BK=bk, GS=128, HAS_Z=False, SPLIT_K=split > 1, WARPS=4,
+                 LW=tensor_core.word_layout(bn, bk, 4), BF16=True, MAGIC=128.0, AHEAD=ahead, X_SHARED=x_shared,
+                 X_STEPS=kernels.pow2(per_split // bk) if x_shared else 1)
+    aligned = ("X", "Q", "S", "Z", "Y", "PARTS", "ARRIVALS", "N", "K", "stride_x", "stride_y", "per_split")
+    source = GluonASTSource(fn, {n: types.get(n, "constexpr") for n in names},
+                            {(names.index(a),): v for a, v in given.items()},
+                            {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+def tensor_core_report() -> None:
+    """Print, per product, tile and row count, the K step of both ways of reading x."""
+    print(f"triton {triton.__version__}; 4 warps; bf16; groups of 128; the K step = the loop with the MMAs")
+    # (product, K, tile outputs, K step, steps ahead, split) as the H200's tuner met them
+    cases = (("gate|up", 1536, 128, 64, 2, 2), ("gate|up", 1536, 64, 64, 1, 2), ("gate|up", 1536, 128, 128, 3, 4),
+             ("down", 8960, 128, 64, 2, 8), ("q|k|v", 1536, 64, 64, 3, 4))
+    for arch in (90, 87):
+        for product, k, bn, bk, ahead, split in cases:
+            for rows in (8, 16):
+                for x_shared in (False, True):
+                    kernel = tensor_core_kernel(arch, bn, bk, ahead, rows, split, k, x_shared)
+                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                        f.write(kernel.asm["cubin"])
+                        f.flush()
+                        sass = subprocess.run([NV, "-c", f.name], capture_output=True, text=True).stdout
+                        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                                               text=True).stdout
+                    regs = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+                    # the K step: the loop with the MMAs (the split's sum and x's copy have none)
+                    n, ops, _ = max(loop_ops(sass), key=lambda loop: (loop[1].get("HMMA", 0), loop[0]))
+                    kinds = ", ".join(f"{op} {ops.get(op, 0)}" for op in ("HMMA", "LDG", "LDS", "LDSM", "PRMT", "LOP3"))
+                    print(f"sm_{arch} {product} K={k} {bn}x{bk} ahead {ahead} split {split}, {rows:2d} rows, "
+                          f"x {'shared' if x_shared else 'loaded'}: K step {n} instructions ({kinds}); "
+                          f"{regs.get('REG')} registers, {regs.get('STACK')} bytes spilled, "
+                          f"{kernel.metadata.shared} bytes shared")
+
+
+if __name__ == "__main__" and "--tensor-core" in sys.argv:
+    tensor_core_report()
+elif __name__ == "__main__":
     # (bits, rows, columns, warps, SiLU·up epilogue, RMSNorm prologue): the H200's gate|up and down tiles
     cases = {"8-bit gate|up": (8, 8, 512, 2, True, 1), "8-bit down": (8, 8, 2048, 4, False, 0),
              "4-bit gate|up": (4, 16, 512, 2, True, 1), "4-bit down": (4, 8, 1024, 4, False, 0)}

@@ -11,6 +11,10 @@ is skipped and says so.
 from __future__ import annotations
 
 import itertools
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,28 +143,58 @@ def test_paged_attention_compiles_split_and_whole():
 def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype):
     """The 4-bit tensor-core product (Gluon) compiles for Hopper and Orin, whole and split, with and
     without zero points, for 8 and 16 rows; each compile asserts that the words' layout, taken
-    apart in place, is the MMA's A operand, and no tile goes through shared memory."""
+    apart in place, is the MMA's A operand, and no tile goes through shared memory. With x in shared
+    memory (``X_SHARED``) the kernel takes exactly x's buffer (:func:`kernels.x_shared_bytes`) and
+    fewer registers a thread than the kernel that holds x's steps in registers."""
     from edgeinfer.quant import tensor_core
 
     if tensor_core.gluon is None:
         pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
+    registers = {}
+    for (bn, bk, warps, ahead), split_k, has_z, bm, x_shared in itertools.product(
+            ((64, 64, 4, 1), (128, 128, 4, 2), (256, 64, 8, 3)), (False, True), (False, True), (8, 16), (False, True)):
+        k = 1536  # Qwen2-VL-2B's q|k|v, o and gate|up: 24 steps of 64 columns, 12 of 128
+        per_split = k // 2 if split_k else k
+        x_bytes = kernels.x_shared_bytes(k, bk, 2 if split_k else 1, bm) if x_shared else 0
+        given = dict(BN=bn, BM=bm, BK=bk, GS=128, HAS_Z=has_z, SPLIT_K=split_k, WARPS=warps,
+                     LW=tensor_core.word_layout(bn, bk, warps), BF16=dtype == "bf16",
+                     MAGIC=128.0 if dtype == "bf16" else 1024.0, AHEAD=ahead, X_SHARED=x_shared,
+                     X_STEPS=kernels.pow2(per_split // bk) if x_shared else 1)
+        for label, target in TARGETS.items():
+            kernel = compiled_gluon(tensor_core._mma_mm_kernel, dtype, given, target, warps)
+            # whole: no shared memory but x's; split: the arrival count handed to every thread, nothing else
+            assert kernel.asm["cubin"] and x_bytes <= kernel.metadata.shared <= x_bytes + (16 if split_k else 0)
+            registers[label, bn, bk, ahead, split_k, has_z, bm, x_shared] = resource_usage(kernel)["REG"]
+    for (label, bn, bk, ahead, *rest, bm, x_shared), used in registers.items():
+        held = registers[label, bn, bk, ahead, *rest, bm, False]
+        if x_shared and bm == 16:  # x's steps held ahead are most of a thread's registers at 16 rows
+            assert used < held if ahead >= 2 else used <= held, (label, bn, bk, ahead, *rest, used, held)
+
+
+def compiled_gluon(fn, dtype: str, constexprs: dict, target: GPUTarget, warps: int):
+    """``fn`` (Gluon) compiled for ``target`` as its wrapper launches it: pointers, N, K, strides and
+    ``per_split`` specialized as multiples of 16, as Triton specializes them at a launch."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = tensor_core._mma_mm_kernel
     names = fn.arg_names
     types = {**pointers(dtype, "X", "S", "Z", "Y"), "Q": "*i32", "PARTS": "*fp32", "ARRIVALS": "*i32",
              **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y", "per_split", "splits"), "i32")}
-    for (bn, bk, warps, ahead), split_k, has_z, bm in itertools.product(
-            ((64, 64, 4, 1), (128, 128, 4, 2), (256, 64, 8, 3)), (False, True), (False, True), (8, 16)):
-        given = dict(BN=bn, BM=bm, BK=bk, GS=128, HAS_Z=has_z, SPLIT_K=split_k, WARPS=warps,
-                     LW=tensor_core.word_layout(bn, bk, warps), BF16=dtype == "bf16",
-                     MAGIC=128.0 if dtype == "bf16" else 1024.0, AHEAD=ahead)
-        for target in TARGETS.values():
-            source = GluonASTSource(fn, {n: types.get(n, "constexpr") for n in names},
-                                    {(names.index(k),): v for k, v in given.items()})
-            kernel = triton.compile(source, target=target, options={"num_warps": warps})
-            # whole: no shared memory at all; split: the arrival count handed to every thread, nothing else
-            assert kernel.asm["cubin"] and kernel.metadata.shared <= (16 if split_k else 0)
+    aligned = ("X", "Q", "S", "Z", "Y", "PARTS", "ARRIVALS", "N", "K", "stride_x", "stride_y", "per_split")
+    source = GluonASTSource(fn, {n: types.get(n, "constexpr") for n in names},
+                            {(names.index(k),): v for k, v in constexprs.items()},
+                            {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    return triton.compile(source, target=target, options={"num_warps": warps})
+
+
+def resource_usage(kernel) -> dict[str, int]:
+    """``cuobjdump -res-usage`` of a compiled kernel's binary: registers a thread (``REG``), stack and
+    static shared bytes (the wheel carries ``cuobjdump``)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED):(\d+)", out)}
 
 
 def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):
@@ -182,7 +216,9 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):
              for c in triton_decode.PACKED_GEMV_CANDIDATES[:3]]
     calls += [lambda c=c: triton_decode.gemv(one, dense, residual=one[:, :n], config=c, warmup=True)
               for c in triton_decode.GEMV_CANDIDATES[:2]]
-    mm = kernels.mm_candidates(layout)[:2] + (kernels.mma_candidates(layout, 8)[:1] if tensor_core.gluon else [])
+    tensor_cores = kernels.mma_candidates(layout, 8)
+    mm = kernels.mm_candidates(layout)[:2] + ([tensor_cores[0], next(c for c in tensor_cores if c.x_shared)]
+                                              if tensor_core.gluon else [])
     calls += [lambda c=c: kernels.packed_mm(rows, packed.codes, packed.scales, None, layout, c, warmup=True)
               for c in mm]
     jitted = [triton_decode._packed_gemv_kernel, triton_decode._gemv_kernel, kernels._packed_mm_kernel]
@@ -193,6 +229,10 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):
         for call in calls:  # each finds its kernel compiled; nothing is launched
             call()
         assert binaries(jitted) == ahead, "a launch after compile_ahead compiled its kernel again"
+        if tensor_core.gluon:  # the tile with x in shared memory compiled as such, the other without
+            shared = sorted(b.metadata.shared for b in tensor_core._mma_mm_kernel.device_caches[0][0].values())
+            x_tile = mm[-1]
+            assert shared[0] == 0 and shared[-1] >= kernels.x_shared_bytes(k, x_tile.bk, x_tile.split, 8)
     assert ahead == len(calls) and report.compiles == len(calls) and report.workers == 2
     monkeypatch.setenv(kernels.COMPILE_AHEAD_ENV, "0")  # each compiles at its first launch, as before
     assert kernels.compile_ahead(calls) is None
@@ -253,12 +293,14 @@ def test_the_decode_kernels_build_for_jetson_thor():
         from triton.experimental.gluon._runtime import GluonASTSource
 
         names = tensor_core._mma_mm_kernel.arg_names
-        given = dict(BN=128, BM=16, BK=128, GS=128, HAS_Z=True, SPLIT_K=True, WARPS=4,
-                     LW=tensor_core.word_layout(128, 128, 4), BF16=True, MAGIC=128.0, AHEAD=2)
-        source = GluonASTSource(tensor_core._mma_mm_kernel, {n: {**mm, "per_split": "i32"}.get(n, "constexpr")
-                                                            for n in names},
-                                {(names.index(k),): v for k, v in given.items()})
-        assert triton.compile(source, target=thor["sm_110 (Thor)"], options={"num_warps": 4}).asm["cubin"]
+        for x_shared in (False, True):
+            given = dict(BN=128, BM=16, BK=128, GS=128, HAS_Z=True, SPLIT_K=True, WARPS=4,
+                         LW=tensor_core.word_layout(128, 128, 4), BF16=True, MAGIC=128.0, AHEAD=2,
+                         X_SHARED=x_shared, X_STEPS=8)
+            source = GluonASTSource(tensor_core._mma_mm_kernel, {n: {**mm, "per_split": "i32"}.get(n, "constexpr")
+                                                                for n in names},
+                                    {(names.index(k),): v for k, v in given.items()})
+            assert triton.compile(source, target=thor["sm_110 (Thor)"], options={"num_warps": 4}).asm["cubin"]
 
 
 def test_a_compile_that_fails_as_it_finishes_leaves_the_launches_to_compile(monkeypatch):

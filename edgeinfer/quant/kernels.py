@@ -509,6 +509,7 @@ class MmConfig:
     stages: int = 3
     w_a: bool = False  # the weight as the dot's first operand
     mma: bool = False  # the tensor-core kernel of :mod:`edgeinfer.quant.tensor_core` (4-bit, ≤ 16 rows)
+    x_shared: bool = False  # that kernel with x put in shared memory once a CTA (``X_SHARED``)
 
 
 class SplitWorkspace:
@@ -595,18 +596,43 @@ def mm_candidates(layout: PackedGeometry) -> list[MmConfig]:
 
 
 def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
-    """The tensor-core kernel's tiles :func:`tuned_config` times beside :func:`mm_candidates` for a
-    row tile of 8 (none for 16: there the dot kernel was the faster on every product of the H200's
-    sweep, and each tile timed is a compile at first use): 64 to
-    256 outputs a program (16 a warp, repeated), K steps of 64 (and 128 where groups are that
-    long), K split up to 16 ways where the row has that many steps, and the next one or three
-    steps' operands in flight (``stages`` 2 or 4). On an H200 the fastest for Qwen2-VL-2B's
-    products at 1 to 16 rows were among these, and none of them everywhere: one step ahead for
-    gate|up (more costs it registers), three for q|k|v and down."""
-    tiles = ((64, 64, 1), (64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (128, 64, 16), (256, 64, 4),
+    """The tensor-core kernel's tiles :func:`tuned_config` times beside :func:`mm_candidates`.
+
+    For a row tile of 8: 64 to 256 outputs a program (16 a warp, repeated), K steps of 64 (and 128
+    where groups are that long), K split up to 16 ways where the row has that many steps, and the next
+    one or three steps' operands in flight (``stages`` 2 or 4). On an H200 the fastest for
+    Qwen2-VL-2B's products at 1 to 16 rows were among these, and none of them everywhere: one step
+    ahead for gate|up (more costs it registers), three for q|k|v and down.
+
+    For row tiles of 8 and 16, the same kernel with x in shared memory (:data:`X_SHARED_TILES`, where
+    a split's x takes at most :data:`X_SHARED_BYTES`): at 16 rows the kernel that reads x from
+    memory each step was slower than the dot kernel on every product of the H200's sweep, so it is
+    not timed there."""
+    def fits(bk: int, split: int) -> bool:
+        return layout.k // bk >= split and layout.group_constexpr % bk == 0
+
+    registers = [MmConfig(bn, bk, split, stages=stages, mma=True) for bn, bk, split in MMA_TILES
+                 for stages in (2, 4) if row_tile <= 8 and fits(bk, split)]
+    shared = [MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=True) for bn, bk, split in X_SHARED_TILES
+              for stages in (2, 4)
+              if row_tile <= 16 and fits(bk, split) and x_shared_bytes(layout.k, bk, split, row_tile) <= X_SHARED_BYTES]
+    return registers + shared
+
+
+MMA_TILES = ((64, 64, 1), (64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (128, 64, 16), (256, 64, 4),
              (256, 64, 8), (64, 128, 4), (128, 128, 4), (128, 128, 8))
-    return [MmConfig(bn, bk, split, stages=stages, mma=True) for bn, bk, split in tiles for stages in (2, 4)
-            if row_tile <= 8 and layout.k // bk >= split and layout.group_constexpr % bk == 0]
+# The tiles with x in shared memory: fewer registers a thread (the H200's sm_90 build of 128×64, two
+# steps ahead, at 16 rows: 96 against 136, and a K step of 252 instructions against 299), for up to
+# 64 KB of shared memory a CTA (a third of an H200 SM's, of an Orin SM's 164 KB).
+X_SHARED_TILES = ((64, 64, 2), (128, 64, 2), (128, 64, 4), (128, 64, 8), (256, 64, 4), (128, 128, 4), (128, 128, 8))
+X_SHARED_BYTES = 64 * 1024
+
+
+def x_shared_bytes(k: int, bk: int, split: int, row_tile: int) -> int:
+    """The shared memory x takes in a CTA of the tensor-core kernel with ``X_SHARED``: a split's steps
+    (rounded up to a power of two, as Gluon's buffers are) × a step's [bk, row tile] of 16-bit values."""
+    steps = -(-(k // bk) // split)
+    return pow2(steps) * bk * row_tile * 2
 
 
 def dequantize_with_torch(codes, scales, zeros, layout: PackedGeometry, dtype: torch.dtype) -> torch.Tensor:
@@ -783,7 +809,8 @@ def _right_tiles(key: tuple, candidates: list[MmConfig], x: torch.Tensor, codes,
 
 def _tile_name(cfg: MmConfig) -> str:
     kind = "tensor-core" if cfg.mma else "dot"
-    return f"{kind} {cfg.bn}x{cfg.bk}/split{cfg.split}/{cfg.warps}w/{cfg.stages}s" + ("/wa" if cfg.w_a else "")
+    return (f"{kind} {cfg.bn}x{cfg.bk}/split{cfg.split}/{cfg.warps}w/{cfg.stages}s" + ("/wa" if cfg.w_a else "")
+            + ("/x-shared" if cfg.x_shared else ""))
 
 
 def _kept_config(fields: dict | None) -> MmConfig | None:
@@ -810,7 +837,7 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
                                   split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),
-                                  ahead=cfg.stages - 1, warmup=warmup)
+                                  ahead=cfg.stages - 1, x_shared=cfg.x_shared, warmup=warmup)
     bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)
@@ -848,7 +875,7 @@ def tuned_choices() -> list[dict]:
         if cfg is None:
             choice["kernel"] = "torch"
         else:
-            choice.update(bn=cfg.bn, bk=cfg.bk, split=cfg.split, weight_first=cfg.w_a,
+            choice.update(bn=cfg.bn, bk=cfg.bk, split=cfg.split, weight_first=cfg.w_a, x_shared=cfg.x_shared,
                           kernel="tensor_core" if cfg.mma else "dot")
         if key in _REFUSED:
             choice["tensor_core_refused"] = _REFUSED[key]

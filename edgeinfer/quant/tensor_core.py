@@ -20,7 +20,9 @@ dialect, so the layouts are chosen rather than inferred:
   tensor cores, where :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`'s K loop spends
   some 35 a word and does its own.
 * x is the B operand, read straight from memory into its layout (8 consecutive columns a
-  thread, one 16-byte load); rows past M read zeros.
+  thread, one 16-byte load); rows past M read zeros. With ``X_SHARED`` a CTA instead copies its
+  split's columns of x into shared memory once, and each step reads its slice from there: only
+  the weights' operands are then held in registers ahead (at 16 rows x's steps were most of them).
 * K is split when N alone gives too few programs; each split writes its partial sums and the
   last to arrive adds them in split order (the same bits on every run) and writes the output,
   as :func:`~edgeinfer.quant.kernels.split_total` does for the Triton kernels (a Gluon kernel
@@ -109,8 +111,10 @@ if gluon is not None:
 
     @gluon.jit
     def _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, k0,
-                       GS: gl.constexpr, HAS_Z: gl.constexpr, MAGIC: gl.constexpr, LW: gl.constexpr):
-        """One K step's words, scales, ``-(2^m + z)`` and x, issued together (nothing here waits)."""
+                       GS: gl.constexpr, HAS_Z: gl.constexpr, MAGIC: gl.constexpr, LW: gl.constexpr,
+                       X_SHARED: gl.constexpr):
+        """One K step's words, scales, ``-(2^m + z)`` and x, issued together (nothing here waits);
+        with ``X_SHARED`` x is in shared memory already, and its slot is 0."""
         dt = x_at.dtype.element_ty
         words = gl.load(words_at + k0 // 8, mask=words_ok, other=0)
         at = rn * G + k0 // GS
@@ -119,18 +123,44 @@ if gluon is not None:
             nb = (-MAGIC - gl.load(Z + at, mask=n_ok, other=0.0).to(gl.float32)).to(dt)
         else:
             nb = gl.full(s.shape, -MAGIC - 8.0, dt, layout=gl.SliceLayout(1, LW))
-        return words, s, nb, gl.load(x_at + k0, mask=x_ok, other=0.0)
+        x = 0
+        if not X_SHARED:
+            x = gl.load(x_at + k0, mask=x_ok, other=0.0)
+        return words, s, nb, x
+
+    @gluon.jit
+    def _x_to_shared(X, M, stride_x, start, end, BK: gl.constexpr, BM: gl.constexpr, X_STEPS: gl.constexpr,
+                     WARPS: gl.constexpr):
+        """x's columns [start, end) for BM rows (zeros past M) in shared memory, a [BK, BM] slice a K
+        step, each CTA reading them once rather than each warp once a step; 16 bytes a load."""
+        along_k: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[along_k, 32 // along_k],
+                                            warps_per_cta=[1, WARPS], order=[0, 1])
+        shared: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[0, 1])
+        x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [X_STEPS, BK, BM], shared)
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, xl))
+        rm = gl.arange(0, BM, layout=gl.SliceLayout(0, xl))
+        at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(rk, 1) + start
+        ok = gl.expand_dims(rm < M, 0)
+        for step in range(0, (end - start) // BK):
+            x_smem.index(step).store(gl.load(at + step * BK, mask=ok, other=0.0))
+        _cta_barrier()  # every warp's slices are stored before any warp reads one
+        return x_smem
 
     @gluon.jit
     def _mma_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y, per_split, splits,
                        BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GS: gl.constexpr,
                        HAS_Z: gl.constexpr, SPLIT_K: gl.constexpr, WARPS: gl.constexpr, LW: gl.constexpr,
-                       BF16: gl.constexpr, MAGIC: gl.constexpr, AHEAD: gl.constexpr):
+                       BF16: gl.constexpr, MAGIC: gl.constexpr, AHEAD: gl.constexpr,
+                       X_SHARED: gl.constexpr = False, X_STEPS: gl.constexpr = 1):
         """Y[m, n] = sum_k X[m, k] · W[n, k] for BN outputs and the BM (≤ 16) rows of X, over columns
         [split · per_split, (split + 1) · per_split); a K step of BK columns lies in one group. ``BF16``:
         X is bf16 (else fp16), whose mantissa holds a code over ``MAGIC`` (2^m). ``AHEAD`` (1 to 3)
         steps' operands are in flight while one multiplies: a step's words, scales and x all come from
-        memory, and a product of a few rows has too few warps to hide one step's wait."""
+        memory, and a product of a few rows has too few warps to hide one step's wait. ``X_SHARED``: x's
+        columns of the split (at most ``X_STEPS`` steps) are put in shared memory first, once a CTA
+        (:func:`_x_to_shared`), and each step's slice is read from there as it multiplies, so only the
+        weights' operands are in flight ahead and x is read from the L2 once a CTA, not once a warp."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -148,29 +178,33 @@ if gluon is not None:
         x_at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(rk, 1)
         x_ok = gl.expand_dims(rm < M, 0)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-        w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, start, GS, HAS_Z, MAGIC, LW)
+        if X_SHARED:
+            x_smem = _x_to_shared(X, M, stride_x, start, end, BK, BM, X_STEPS, WARPS)
+        w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, start, GS, HAS_Z, MAGIC, LW, X_SHARED)
         if AHEAD >= 2:
             w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
-                                            gl.minimum(start + BK, last), GS, HAS_Z, MAGIC, LW)
+                                            gl.minimum(start + BK, last), GS, HAS_Z, MAGIC, LW, X_SHARED)
         if AHEAD >= 3:
             w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
-                                            gl.minimum(start + 2 * BK, last), GS, HAS_Z, MAGIC, LW)
+                                            gl.minimum(start + 2 * BK, last), GS, HAS_Z, MAGIC, LW, X_SHARED)
         for k0 in range(start, end, BK):
             w, s, nb, x = w0, s0, z0, x0
             ahead = gl.minimum(k0 + AHEAD * BK, last)
             if AHEAD == 1:
                 w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
-                                                MAGIC, LW)
+                                                MAGIC, LW, X_SHARED)
             elif AHEAD == 2:
                 w0, s0, z0, x0 = w1, s1, z1, x1
                 w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
-                                                MAGIC, LW)
+                                                MAGIC, LW, X_SHARED)
             else:
                 w0, s0, z0, x0 = w1, s1, z1, x1
                 w1, s1, z1, x1 = w2, s2, z2, x2
                 w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
-                                                MAGIC, LW)
+                                                MAGIC, LW, X_SHARED)
             a = _weight_tile(w, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16)
+            if X_SHARED:
+                x = x_smem.index((k0 - start) // BK).load(lb)
             acc = mma_v2(a, x, acc)
         rn_o = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         rm_o = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
@@ -221,10 +255,11 @@ def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: in
 
 def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, n: int,
            group: int, *, bn: int, bk: int, split: int, warps: int, workspace, ahead: int = 2,
-           warmup: bool = False) -> torch.Tensor | None:
+           x_shared: bool = False, warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for ``x`` [M ≤ 16, K] (bf16 or fp16) and W packed 4-bit [N, K] in groups of
     ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
     ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials.
+    ``x_shared``: each CTA puts its split's columns of x in shared memory first (``X_SHARED``).
     ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     m, k = x.shape
     if group % bk or k % bk or bk % 64 or bn % 64:
@@ -241,7 +276,7 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
             x.stride(0), y.stride(0), per_split, splits)
     given = dict(BN=bn, BM=8 if m <= 8 else 16, BK=bk, GS=group, HAS_Z=zeros is not None, SPLIT_K=splits > 1,
                  WARPS=warps, LW=word_layout(bn, bk, warps), BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype],
-                 AHEAD=ahead, num_warps=warps)
+                 AHEAD=ahead, X_SHARED=x_shared, X_STEPS=triton.next_power_of_2(per_split // bk) if x_shared else 1, num_warps=warps)
     if warmup:  # the compile alone (kernels.launch; this module is below kernels)
         _mma_mm_kernel.warmup(*args, grid=(tiles, splits), **given)
         return None
