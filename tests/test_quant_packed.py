@@ -315,7 +315,7 @@ def test_a_divergence_names_the_first_output_a_tile_got_wrong_and_rounding_is_no
     torch.manual_seed(3)
     want = torch.randn(4, 200).bfloat16().float()
     assert kernels.divergence(want.clone(), want) is None
-    # another summation order: the float32 sum rounded to bf16 one unit the other way
+    # another summation order: the float32 sum rounded to bf16 a unit the other way
     ulp = want.abs() * 2 ** -8
     assert kernels.divergence(want + ulp * torch.sign(torch.randn_like(want)), want) is None
     wrong = want.clone()
@@ -325,6 +325,65 @@ def test_a_divergence_names_the_first_output_a_tile_got_wrong_and_rounding_is_no
     assert why is not None and why.startswith("row 2, output 1057:")
     swapped = want[:, torch.arange(200).roll(1)]  # outputs written one place over
     assert kernels.divergence(swapped, want).startswith("row 0, output 0:")
+
+
+def kernel_arithmetic(x, w: PackedMatrix, norm_weight=None, eps=0.0, bias=None, glu=False, residual=None):
+    """``packed_gemv``'s arithmetic in torch, rounded to nearest as a GPU rounds: rstd from a sum of
+    squares taken in chunks, the product with the exact ``(q - z)`` summed a group at a time and
+    then scaled (the weight never rounded), the epilogues rounded where the kernel rounds."""
+    dt = x.dtype
+    h = x.float()
+    if norm_weight is not None:
+        rstd = 1.0 / torch.sqrt(h.pow(2).view(1, -1, 64).sum(-1).sum(-1, keepdim=True) / h.shape[1] + eps)
+        h = ((h * rstd).to(dt).float() * norm_weight.float()).to(dt).float()
+    n, k = w.shape
+    shifts = torch.arange(0, 32, w.bits, dtype=torch.int32)
+    q = ((w.codes.unsqueeze(-1) >> shifts) & ((1 << w.bits) - 1)).reshape(n, -1)[:, :k].float()
+    group = min(w.group_size, k)
+    z = w.zeros.float().repeat_interleave(group, 1) if w.zeros is not None else 2 ** (w.bits - 1)
+    y = (((q - z) * h).view(n, -1, group).sum(-1) * w.scales.float()).sum(-1)[None].to(dt)
+    if bias is not None:
+        y = (y.float() + bias.float()).to(dt)
+    if glu:
+        gate, up = y[:, :n // 2].float(), y[:, n // 2:].float()
+        y = ((gate * torch.sigmoid(gate)).to(dt).float() * up).to(dt)
+    if residual is not None:
+        y = (y.float() + residual.float()).to(dt)
+    return y.float()
+
+
+@pytest.mark.parametrize("product", ["gate_up", "down", "lm_head"])
+def test_the_check_s_bounds_hold_for_the_kernels_arithmetic(product):
+    """The fused step's check (``triton_decode.reference_product`` against ``kernels.divergence``)
+    passes the kernels' own arithmetic rounded to nearest, as a GPU computes it, on every output
+    and by a margin (Qwen2-VL-2B's gate|up with its norm, bias and SiLU·up, 4-bit with zero points;
+    down with a residual; an 8-bit head a scale a row), while a code read from the wrong nibble in
+    one weight row fails it. The check cannot refuse a right tile over rounding."""
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(11)
+    dt = torch.bfloat16
+    n, k, bits, group = {"gate_up": (4096, 1536, 4, 128), "down": (1536, 8960, 4, 128),
+                         "lm_head": (8192, 1536, 8, 1536)}[product]
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32)
+    scales = (torch.rand(n, k // group) * (0.02 if bits == 4 else 0.002) + 0.001).to(dt)
+    zeros = torch.randint(0, 16, (n, k // group)).to(dt) if product == "gate_up" else None
+    w = PackedMatrix(codes, scales, zeros, bits, group, (n, k))
+    x = torch.randn(1, k).to(dt)
+    kw = {"down": {"residual": torch.randn(1, n).to(dt)}}.get(product, {
+        "norm_weight": torch.empty(k).uniform_(0.5, 1.5).to(dt), "eps": 1e-6})
+    if product == "gate_up":
+        kw.update(bias=torch.randn(n).to(dt), glu=True)
+    outputs = torch.arange(n // 2 if kw.get("glu") else n)
+    want = triton_decode.reference_product(x, w, outputs, **kw)
+    got = kernel_arithmetic(x, w, **kw)
+    assert kernels.divergence(got, want, outputs) is None
+    bound = 2 ** -5 * want.abs() + 2 ** -7 * want.abs().max()
+    assert ((got - want).abs() / bound).max() < 0.6  # the worst output uses under 60% of its bound
+    codes = codes.clone()
+    codes[7] = codes[7] >> 4 | codes[7] << 28  # row 7's codes one nibble over
+    moved = kernel_arithmetic(x, PackedMatrix(codes, scales, zeros, bits, group, (n, k)), **kw)
+    assert kernels.divergence(moved, want, outputs).startswith("row 0, output 7:")
 
 
 @needs_kernels

@@ -309,3 +309,67 @@ def test_dependent_kernels_wait_for_their_inputs():
     got = _behind_a_late_copy(
         lambda qkv: triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, new_kv=new_kv, **kw), qkv)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    INTERPRET, reason="the interpreter rounds bf16 by truncation, 2-4 units off round-to-nearest after a norm "
+                      "and SiLU·up: bf16 is checked on a GPU (the bounds against rounding to nearest: "
+                      "test_quant_packed's test_the_check_s_bounds_hold_for_the_kernels_arithmetic)"))])
+@pytest.mark.parametrize("weights", ["dense", "w4 zeros", "w8"])
+@pytest.mark.parametrize("fused", ["norm bias glu", "residual"])
+def test_the_step_s_tiles_are_checked_against_torch_and_a_wrong_one_is_named(dtype, weights, fused):
+    """Before the fused step times a tile it checks the tile's outputs against
+    :func:`triton_decode.reference_product` (torch, rounded as the kernels round): every kernel's tile
+    passes, dense and packed, with the prologue and epilogues the step fuses; a tile that moves one
+    output, or pairs a gate with another output's up row, is refused with where."""
+    from edgeinfer.quant.packed import PackedMatrix
+
+    torch.manual_seed(5)
+    n, k = (96, 256) if DEVICE == "cpu" else (17920, 1536)
+    if weights == "dense":
+        w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+        tiles = CONFIGS
+    else:
+        bits = 4 if weights.startswith("w4") else 8
+        codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=DEVICE)
+        group = 128 if bits == 4 else k
+        scales = (torch.rand(n, k // group, device=DEVICE) * 0.02 + 0.001).to(dtype)
+        zeros = torch.randint(0, 16, (n, k // group), device=DEVICE).to(dtype) if "zeros" in weights else None
+        w = PackedMatrix(codes, scales, zeros, bits, group, (n, k))
+        tiles = triton_decode.PACKED_GEMV_CANDIDATES[:3] if DEVICE == "cpu" else triton_decode.PACKED_GEMV_CANDIDATES
+    x = torch.randn(1, k, device=DEVICE, dtype=dtype)
+    if fused == "residual":
+        kw = {"residual": torch.randn(1, n, device=DEVICE, dtype=dtype)}
+    else:
+        kw = {"bias": torch.randn(n, device=DEVICE, dtype=dtype), "eps": 1e-6, "glu": True,
+              "norm_weight": torch.empty(k, device=DEVICE, dtype=dtype).uniform_(0.5, 1.5)}
+    out = torch.empty(1, n // 2 if kw.get("glu") else n, device=DEVICE, dtype=dtype)
+    workspace = SplitWorkspace(torch.device(DEVICE))
+
+    def run(x, w, tile, **kw):
+        if isinstance(w, PackedMatrix):
+            return triton_decode.packed_gemv(x, w, tile, workspace=workspace, **kw)
+        return triton_decode.gemv(x, w, config=tile, **kw)
+
+    right, wrong = triton_decode.right_tiles(x, w, tiles, out, run, **kw)
+    assert right == list(tiles) and wrong == {}
+
+    def one_tile_wrong(x, w, tile, **kw):
+        y = run(x, w, tile, **kw)
+        if tile == tiles[1]:
+            y[0, -1] += 1.0 + y[0, -1].abs()  # the last output: the tile cut short at N's end
+        return y
+
+    right, wrong = triton_decode.right_tiles(x, w, tiles, out, one_tile_wrong, **kw)
+    assert right == [tiles[0], *tiles[2:]]
+    assert wrong[triton_decode._config_name(tiles[1])].startswith(f"row 0, output {out.shape[1] - 1}:")
+    if kw.get("glu"):  # SiLU(gate)·up with each gate paired with the next output's up row
+        def shifted_up(x, w, tile, **kw):
+            half = w.shape[0] // 2
+            order = torch.cat([torch.arange(half), half + torch.arange(half).roll(-1)]).to(DEVICE)
+            moved = (PackedMatrix(w.codes[order], w.scales[order], None if w.zeros is None else w.zeros[order],
+                                  w.bits, w.group_size, tuple(w.shape)) if isinstance(w, PackedMatrix) else w[order])
+            return run(x, moved, tile, **{**kw, "bias": kw["bias"][order]})
+
+        right, wrong = triton_decode.right_tiles(x, w, tiles[:1], out, shifted_up, **kw)
+        assert right == [] and list(wrong) == [triton_decode._config_name(tiles[0])]

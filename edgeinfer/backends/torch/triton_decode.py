@@ -60,8 +60,9 @@ from edgeinfer.backends.torch.step_tuning import (
 )
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
-from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, compile_ahead, dependent_launch, graph_time_us,
-                                     interpreting, launch)
+from edgeinfer.quant.kernels import (PackedGeometry, SplitWorkspace, cannot_build, checked_outputs, compile_ahead,
+                                     dependent_launch, dequantize_with_torch, divergence, graph_time_us, interpreting,
+                                     launch)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.tile_cache import TileCache, device_identity
 
@@ -763,6 +764,58 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     return out
 
 
+def reference_product(x: torch.Tensor, w: torch.Tensor | PackedMatrix, outputs: torch.Tensor, *,
+                      bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                      norm_weight: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False) -> torch.Tensor:
+    """What :func:`gemv` and :func:`packed_gemv` give for one row ``x`` at ``outputs`` (columns of
+    the result), by torch, rounded where the eager layer rounds: RMSNorm, the product in float32
+    with the weight dequantized in its scales' dtype, the bias, SiLU(gate)·up, the residual. Only
+    the rows of W those outputs read are dequantized."""
+    dt = x.dtype
+    h = x.float()
+    if norm_weight is not None:
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        h = ((h * rstd).to(dt).float() * norm_weight.float()).to(dt).float()
+    at = outputs.to(x.device)
+    rows = torch.cat([at, at + w.shape[0] // 2]) if glu else at
+    if isinstance(w, PackedMatrix):
+        layout = w.layout
+        picked = PackedGeometry(len(rows), layout.k, layout.bits, layout.groups, layout.group_constexpr)
+        dense = dequantize_with_torch(w.codes[rows], w.scales[rows], None if w.zeros is None else w.zeros[rows],
+                                      picked, w.scales.dtype)
+    else:
+        dense = w[rows]
+    y = (h @ dense.float().t()).to(dt)
+    if bias is not None:
+        y = (y.float() + bias[rows].float()).to(dt)
+    if glu:
+        gate, up = y[:, :len(at)].float(), y[:, len(at):].float()
+        y = ((gate * torch.sigmoid(gate)).to(dt).float() * up).to(dt)
+    if residual is not None:
+        y = (y.float() + residual[:, at].float()).to(dt)
+    return y.float()
+
+
+def right_tiles(x: torch.Tensor, w: torch.Tensor | PackedMatrix, candidates, out: torch.Tensor,
+                run: Callable, **kw) -> tuple[list, dict[str, str]]:
+    """The ``candidates`` whose product ``run(x, w, tile, out=out, **kw)`` equals
+    :func:`reference_product` within bf16's rounding (:func:`~edgeinfer.quant.kernels.divergence`) at
+    :func:`~edgeinfer.quant.kernels.checked_outputs`, and each other tile's first divergence by name."""
+    n = w.shape[0] // 2 if kw.get("glu") else w.shape[0]
+    outputs = checked_outputs(n)
+    want = reference_product(x, w, outputs, **kw)
+    at = outputs.to(x.device)
+    right, wrong = [], {}
+    for tile in candidates:
+        got = run(x, w, tile, out=out, **kw)
+        why = divergence(got[:, at], want, outputs)
+        if why is None:
+            right.append(tile)
+        else:
+            wrong[_config_name(tile)] = why
+    return right, wrong
+
+
 def _config_name(c: GemvConfig | PackedGemvConfig) -> str:
     if isinstance(c, PackedGemvConfig):
         return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
@@ -899,6 +952,8 @@ class FusedDecode:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
         (as a step does: from memory, not from the L2 cache), and keep the fastest; cuBLAS is timed
         beside it for the report (on the dense weights; a packed product has no cuBLAS twin).
+        A tile whose outputs are not torch's (:func:`right_tiles`) is not timed; where no tile of a
+        product is right this raises, and the engine decodes through the compiled layers.
         Returns each product's candidates, fastest first."""
         dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         ranked = {}
@@ -920,9 +975,15 @@ class FusedDecode:
             n, k = weights[0].shape
             times = {}
             packed = isinstance(weights[0], PackedMatrix)
+            right, wrong = right_tiles(x, weights[0], _candidates(weights[0]), outs[0], self._product, **kw)
+            if not right:  # the engine falls back to the compiled layers, with a warning
+                first = next(iter(wrong))
+                raise RuntimeError(f"every tile of the fused step's {name} product gave wrong outputs on this GPU "
+                                   f"(tile {first}: {wrong[first]})")
             for c in _candidates(weights[0]):
-                calls = [lambda w=w, o=o, c=c: self._product(x, w, c, out=o, **kw) for w, o in zip(weights, outs)]
-                times[c] = graph_time_us(calls)
+                if c in right:
+                    calls = [lambda w=w, o=o, c=c: self._product(x, w, c, out=o, **kw) for w, o in zip(weights, outs)]
+                    times[c] = graph_time_us(calls)
                 advance()
             best = min(times, key=times.get)
             self.configs[name] = best
@@ -934,6 +995,8 @@ class FusedDecode:
                 cublas = graph_time_us([lambda w=w: torch.mm(x, w.t()) for w in weights])
                 report.update(cublas_us=round(cublas, 2), cublas_gb_s=round(mb / cublas * 1e3, 1))
             report["candidates_us"] = {_config_name(c): round(t, 2) for c, t in times.items()}
+            if wrong:  # tiles not timed: their outputs were not torch's
+                report["wrong_outputs"] = wrong
             self.report[name] = report
             ranked[name] = sorted(times, key=times.get)
         return ranked
