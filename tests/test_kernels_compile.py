@@ -165,6 +165,8 @@ def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype
             # whole: no shared memory but x's; split: the arrival count handed to every thread, nothing else
             assert kernel.asm["cubin"] and x_bytes <= kernel.metadata.shared <= x_bytes + (16 if split_k else 0)
             registers[label, bn, bk, ahead, split_k, has_z, bm, x_shared] = resource_usage(kernel)["REG"]
+            # x's copies are cp.async (LDGSTS), all in flight at once, not a load and a store a step
+            assert ("cp.async" in kernel.asm["ptx"]) == x_shared
     for (label, bn, bk, ahead, *rest, bm, x_shared), used in registers.items():
         held = registers[label, bn, bk, ahead, *rest, bm, False]
         if x_shared and bm == 16:  # x's steps held ahead are most of a thread's registers at 16 rows
@@ -290,17 +292,12 @@ def test_the_decode_kernels_build_for_jetson_thor():
     from edgeinfer.quant import tensor_core
 
     if tensor_core.gluon is not None:  # the 4-bit tensor-core product (Gluon's mma_v2: mma.sync, which Thor has)
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        names = tensor_core._mma_mm_kernel.arg_names
         for x_shared in (False, True):
             given = dict(BN=128, BM=16, BK=128, GS=128, HAS_Z=True, SPLIT_K=True, WARPS=4,
                          LW=tensor_core.word_layout(128, 128, 4), BF16=True, MAGIC=128.0, AHEAD=2,
                          X_SHARED=x_shared, X_STEPS=8)
-            source = GluonASTSource(tensor_core._mma_mm_kernel, {n: {**mm, "per_split": "i32"}.get(n, "constexpr")
-                                                                for n in names},
-                                    {(names.index(k),): v for k, v in given.items()})
-            assert triton.compile(source, target=thor["sm_110 (Thor)"], options={"num_warps": 4}).asm["cubin"]
+            kernel = compiled_gluon(tensor_core._mma_mm_kernel, "bf16", given, thor["sm_110 (Thor)"], 4)
+            assert kernel.asm["cubin"]
 
 
 def test_a_compile_that_fails_as_it_finishes_leaves_the_launches_to_compile(monkeypatch):

@@ -42,7 +42,7 @@ try:  # the import decides whether this kernel exists at all
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton; older Triton without Gluon
     gluon = None
 
@@ -87,6 +87,8 @@ def word_layout(bn: int, bk: int, warps: int):
 if gluon is not None:
     # a CTA's barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # a copy into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, ``async_load`` in 3.9
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _BF16_DEQUANTIZE = gl.constexpr(BF16_DEQUANTIZE)
     _F16_DEQUANTIZE = gl.constexpr(F16_DEQUANTIZE)
 
@@ -131,8 +133,10 @@ if gluon is not None:
     @gluon.jit
     def _x_to_shared(X, M, stride_x, start, end, BK: gl.constexpr, BM: gl.constexpr, X_STEPS: gl.constexpr,
                      WARPS: gl.constexpr):
-        """x's columns [start, end) for BM rows (zeros past M) in shared memory, a [BK, BM] slice a K
-        step, each CTA reading them once rather than each warp once a step; 16 bytes a load."""
+        """Start copying x's columns [start, end) for BM rows (zeros past M) into shared memory, a
+        [BK, BM] slice a K step, 16 bytes a copy (``cp.async``: all in flight at once, no register
+        held), each CTA reading them once rather than each warp once a step. The copies are waited
+        for by :func:`_x_arrived`."""
         along_k: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
         xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[along_k, 32 // along_k],
                                             warps_per_cta=[1, WARPS], order=[0, 1])
@@ -143,9 +147,15 @@ if gluon is not None:
         at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(rk, 1) + start
         ok = gl.expand_dims(rm < M, 0)
         for step in range(0, (end - start) // BK):
-            x_smem.index(step).store(gl.load(at + step * BK, mask=ok, other=0.0))
-        _cta_barrier()  # every warp's slices are stored before any warp reads one
+            _async_load(x_smem.index(step), at + step * BK, mask=ok)
+        async_copy.commit_group()
         return x_smem
+
+    @gluon.jit
+    def _x_arrived():
+        """Every copy :func:`_x_to_shared` started has landed, this thread's and every other's."""
+        async_copy.wait_group(0)
+        _cta_barrier()
 
     @gluon.jit
     def _mma_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y, per_split, splits,
@@ -187,6 +197,8 @@ if gluon is not None:
         if AHEAD >= 3:
             w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
                                             gl.minimum(start + 2 * BK, last), GS, HAS_Z, MAGIC, LW, X_SHARED)
+        if X_SHARED:  # x's copies were in flight while the first steps' weights were asked for
+            _x_arrived()
         for k0 in range(start, end, BK):
             w, s, nb, x = w0, s0, z0, x0
             ahead = gl.minimum(k0 + AHEAD * BK, last)
@@ -266,6 +278,8 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
         raise ValueError(f"K steps of {bk} must divide the row ({k}) and lie in one group ({group}); "
                          f"steps and tiles are multiples of 64 (got {bk}, {bn})")
     x = x.contiguous()
+    # x's copies into shared memory are 16 bytes each (cp.async): from a 16-byte aligned x only
+    x_shared = x_shared and x.data_ptr() % 16 == 0
     steps = triton.cdiv(k, bk)
     per_split = triton.cdiv(steps, split) * bk
     splits = triton.cdiv(k, per_split)
