@@ -124,10 +124,16 @@ def test_every_start_reaches_the_table_minimum(start):
     assert found.best_us == min(COSTS.values())
 
 
+def all_right(x, w, candidates, out, run, **kw):
+    """``triton_decode.right_tiles`` where every tile's outputs are torch's (the kernels do not run here)."""
+    return list(candidates), {}
+
+
 def test_the_fused_step_keeps_and_reports_the_tile_the_whole_step_prefers(checkpoint, monkeypatch):
-    """FusedDecode.tune on a tiny checkpoint, the device's two timers replaced by known costs (the
-    GPU is the boundary): alone, every product's first candidate is the fastest; in the step,
-    o's third candidate saves 5%. The engine must run with it and report both choices."""
+    """FusedDecode.tune on a tiny checkpoint, the device's two timers replaced by known costs and
+    every tile's outputs taken as right (the GPU is the boundary): alone, every product's first
+    candidate is the fastest; in the step, o's third candidate saves 5%. The engine must run with
+    it and report both choices."""
     from edgeinfer.backends.torch import triton_decode
     from edgeinfer.backends.torch.cuda_graphs import _relayout
     from edgeinfer.models.loader import load_model
@@ -137,6 +143,7 @@ def test_the_fused_step_keeps_and_reports_the_tile_the_whole_step_prefers(checkp
     fused = triton_decode.FusedDecode(decoder)
     alone_times = itertools.count(1.0)  # each candidate timed alone is slower than the one before
     monkeypatch.setattr(triton_decode, "graph_time_us", lambda calls: float(next(alone_times)))
+    monkeypatch.setattr(triton_decode, "right_tiles", all_right)
     preferred = triton_decode.GEMV_CANDIDATES[2]
     monkeypatch.setattr(triton_decode, "step_time_us",
                         lambda step: 950.0 if fused.configs["o"] == preferred else 1000.0)
@@ -166,6 +173,7 @@ def test_the_step_tries_only_each_products_fastest_tiles_alone(checkpoint, monke
     fused = triton_decode.FusedDecode(decoder)
     alone_times = itertools.count(1.0)  # candidates alone rank in their listed order
     monkeypatch.setattr(triton_decode, "graph_time_us", lambda calls: float(next(alone_times)))
+    monkeypatch.setattr(triton_decode, "right_tiles", all_right)
     candidates = triton_decode.GEMV_CANDIDATES
     tried = []
     # every trial is 2% faster than the one before, so each is kept and every round changes something
@@ -182,3 +190,45 @@ def test_the_step_tries_only_each_products_fastest_tiles_alone(checkpoint, monke
     for name in fused.configs:  # each product's fastest tiles alone, all of them, and no other
         assert {choices[name] for choices in tried} == set(candidates[:STEP_CANDIDATES])
     assert fused.step_report["rounds"] == STEP_ROUNDS
+
+
+def test_a_tile_the_check_refuses_is_never_timed_and_a_product_with_none_right_stops_the_step(checkpoint,
+                                                                                                monkeypatch):
+    """The tiles ``right_tiles`` refuses (here o's fastest alone) are not timed, alone or in the
+    step, and are reported with why; where every tile of a product is refused, tuning raises, and
+    the engine then decodes through the compiled layers."""
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.backends.torch.cuda_graphs import _relayout
+    from edgeinfer.models.loader import load_model
+
+    decoder = load_model(checkpoint("qwen2_vl")).decoder
+    _relayout(decoder, out_major=True)
+    fused = triton_decode.FusedDecode(decoder)
+    candidates = triton_decode.GEMV_CANDIDATES
+    refused = {"o": candidates[:1]}
+
+    products = {ws[0].data_ptr(): name for name, (ws, _) in fused._products().items()}
+
+    def check(x, w, tiles, out, run, **kw):
+        name = products[w.data_ptr()]  # the check runs on a product's first layer's weight
+        wrong = [t for t in tiles if t in refused.get(name, ())]
+        return [t for t in tiles if t not in wrong], {triton_decode._config_name(t): "row 0, output 3: 1 where 0"
+                                                     for t in wrong}
+
+    timed = []
+    monkeypatch.setattr(triton_decode, "right_tiles", check)
+    monkeypatch.setattr(triton_decode, "graph_time_us", lambda calls: float(len(timed.append(None) or timed)))
+    monkeypatch.setattr(triton_decode, "step_time_us",
+                        lambda step: timed.append(dict(fused.configs)) or 1000.0)
+    fused.tune(step_budget_s=60)
+    o = fused.report["o"]
+    name = triton_decode._config_name(candidates[0])
+    assert fused.configs["o"] != candidates[0] and name not in o["candidates_us"]
+    assert o["wrong_outputs"] == {name: "row 0, output 3: 1 where 0"}
+    assert all(step["o"] != candidates[0] for step in timed if isinstance(step, dict))
+    assert len(o["candidates_us"]) == len(candidates) - 1 and "wrong_outputs" not in fused.report["qkv"]
+
+    refused["down"] = candidates
+    fresh = triton_decode.FusedDecode(decoder)
+    with pytest.raises(RuntimeError, match="every tile of the fused step's down product gave wrong outputs"):
+        fresh.tune(step_budget_s=0)

@@ -198,8 +198,9 @@ def fused_step(checkpoint, family: str = "qwen2_vl"):
 
 @pytest.fixture
 def timers(monkeypatch):
-    """The device's two timers replaced by known costs and counted (the GPU is the boundary), and
-    this machine given a GPU's identity: the o product's third tile wins in the step."""
+    """The device's two timers replaced by known costs and counted, every tile's outputs taken as
+    right (the GPU is the boundary), and this machine given a GPU's identity: the o product's third
+    tile wins in the step."""
     import itertools
 
     from edgeinfer.backends.torch import triton_decode
@@ -222,6 +223,8 @@ def timers(monkeypatch):
 
     monkeypatch.setattr(triton_decode, "graph_time_us", alone_us)
     monkeypatch.setattr(triton_decode, "step_time_us", step_us)
+    # every tile's outputs taken as torch's: the kernels do not run here
+    monkeypatch.setattr(triton_decode, "right_tiles", lambda x, w, tiles, out, run, **kw: (list(tiles), {}))
     monkeypatch.setattr(triton_decode, "device_identity", lambda device: H200)
     return calls, current
 

@@ -621,10 +621,12 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
 
 MMA_TILES = ((64, 64, 1), (64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (128, 64, 16), (256, 64, 4),
              (256, 64, 8), (64, 128, 4), (128, 128, 4), (128, 128, 8))
-# The tiles with x in shared memory: fewer registers a thread (the H200's sm_90 build of 128×64, two
-# steps ahead, at 16 rows: 96 against 136, and a K step of 252 instructions against 299), for up to
-# 64 KB of shared memory a CTA (a third of an H200 SM's, of an Orin SM's 164 KB).
-X_SHARED_TILES = ((64, 64, 2), (128, 64, 2), (128, 64, 4), (128, 64, 8), (256, 64, 4), (128, 128, 4), (128, 128, 8))
+# The tiles with x in shared memory: fewer registers a thread (sm_90, Triton 3.6, 128×64 two steps
+# ahead at 16 rows: 100 against 128, and a K step of 252 instructions against 305;
+# scripts/probe_sass_loops.py --tensor-core), for up to 64 KB of shared memory a CTA (under a third
+# of an H200 SM's, of an Orin SM's 164 KB). Five tiles, ten with the steps ahead: each is a compile
+# at a shape's first use, on a Jetson's few cores too.
+X_SHARED_TILES = ((64, 64, 2), (128, 64, 2), (128, 64, 4), (128, 64, 8), (128, 128, 4))
 X_SHARED_BYTES = 64 * 1024
 
 
