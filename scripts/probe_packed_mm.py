@@ -11,8 +11,8 @@ weight dequantized to bf16 (largest difference over the largest output). Writes
 ``$OUT/probe-packed-mm.json``.
 
 For 4-bit weights and up to 16 rows it also times the tensor-core kernel's tiles
-(``kernels.mma_candidates``; ``/tc`` in a tile's name), x read from memory each step and x put in
-shared memory (``/x-shared``), at 16 rows as well, where the tuner no longer times the first:
+(``/tc`` in a tile's name), x read from memory each step and x put in shared memory
+(``/x-shared``), at every row count up to 16, whichever of them the tuner times there:
 ``ROWS=1,4,16 OUT=folder python scripts/probe_packed_mm.py`` compares them.
 
 The run docs/results/probes/h200-packed-mm.json also timed, at 16 rows (``classes``), the
@@ -79,14 +79,16 @@ def best(table):
 
 
 def tensor_core_configs(layout, rows):
-    """The tuner's tensor-core tiles for ``rows``, and at 16 rows the x-in-registers ones it no longer times."""
+    """The tensor-core tiles for ``rows``, both ways of reading x, whichever the tuner times there
+    (x loaded each step up to 8 rows, x in shared memory at 16)."""
     if layout.bits != 4 or rows > 16:
         return []
-    out = kernels.mma_candidates(layout, 8 if rows <= 8 else 16)
-    if rows > 8:
-        out += [kernels.MmConfig(bn, bk, split, stages=stages, mma=True) for bn, bk, split in kernels.MMA_TILES
-                for stages in (2, 4) if layout.k // bk >= split and layout.group_constexpr % bk == 0]
-    return out
+    bm = 8 if rows <= 8 else 16
+    return [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=shared)
+            for shared, tiles in ((False, kernels.MMA_TILES), (True, kernels.X_SHARED_TILES))
+            for bn, bk, split in tiles for stages in (2, 4)
+            if layout.k // bk >= split and layout.group_constexpr % bk == 0
+            and (not shared or kernels.x_shared_bytes(layout.k, bk, split, bm) <= kernels.X_SHARED_BYTES)]
 
 
 def new_configs(layout, bks):

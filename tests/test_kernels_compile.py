@@ -218,9 +218,9 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):
              for c in triton_decode.PACKED_GEMV_CANDIDATES[:3]]
     calls += [lambda c=c: triton_decode.gemv(one, dense, residual=one[:, :n], config=c, warmup=True)
               for c in triton_decode.GEMV_CANDIDATES[:2]]
-    tensor_cores = kernels.mma_candidates(layout, 8)
-    mm = kernels.mm_candidates(layout)[:2] + ([tensor_cores[0], next(c for c in tensor_cores if c.x_shared)]
-                                              if tensor_core.gluon else [])
+    # a tensor-core tile with x in registers (8 rows) and one with x in shared memory (16 rows)
+    tensor_cores = [kernels.mma_candidates(layout, 8)[0], kernels.mma_candidates(layout, 16)[0]]
+    mm = kernels.mm_candidates(layout)[:2] + (tensor_cores if tensor_core.gluon else [])
     calls += [lambda c=c: kernels.packed_mm(rows, packed.codes, packed.scales, None, layout, c, warmup=True)
               for c in mm]
     jitted = [triton_decode._packed_gemv_kernel, triton_decode._gemv_kernel, kernels._packed_mm_kernel]

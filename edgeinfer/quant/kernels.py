@@ -604,10 +604,12 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
     Qwen2-VL-2B's products at 1 to 16 rows were among these, and none of them everywhere: one step
     ahead for gate|up (more costs it registers), three for q|k|v and down.
 
-    For row tiles of 8 and 16, the same kernel with x in shared memory (:data:`X_SHARED_TILES`, where
-    a split's x takes at most :data:`X_SHARED_BYTES`): at 16 rows the kernel that reads x from
-    memory each step was slower than the dot kernel on every product of the H200's sweep, so it is
-    not timed there."""
+    For a row tile of 16, the same kernel with x in shared memory instead (:data:`X_SHARED_TILES`,
+    where a split's x takes at most :data:`X_SHARED_BYTES`): there the kernel that reads x from memory
+    each step was slower than the dot kernel on every product of the H200's sweep, x's steps held
+    ahead being most of a thread's registers. At 8 rows x holds half as many, and those tiles were
+    the fastest at 1 to 4 rows; each tile timed is a compile at first use, so the shared ones are not
+    timed there."""
     def fits(bk: int, split: int) -> bool:
         return layout.k // bk >= split and layout.group_constexpr % bk == 0
 
@@ -615,7 +617,7 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
                  for stages in (2, 4) if row_tile <= 8 and fits(bk, split)]
     shared = [MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=True) for bn, bk, split in X_SHARED_TILES
               for stages in (2, 4)
-              if row_tile <= 16 and fits(bk, split) and x_shared_bytes(layout.k, bk, split, row_tile) <= X_SHARED_BYTES]
+              if row_tile == 16 and fits(bk, split) and x_shared_bytes(layout.k, bk, split, row_tile) <= X_SHARED_BYTES]
     return registers + shared
 
 
