@@ -44,7 +44,8 @@ def disasm(cfg):
              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
     given = dict(PROLOGUE=prologue, HAS_BIAS=False, HAS_RES=prologue == 0, BN=bn, BK=bk, BITS=bits, GS=128,
                  HAS_Z=False, SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
-                 XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True)
+                 XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True,
+                 WIDE=bits == 8)  # bf16 activations: 8-bit codes by one byte permute, as the wrapper passes
     names = fn.arg_names
     source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                        {(names.index(k),): v for k, v in given.items()})

@@ -10,6 +10,7 @@ is skipped and says so.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import re
 import subprocess
@@ -72,8 +73,9 @@ def pointers(dt: str, *names: str) -> dict[str, str]:
 EPILOGUES = ((0, False), (1, False), (1, True))
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, "bf16"), (8, "bf16"), (4, "fp32")])
-def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype):
+@pytest.mark.parametrize("bits,dtype,wide", [(4, "bf16", False), (8, "bf16", True), (8, "fp16", False),
+                                             (4, "fp32", False)])
+def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype, wide):
     types = {**pointers(dtype, "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
     # groups of 128 (4 a step) and one group a row, for every prologue and epilogue (the residual,
@@ -86,8 +88,57 @@ def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype):
         sizes = compiled(triton_decode._packed_gemv_kernel, types, dict(
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=bits, GS=gs,
             HAS_Z=has_z, SPLIT_K=split_k, EXACT=dtype != "fp32", EVEN=even, ONE_GROUP=gs == 2048,
-            POW2_GROUPS=gs in (128, 1024), XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True))
+            POW2_GROUPS=gs in (128, 1024), XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=wide))
         assert all(sizes.values())
+
+
+def test_8_bit_codes_with_bf16_activations_take_one_byte_permute_each():
+    """With bf16 activations an 8-bit code is one ``prmt`` (``WIDE``) rather than a shift and an
+    and-or: in the sm_90 binary of the 8-bit ``down`` tile the K step holds a permute per code, next
+    to no and-or, and fewer instructions than the same tile without it. The exponent's bits are kept
+    in one register (a constant would be moved into one before each permute: no fewer instructions)."""
+    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    steps = {}
+    for wide in (False, True):  # the H200's 8-bit down tile: 8 rows by 2048 columns, 4 warps
+        given = dict(PROLOGUE=0, HAS_BIAS=False, HAS_RES=True, BN=8, BK=2048, BITS=8, GS=128, HAS_Z=False,
+                     SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True, XB=16, GLU=False,
+                     ASM=True, WIDE=wide)
+        steps[wide] = k_step(cubin(triton_decode._packed_gemv_kernel, types, given, TARGETS["sm_90 (Hopper)"]))
+    codes = 8 * 2048 // 4 // 128 * 4  # a thread's words a step, four codes each
+    assert steps[True]["PRMT"] >= codes and steps[True]["LOP3"] <= 2 and steps[False]["LOP3"] >= codes
+    assert sum(steps[True].values()) < 0.9 * sum(steps[False].values()), steps
+
+
+def cubin(fn, types: dict[str, str], constexprs: dict, target: GPUTarget, warps: int = 4) -> bytes:
+    """``fn``'s binary for ``target`` as a launch specializes it (pointers and ints multiples of 16)."""
+    names = fn.arg_names
+    source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
+                       {(names.index(k),): v for k, v in {**constexprs, "PDL": target.arch >= 90}.items()},
+                       {(names.index(a),): [["tt.divisibility", 16]] for a in types if types[a] != "fp32"})
+    return triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": target.arch >= 90}
+                          ).asm["cubin"]
+
+
+def k_step(binary: bytes) -> collections.Counter:
+    """Instructions by opcode in the longest loop of ``binary`` (nvdisasm, which Triton's wheel
+    carries): a backward branch closes a loop; the longest is the K step."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(binary)
+        f.flush()
+        listing = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops, labels, loops = [], {}, []
+    for line in listing.splitlines():
+        if (label := re.match(r"^\s*(\.L_x_\d+):", line)) is not None:
+            labels[label.group(1)] = len(ops)
+        elif (op := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)) is not None:
+            ops.append(op.group(1))
+            back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", op.group(1))
+            if back and labels.get(back.group(1), len(ops)) < len(ops):
+                loops.append(ops[labels[back.group(1)]:])
+    body = max(loops, key=len)
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in body)
 
 
 @pytest.mark.parametrize("bits,dtype", [(4, "bf16"), (8, "bf16"), (4, "fp32")])
@@ -269,7 +320,7 @@ def test_the_decode_kernels_build_for_jetson_thor():
         assert all(compiled(triton_decode._packed_gemv_kernel, packed, dict(
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=4, GS=128,
             HAS_Z=False, SPLIT_K=True, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
-            XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True), targets=thor).values())
+            XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=False), targets=thor).values())
     dense = {**pointers("bf16", "X", "W", "BIAS", "RES", "NORM_W", "Y"),
              **dict.fromkeys(("N", "K", "stride_x", "stride_r", "stride_y"), "i32"), "eps": "fp32"}
     assert all(compiled(triton_decode._gemv_kernel, dense, dict(

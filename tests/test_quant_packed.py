@@ -565,19 +565,20 @@ def test_packed_products_on_cuda_in_fp32_give_the_dense_tokens(quantized, kind, 
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("together", [False, True], ids=["batch1_fused", "batched"])
-def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, together):
+@pytest.mark.parametrize("kind", ["w4_g32", "w8_channel"])  # 8-bit: one byte permute a code (WIDE)
+def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, together, kind):
     """In bfloat16 the packed and dense products sum in other orders: tokens of a random checkpoint
     may part late. The first divergence is printed; the first token must agree. At batch 1 the
     fused step runs, and none of its tiles failed the check against torch (a false refusal in
     bf16 would have turned it off)."""
-    path = quantized("w4_g32")
+    path = quantized(kind)
     dense, _ = cuda_tokens(path, together=together, keep_packed=False, dtype="bfloat16")
     packed, engine = cuda_tokens(path, together=together, dtype="bfloat16")
     if not together and kernels.triton is not None:
         report = engine.decoder_engine.kernel_report
         assert report["fused"] and not [name for name, r in report["products"].items() if "wrong_outputs" in r], report
     positions = [first_divergence(a, b) for a, b in zip(dense, packed)]
-    print(f"w4_g32 {'batched' if together else 'batch 1'}: first divergence packed vs dense (None = identical): "
+    print(f"{kind} {'batched' if together else 'batch 1'}: first divergence packed vs dense (None = identical): "
           f"{positions}")
     assert all(p is None or p > 0 for p in positions)
 

@@ -268,18 +268,54 @@ if triton is not None:
                 dtype=tl.int32, is_pure=True, pack=1)
         return (a & MASK) | SET
 
+    @triton.constexpr_function
+    def code_exponent(i, bits, wide):
+        """``e`` of :func:`biased_codes_at`'s ``2^e + q`` for value ``i`` of a word of ``bits``-bit codes."""
+        return 15 if wide else 8 - 4 * (i % 2) * (bits == 4)
+
+    @triton.constexpr_function
+    def _prmt_asm(selector):
+        return f"prmt.b32 $0, $1, $2, {selector:#06x};"
+
     @triton.jit
-    def biased_codes_at(words, i: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-        """Value ``i`` of every word as a float32 ``2^e + q`` (``e`` 4 for the odd values of 4-bit
-        words, else 8), by a shift and an and-or.
+    def prmt(a, b, SELECTOR: tl.constexpr, ASM: tl.constexpr):
+        """Byte j of the result is ``a``'s byte (0-3) or ``b``'s (4-7) that ``SELECTOR``'s nibble j
+        names: PTX ``prmt.b32`` in its default mode (no sign replicated); with ``ASM`` that one
+        instruction, the selector written into it."""
+        if ASM:
+            return tl.inline_asm_elementwise(_prmt_asm(SELECTOR), "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+        out = tl.zeros_like(a)
+        for j in tl.static_range(4):
+            src = (SELECTOR >> (4 * j)) & 7  # a constant once j is
+            if src < 4:
+                byte = (a >> (8 * src)) & 0xFF
+            else:
+                byte = (b >> (8 * (src - 4))) & 0xFF
+            out = out | (byte << (8 * j))
+        return out
+
+    @triton.jit
+    def biased_codes_at(words, i: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WIDE: tl.constexpr = False,
+                        exponent=None):
+        """Value ``i`` of every word as a float32 ``2^e + q`` (``e`` from :func:`code_exponent`), by a
+        shift and an and-or, or with ``WIDE`` by one byte permute.
 
         The code is moved into the top mantissa bits of 2^e: 4-bit codes sit at bits 15-18
         (``e`` 8) and 19-22 (``e`` 4), so two values come out of one shifted copy of the word;
         8-bit codes at bits 15-22. ``2^e + q`` has at most 9 significant bits, so its product with
         a 16-bit float (at most 11) is exact in float32: a product can take the biased values as
         they are and take ``Σ 2^e·x`` off once per word, where :func:`codes_less` subtracts 2^E
-        from every value."""
-        E: tl.constexpr = 8 - 4 * (i % 2) * (BITS == 4)
+        from every value.
+
+        ``WIDE`` (8-bit codes, bf16 activations): one ``prmt`` puts byte ``i`` in bits 8-15 and takes
+        the other three bytes from ``exponent`` (2^15's bits, held in a register): ``2^15 + q`` has 16
+        significant bits and a bf16 value 8, so the product is still exact."""
+        E: tl.constexpr = code_exponent(i, BITS, WIDE)
+        MAGIC: tl.constexpr = (127 + E) << 23
+        if WIDE:  # result bytes: exponent's byte 0 (zero), code i, exponent's bytes 2 (zero) and 3
+            SELECTOR: tl.constexpr = 4 | (i << 4) | (6 << 8) | (7 << 12)
+            return prmt(words, exponent, SELECTOR, ASM).to(tl.float32, bitcast=True)
         FIELD: tl.constexpr = 23 - E
         SHIFT: tl.constexpr = FIELD - BITS * i
         if SHIFT >= 0:
@@ -287,7 +323,6 @@ if triton is not None:
         else:
             moved = words >> (-SHIFT)
         MASK: tl.constexpr = ((1 << BITS) - 1) << FIELD
-        MAGIC: tl.constexpr = (127 + E) << 23
         return and_or(moved, MASK, MAGIC, ASM).to(tl.float32, bitcast=True)
 
     @triton.jit

@@ -80,6 +80,7 @@ try:  # the import decides whether this path exists at all
         arrived_last,
         await_inputs,
         biased_codes_at,
+        code_exponent,
         group_params,
         load_where,
         split_total,
@@ -254,12 +255,13 @@ if triton is not None:
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                             HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
                             ONE_GROUP: tl.constexpr, POW2_GROUPS: tl.constexpr, XB: tl.constexpr,
-                            GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                            GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
         A decode product is bound by the instructions it issues per weight, not by its bytes, so
-        a weight costs a shift, an and-or and a multiply-add: each word's ``sum_i (2^b + q_i)·x_i``
+        a weight costs a shift, an and-or and a multiply-add (an 8-bit one with bf16 activations,
+        ``WIDE``, a byte permute and a multiply-add): each word's ``sum_i (2^b + q_i)·x_i``
         is taken with the codes biased (:func:`biased_codes_at`; with ``EXACT``, the activations'
         16-bit floats, those products are exact), and per word, not per weight, the bias, the
         zero point and the scale are applied: ``s·(dot - (2^b + z)·sum_i x_i)``. A step takes x's
@@ -303,6 +305,10 @@ if triton is not None:
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         wide = tl.zeros([BN, BKW], tl.float32)  # a sum per word of the tile, added across words at the end
+        # 2^15's bits for WIDE's byte permutes, in one register: ``| (N >> 31)`` (0: N is never negative)
+        # keeps the compiler from seeing a constant, which ptxas then moved into a register before
+        # nearly every permute (62 more instructions a step)
+        exponent = tl.full([BN, BKW], 0, tl.int32) + (((127 + 15) << 23) | (N >> 31))
         xsums = tl.zeros([BKW], tl.float32)  # one group a row: x's sums, taken off once at the end
         xbiases = tl.zeros([BKW], tl.float32)
         for k0 in range(start, end, BK):
@@ -322,7 +328,7 @@ if triton is not None:
             for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
                 xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
                 if EXACT:
-                    xbias += xi * (1 << (8 - 4 * (i % 2) * (BITS == 4)))  # biased_codes_at's 2^e, as it derives it
+                    xbias += xi * (1 << code_exponent(i, BITS, WIDE))  # biased_codes_at's 2^e
                 xsum += xi
             if ONE_GROUP:  # one scale a row: words summed across steps as they are, corrected at the end
                 dot = wide
@@ -337,10 +343,10 @@ if triton is not None:
             for i in tl.static_range(PER):  # value i of every word meets column first + i of x
                 xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
                 if EXACT:
-                    dot += biased_codes_at(this_words, i, BITS, ASM) * xi[None, :]
+                    dot += biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) * xi[None, :]
                 else:  # float32 activations: the bias off each value before the product
-                    bias = 1 << (8 - 4 * (i % 2) * (BITS == 4))
-                    dot += (biased_codes_at(this_words, i, BITS, ASM) - bias) * xi[None, :]
+                    bias = 1 << code_exponent(i, BITS, WIDE)
+                    dot += (biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) - bias) * xi[None, :]
             if ONE_GROUP:  # the scale and zero point wait for the last step
                 wide = dot
             elif POW2_GROUPS:  # a group's scale meets its words' sums
@@ -690,7 +696,8 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
            BN=config.bn, BK=bk, BITS=layout.bits, GS=gs, HAS_Z=w.zeros is not None,
            SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
            ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and _pow2(gs) == gs,
-           XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(), **_launch(x.device),
+           XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(),
+           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, **_launch(x.device),
            num_warps=config.warps, **registers)
     return None if warmup else y
 
