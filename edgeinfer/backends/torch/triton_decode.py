@@ -84,7 +84,6 @@ try:  # the import decides whether this path exists at all
         group_params,
         load_where,
         split_total,
-        step_group_params,
     )
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
@@ -239,12 +238,22 @@ if triton is not None:
 
 
     @triton.jit
-    def _step_params(S, Z, rn, k0, N, G, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+    def _step_params(S, Z, S_ROWS, Z_ROWS, rn, k0, N, G, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                      HAS_Z: tl.constexpr, EVEN: tl.constexpr, POW2_GROUPS: tl.constexpr):
-        """The scales and zero points a K step from ``k0`` reads: one a group with ``POW2_GROUPS``
-        (:func:`step_group_params`), else one a word (:func:`group_params`)."""
+        """The scales and zero points a K step from ``k0`` reads: with ``POW2_GROUPS`` one a group, from
+        ``S_ROWS`` / ``Z_ROWS`` (each row's first groups' addresses, [BN, groups a step]) moved by the
+        step's first group; else one a word (:func:`group_params`). Moving the addresses by one number
+        the step's threads share lets the loads take it as an offset: the addresses are not
+        computed again each step."""
         if POW2_GROUPS:
-            s, z = step_group_params(S, Z, rn, k0, N, G, BK, BITS, GS, HAS_Z, EVEN)
+            NG: tl.constexpr = BK // GS if BK >= GS else 1
+            g = k0 // GS
+            ok = (rn[:, None] < N) & ((g + tl.arange(0, NG))[None, :] < G)
+            s = load_where(S_ROWS + g, ok, EVEN).to(tl.float32)
+            if HAS_Z:
+                z = load_where(Z_ROWS + g, ok, EVEN).to(tl.float32)
+            else:
+                z = tl.zeros_like(s) + (1 << (BITS - 1))
         else:
             s, z = group_params(S, Z, rn, k0, N, G, BK, BITS, GS, HAS_Z, EVEN)
         return s, z
@@ -293,8 +302,11 @@ if triton is not None:
         words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
         words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
         NG: tl.constexpr = BK // GS if BK >= GS else 1  # groups a step meets (POW2_GROUPS)
+        NGP: tl.constexpr = NG if POW2_GROUPS else 1  # (other groups take their addresses a word at a time)
+        S_ROWS = S + rn[:, None] * G + tl.arange(0, NGP)[None, :]  # the first step's groups, moved a step at a time
+        Z_ROWS = Z + rn[:, None] * G + tl.arange(0, NGP)[None, :]
         if not ONE_GROUP:
-            s, z = _step_params(S, Z, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
+            s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
         await_inputs(PDL)
         rstd = 1.0
         if PROLOGUE == 1:  # RMSNorm over the whole row, whatever columns this program reads
@@ -311,6 +323,7 @@ if triton is not None:
         exponent = tl.full([BN, BKW], 0, tl.int32) + (((127 + 15) << 23) | (N >> 31))
         xsums = tl.zeros([BKW], tl.float32)  # one group a row: x's sums, taken off once at the end
         xbiases = tl.zeros([BKW], tl.float32)
+        stepped = 0  # words the step's words lie past the first step's (one number: the loads' offset)
         for k0 in range(start, end, BK):
             first = rw * PER  # each word's first column
             this_words = words
@@ -318,11 +331,12 @@ if triton is not None:
                 this_s, this_z = s, z
             # the next step's words and scales (the last step reads its own again, not past its columns)
             ahead = tl.where(k0 + BK < end, BK, 0)
-            words_at += ahead // PER
+            stepped += ahead // PER
             rw += ahead // PER
-            words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
+            words = load_where(words_at + stepped, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
             if not ONE_GROUP:
-                s, z = _step_params(S, Z, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
+                s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN,
+                                    POW2_GROUPS)
             xsum = tl.zeros([BKW], tl.float32)
             xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
             for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
