@@ -699,10 +699,15 @@ def reference_outputs(x: torch.Tensor, codes, scales, zeros, layout: PackedGeome
     """``x @ W.T`` at ``outputs`` (columns of the result) by torch, in float32 with the weight rounded
     once in the scales' dtype and the result once in x's: what every tile must give, up to summation
     order. Only those rows of W are dequantized (a vocabulary's head whole would be gigabytes)."""
-    at = outputs.to(codes.device)
-    rows = PackedGeometry(len(outputs), layout.k, layout.bits, layout.groups, layout.group_constexpr)
-    w = dequantize_with_torch(codes[at], scales[at], None if zeros is None else zeros[at], rows, scales.dtype)
+    w = dequantized_rows(codes, scales, zeros, layout, outputs.to(codes.device))
     return (x.float() @ w.float().t()).to(x.dtype).float()
+
+
+def dequantized_rows(codes, scales, zeros, layout: PackedGeometry, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of the dense weight, in the scales' dtype (:func:`dequantize_with_torch`)."""
+    picked = PackedGeometry(len(rows), layout.k, layout.bits, layout.groups, layout.group_constexpr)
+    return dequantize_with_torch(codes[rows], scales[rows], None if zeros is None else zeros[rows], picked,
+                                 scales.dtype)
 
 
 def divergence(got: torch.Tensor, want: torch.Tensor, outputs: torch.Tensor | None = None) -> str | None:

@@ -60,9 +60,8 @@ from edgeinfer.backends.torch.step_tuning import (
 )
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
-from edgeinfer.quant.kernels import (PackedGeometry, SplitWorkspace, cannot_build, checked_outputs, compile_ahead,
-                                     dependent_launch, dequantize_with_torch, divergence, graph_time_us, interpreting,
-                                     launch)
+from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, checked_outputs, compile_ahead, dependent_launch,
+                                     dequantized_rows, divergence, graph_time_us, interpreting, launch)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.tile_cache import TileCache, device_identity
 
@@ -799,13 +798,7 @@ def reference_product(x: torch.Tensor, w: torch.Tensor | PackedMatrix, outputs: 
         h = ((h * rstd).to(dt).float() * norm_weight.float()).to(dt).float()
     at = outputs.to(x.device)
     rows = torch.cat([at, at + w.shape[0] // 2]) if glu else at
-    if isinstance(w, PackedMatrix):
-        layout = w.layout
-        picked = PackedGeometry(len(rows), layout.k, layout.bits, layout.groups, layout.group_constexpr)
-        dense = dequantize_with_torch(w.codes[rows], w.scales[rows], None if w.zeros is None else w.zeros[rows],
-                                      picked, w.scales.dtype)
-    else:
-        dense = w[rows]
+    dense = dequantized_rows(w.codes, w.scales, w.zeros, w.layout, rows) if isinstance(w, PackedMatrix) else w[rows]
     y = (h @ dense.float().t()).to(dt)
     if bias is not None:
         y = (y.float() + bias[rows].float()).to(dt)
