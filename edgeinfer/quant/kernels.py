@@ -335,23 +335,21 @@ if triton is not None:
         return params_at(S, Z, rn, (k0 + tl.arange(0, BK // PER) * PER) // GS, N, G, BITS, HAS_Z, EVEN)
 
     @triton.jit
-    def step_group_params(S, Z, rn, k0, N, G, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                          HAS_Z: tl.constexpr, EVEN: tl.constexpr = False):
-        """Scale and zero point (float32) of each group that a step of BK columns from ``k0``
-        meets, [BN, max(BK / GS, 1)]: one load a group rather than one a word. BK and GS are
-        powers of two (the one divides the other)."""
-        NG: tl.constexpr = BK // GS if BK >= GS else 1
-        return params_at(S, Z, rn, k0 // GS + tl.arange(0, NG), N, G, BITS, HAS_Z, EVEN)
-
-    @triton.jit
     def params_at(S, Z, rn, g, N, G, BITS: tl.constexpr, HAS_Z: tl.constexpr, EVEN: tl.constexpr):
         """Scale and zero point (float32) of rows ``rn`` [BN] in groups ``g`` [W], [BN, W]; zero
         points 2^(b-1) (symmetric) without ``HAS_Z``."""
         at = rn[:, None] * G + g[None, :]
         ok = (rn[:, None] < N) & (g[None, :] < G)
-        s = load_where(S + at, ok, EVEN).to(tl.float32)
+        return params_from(S + at, Z + at, ok, BITS, HAS_Z, EVEN)
+
+    @triton.jit
+    def params_from(S_AT, Z_AT, ok, BITS: tl.constexpr, HAS_Z: tl.constexpr, EVEN: tl.constexpr):
+        """The scales and zero points (float32) at addresses ``S_AT`` and ``Z_AT``, zero where ``ok``
+        is false (``EVEN``: all exist, read unchecked); zero points 2^(b-1) (symmetric) without
+        ``HAS_Z``."""
+        s = load_where(S_AT, ok, EVEN).to(tl.float32)
         if HAS_Z:
-            z = load_where(Z + at, ok, EVEN).to(tl.float32)
+            z = load_where(Z_AT, ok, EVEN).to(tl.float32)
         else:
             z = tl.zeros_like(s) + (1 << (BITS - 1))
         return s, z

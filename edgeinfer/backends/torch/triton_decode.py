@@ -82,6 +82,7 @@ try:  # the import decides whether this path exists at all
         code_exponent,
         group_params,
         load_where,
+        params_from,
         split_total,
     )
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
@@ -248,11 +249,7 @@ if triton is not None:
             NG: tl.constexpr = BK // GS if BK >= GS else 1
             g = k0 // GS
             ok = (rn[:, None] < N) & ((g + tl.arange(0, NG))[None, :] < G)
-            s = load_where(S_ROWS + g, ok, EVEN).to(tl.float32)
-            if HAS_Z:
-                z = load_where(Z_ROWS + g, ok, EVEN).to(tl.float32)
-            else:
-                z = tl.zeros_like(s) + (1 << (BITS - 1))
+            s, z = params_from(S_ROWS + g, Z_ROWS + g, ok, BITS, HAS_Z, EVEN)
         else:
             s, z = group_params(S, Z, rn, k0, N, G, BK, BITS, GS, HAS_Z, EVEN)
         return s, z
