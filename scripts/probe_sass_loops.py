@@ -3,12 +3,17 @@ product's K-step loop, instruction by instruction kind, for the tiles the H200 c
 
     python scripts/probe_sass_loops.py > OUT.txt
     python scripts/probe_sass_loops.py --tensor-core > OUT.txt
+    python scripts/probe_sass_loops.py --registers > OUT.txt
 
 ``--tensor-core``: the 4-bit tensor-core kernel (Gluon) instead, for sm_90 and sm_87, at 8 and 16
 rows, with x read from memory each step or put in shared memory once a CTA (``X_SHARED``): its
 K step's instructions by kind, registers a thread, spilled bytes and shared memory, compiled as a
 launch specializes it (pointers, N, K and strides multiples of 16). Output of the run the docs
 cite: docs/results/probes/sass-tensor-core-x-shared.txt.
+
+``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
+cap that ``PACKED_GEMV_CANDIDATES`` also times them with, and where in the K step ptxas put the
+next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
 
 Triton compiles the kernel on the CPU down to the binary (its wheel carries ``ptxas`` and
 ``nvdisasm``); each backward branch is a loop, and its body's instructions are counted. A tile of
@@ -36,8 +41,9 @@ def pointers(dt, *names):
     return {n: f"*{dt}" for n in names}
 
 
-def disasm(cfg):
-    """nvdisasm's listing of the batch-1 packed product for sm_90 with tile ``cfg``."""
+def disasm(cfg, registers=None):
+    """nvdisasm's listing of the batch-1 packed product for sm_90 with tile ``cfg``, its registers a
+    thread capped at ``registers`` (``maxnreg``) where given."""
     bits, bn, bk, warps, glu, prologue = cfg
     fn = triton_decode._packed_gemv_kernel
     types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
@@ -49,10 +55,14 @@ def disasm(cfg):
     names = fn.arg_names
     source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                        {(names.index(k),): v for k, v in given.items()})
-    k = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
+    options = {"num_warps": warps, "launch_pdl": True, **({"maxnreg": registers} if registers else {})}
+    k = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"]); f.flush()
-        return subprocess.run([NV, "-c", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([NV, "-c", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    disasm.registers = dict(re.findall(r"(REG|STACK):(\d+)", usage))  # of the last listing
+    return sass
 
 
 def loop_ops(out):
@@ -125,8 +135,26 @@ def tensor_core_report() -> None:
                           f"{kernel.metadata.shared} bytes shared")
 
 
+def register_caps_report() -> None:
+    """Print, for the 4-bit tiles that ``triton_decode.PACKED_GEMV_CANDIDATES`` also times with a
+    register cap, where in the K step ptxas asks for the next step's words, with and without it."""
+    print(f"triton {triton.__version__}; sm_90; 4-bit, bf16, groups of 128; the K step's 32-bit loads "
+          "(the next step's words) by position in the step")
+    cases = {"gate|up 32x256/4w": ((4, 32, 256, 4, True, 1), 128), "gate|up 16x512/2w": ((4, 16, 512, 2, True, 1), 168),
+             "gate|up 32x512/4w": ((4, 32, 512, 4, True, 1), 168), "down 16x1024/4w": ((4, 16, 1024, 4, False, 0), 168),
+             "down 8x2048/4w": ((4, 8, 2048, 4, False, 0), 168)}
+    for name, (cfg, cap) in cases.items():
+        for registers in (None, cap):
+            n, _, wide = max(loop_ops(disasm(cfg, registers)), key=lambda loop: loop[0])
+            regs = disasm.registers
+            print(f"{name}, cap {registers or 'none'}: {regs.get('REG')} registers, {regs.get('STACK')} bytes "
+                  f"spilled; K step of {n}, words asked for at {wide[0]}-{wide[-1]}")
+
+
 if __name__ == "__main__" and "--tensor-core" in sys.argv:
     tensor_core_report()
+elif __name__ == "__main__" and "--registers" in sys.argv:
+    register_caps_report()
 elif __name__ == "__main__":
     # (bits, rows, columns, warps, SiLU·up epilogue, RMSNorm prologue): the H200's gate|up and down tiles
     cases = {"8-bit gate|up": (8, 8, 512, 2, True, 1), "8-bit down": (8, 8, 2048, 4, False, 0),
