@@ -831,23 +831,38 @@ def _right_tiles(key: tuple, candidates: list[MmConfig], x: torch.Tensor, codes,
     build or run to ``_REFUSED[key]``."""
     check = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device).to(x.dtype)
     outputs = checked_outputs(layout.n)
-    want = reference_outputs(check, codes, scales, zeros, layout, outputs)
-    outputs = outputs.to(x.device)
-    right = []
-    for cfg in candidates:
+
+    def product(cfg: MmConfig) -> torch.Tensor | None:
         try:
-            got = packed_mm(check, codes, scales, zeros, layout, cfg)
+            return packed_mm(check, codes, scales, zeros, layout, cfg)
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
             if not cfg.mma:
                 raise
             _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
-            continue
-        why = divergence(got[:, outputs], want, outputs)
-        if why is None:
-            right.append(cfg)
-        else:
-            _WRONG.setdefault(key, {})[cfg] = why
+            return None
+
+    right, wrong = checked_tiles(candidates, product, reference_outputs(check, codes, scales, zeros, layout, outputs),
+                                 outputs)
+    if wrong:
+        _WRONG.setdefault(key, {}).update(wrong)
     return right
+
+
+def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.Tensor) -> tuple[list, dict]:
+    """The ``tiles`` whose ``product(tile)`` equals ``want`` at columns ``outputs`` (:func:`divergence`),
+    and each other tile's first divergence; a tile whose product is None (it could not be built) is
+    in neither. Both tuners check their candidates so before timing them."""
+    right, wrong = [], {}
+    for tile in tiles:
+        got = product(tile)
+        if got is None:
+            continue
+        why = divergence(got[:, outputs.to(got.device)], want, outputs)
+        if why is None:
+            right.append(tile)
+        else:
+            wrong[tile] = why
+    return right, wrong
 
 
 def _tile_name(cfg: MmConfig) -> str:

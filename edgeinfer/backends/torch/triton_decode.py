@@ -60,8 +60,8 @@ from edgeinfer.backends.torch.step_tuning import (
 )
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
-from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, checked_outputs, compile_ahead, dependent_launch,
-                                     dequantized_rows, divergence, graph_time_us, interpreting, launch)
+from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, checked_outputs, checked_tiles, compile_ahead,
+                                     dependent_launch, dequantized_rows, graph_time_us, interpreting, launch)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.tile_cache import TileCache, device_identity
 
@@ -814,17 +814,9 @@ def right_tiles(x: torch.Tensor, w: torch.Tensor | PackedMatrix, candidates, out
     :func:`~edgeinfer.quant.kernels.checked_outputs`, and each other tile's first divergence by name."""
     n = w.shape[0] // 2 if kw.get("glu") else w.shape[0]
     outputs = checked_outputs(n)
-    want = reference_product(x, w, outputs, **kw)
-    at = outputs.to(x.device)
-    right, wrong = [], {}
-    for tile in candidates:
-        got = run(x, w, tile, out=out, **kw)
-        why = divergence(got[:, at], want, outputs)
-        if why is None:
-            right.append(tile)
-        else:
-            wrong[_config_name(tile)] = why
-    return right, wrong
+    right, wrong = checked_tiles(candidates, lambda tile: run(x, w, tile, out=out, **kw),
+                                 reference_product(x, w, outputs, **kw), outputs)
+    return right, {_config_name(tile): why for tile, why in wrong.items()}
 
 
 def _config_name(c: GemvConfig | PackedGemvConfig) -> str:
