@@ -20,45 +20,25 @@ import torch
 
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
-from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.testing.products import fused_inputs, random_packed
 
 dev, bf = torch.device("cuda"), torch.bfloat16
 torch.manual_seed(0)
 
 
-def packed(n, k, bits, gs):
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=dev)
-    scales = (torch.rand(n, -(-k // gs), device=dev) * 0.004 + 0.001).to(bf)
-    return PackedMatrix(words, scales, None, bits, gs, (n, k))
-
-
-def fused(kind, n, k):
-    x = torch.randn(1, k, device=dev, dtype=bf)
-    kw = {}
-    if "norm" in kind:
-        kw.update(norm_weight=(torch.rand(k, device=dev) + 0.5).to(bf), eps=1e-6)
-    if "bias" in kind:
-        kw["bias"] = torch.randn(n, device=dev, dtype=bf)
-    if "residual" in kind:
-        kw["residual"] = torch.randn(1, n, device=dev, dtype=bf)
-    if "glu" in kind:
-        kw["glu"] = True
-    return x, kw
-
-
 def packed_call(n, k, bits, gs, kind, config):
-    w, (x, kw) = packed(n, k, bits, gs), fused(kind, n, k)
+    w, (x, kw) = random_packed(n, k, bits, gs, dev), fused_inputs(kind, n, k, dev)
     workspace = td.SplitWorkspace(dev)
     return lambda: td.packed_gemv(x, w, config, workspace=workspace, **kw)
 
 
 def dense_call(n, k, kind, config):
-    w, (x, kw) = torch.randn(n, k, device=dev, dtype=bf), fused(kind, n, k)
+    w, (x, kw) = torch.randn(n, k, device=dev, dtype=bf), fused_inputs(kind, n, k, dev)
     return lambda: td.gemv(x, w, config=config, **kw)
 
 
 def tensor_core_call(n, k, config):
-    w, x = packed(n, k, 4, 128), torch.randn(1, k, device=dev, dtype=bf)
+    w, x = random_packed(n, k, 4, 128, dev), torch.randn(1, k, device=dev, dtype=bf)
     return lambda: kernels.packed_mm(x, w.codes, w.scales, None, w.layout, config)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.testing.products import fused_inputs
 
 OUT = os.environ.get("OUT", "/tmp")
 DEADLINE = time.time() + float(os.environ.get("PROBE_SECONDS", "420"))
@@ -50,18 +51,7 @@ def packed(n, k, bits, gs):
 
 
 def inputs(name, n, k):
-    kind = PRODUCTS.get(name, (0, 0, "norm"))[2]
-    x = torch.randn(1, k, device=dev, dtype=bf)
-    kw = {}
-    if "norm" in kind:
-        kw.update(norm_weight=(torch.rand(k, device=dev) + 0.5).to(bf), eps=1e-6)
-    if "bias" in kind:
-        kw["bias"] = torch.randn(n, device=dev, dtype=bf)
-    if "residual" in kind:
-        kw["residual"] = torch.randn(1, n, device=dev, dtype=bf)
-    if "glu" in kind:
-        kw["glu"] = True
-    return x, kw
+    return fused_inputs(PRODUCTS.get(name, (0, 0, "norm"))[2], n, k, dev)
 
 
 def timed(calls):

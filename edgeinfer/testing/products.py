@@ -1,0 +1,37 @@
+"""A decode step's products with random weights, as the GPU probes build them.
+
+:func:`random_packed` is a packed weight of random codes with small positive scales (reads come
+from memory, not from the values); :func:`fused_inputs` is a row of x and what the fused step
+gives a product besides it: ``kind`` names the prologue and epilogues (``"norm"``, ``"bias"``,
+``"residual"``, ``"glu"``, joined by ``+``), as in ``"norm+bias"`` for q|k|v.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgeinfer.quant.packed import PackedMatrix
+
+
+def random_packed(n: int, k: int, bits: int, group: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16) -> PackedMatrix:
+    """An [n, k] weight of random ``bits``-bit codes, symmetric, a scale in ``dtype`` each ``group`` columns."""
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=device)
+    scales = (torch.rand(n, -(-k // group), device=device) * 0.004 + 0.001).to(dtype)
+    return PackedMatrix(words, scales, None, bits, group, (n, k))
+
+
+def fused_inputs(kind: str, n: int, k: int, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, dict]:
+    """x [1, k] and the keyword arguments of ``triton_decode.packed_gemv`` / ``gemv`` for ``kind``."""
+    x = torch.randn(1, k, device=device, dtype=dtype)
+    kw = {}
+    if "norm" in kind:
+        kw.update(norm_weight=(torch.rand(k, device=device) + 0.5).to(dtype), eps=1e-6)
+    if "bias" in kind:
+        kw["bias"] = torch.randn(n, device=device, dtype=dtype)
+    if "residual" in kind:
+        kw["residual"] = torch.randn(1, n, device=device, dtype=dtype)
+    if "glu" in kind:
+        kw["glu"] = True
+    return x, kw
