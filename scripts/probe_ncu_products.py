@@ -9,7 +9,8 @@ Each product of a Qwen2-VL-2B layer with the prologue and epilogue the fused dec
 symmetric bf16 scales, at the tiles the H200's tuner chose in run K (the raw file's
 ``diagnostics.kernels.products``), the int8 ``lm_head``, and beside them the bf16 GEMV of gate|up
 and down at their chosen tiles the tensor-core kernel on gate|up's one row, and gate|up's and down's tiles again with the register
-caps ``PACKED_GEMV_CANDIDATES`` also times them with (``ONLY=/r`` selects those). Each is launched
+caps tried on the H200 and not kept (``ONLY=/r`` selects those;
+docs/results/probes/h200-register-caps-same-call). Each is launched
 twice before the range (its compile and first use), then once inside it, in the order of
 ``KERNELS``, which the report's rows follow. Nsight Compute empties the caches before each of its
 replays, so every weight comes from memory as in a step.

@@ -12,38 +12,30 @@ launch specializes it (pointers, N, K and strides multiples of 16). Output of th
 cite: docs/results/probes/sass-tensor-core-x-shared.txt.
 
 ``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
-cap that ``PACKED_GEMV_CANDIDATES`` also times them with, and where in the K step ptxas put the
-next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
+cap tried on the H200 (not kept), and where in the K step ptxas put the next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
 
 Triton compiles the kernel on the CPU down to the binary (its wheel carries ``ptxas`` and
 ``nvdisasm``); each backward branch is a loop, and its body's instructions are counted. A tile of
 ``bn`` rows by ``bk`` columns over ``warps`` warps gives each thread ``bn · bk · bits / 32 /
 (32 · warps)`` words a step. Output of the run the docs cite:
 docs/results/probes/sm90-packed-gemv-loops.txt."""
-import collections
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from edgeinfer.backends.torch import triton_decode
-
-NV = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
-CUOBJDUMP = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+from edgeinfer.testing.triton_compile import disassembled, loops, opcodes, resources
 
 
 def pointers(dt, *names):
     return {n: f"*{dt}" for n in names}
 
 
-def disasm(cfg, registers=None):
-    """nvdisasm's listing of the batch-1 packed product for sm_90 with tile ``cfg``, its registers a
-    thread capped at ``registers`` (``maxnreg``) where given."""
+def packed_gemv_binary(cfg, registers=None) -> bytes:
+    """The batch-1 packed product's sm_90 binary with tile ``cfg``, its registers a thread capped at
+    ``registers`` (``maxnreg``) where given."""
     bits, bn, bk, warps, glu, prologue = cfg
     fn = triton_decode._packed_gemv_kernel
     types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
@@ -56,35 +48,14 @@ def disasm(cfg, registers=None):
     source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                        {(names.index(k),): v for k, v in given.items()})
     options = {"num_warps": warps, "launch_pdl": True, **({"maxnreg": registers} if registers else {})}
-    k = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"]); f.flush()
-        sass = subprocess.run([NV, "-c", f.name], capture_output=True, text=True).stdout
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
-    disasm.registers = dict(re.findall(r"(REG|STACK):(\d+)", usage))  # of the last listing
-    return sass
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
-def loop_ops(out):
-    """Instructions of each backward branch's body (a loop), by opcode."""
-    items, labels = [], {}
-    for l in out.splitlines():
-        m = re.match(r"^(\.L_x_\d+):", l.strip())
-        if m:
-            labels[m.group(1)] = len(items)
-            continue
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", l)
-        if m:
-            items.append(m.group(1))
-    res = []
-    for i, text in enumerate(items):
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
-        if m and labels.get(m.group(1), 1 << 30) <= i:
-            body = items[labels[m.group(1)]:i + 1]
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
-            wide = [j for j, x in enumerate(body) if "LDG" in x and ".U16" not in x]  # not x's 16-bit values
-            res.append((len(body), ops, wide))
-    return res
+def loop_ops(binary: bytes):
+    """Each loop of ``binary``: (its instructions, their count by opcode, where in it the 32-bit
+    global loads are: the words and 32-bit scales, not x's 16-bit values)."""
+    return [(len(body), opcodes(body), [j for j, x in enumerate(body) if "LDG" in x and ".U16" not in x])
+            for body in loops(disassembled(binary))]
 
 
 def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split: int, k: int, x_shared: bool):
@@ -119,15 +90,9 @@ def tensor_core_report() -> None:
             for rows in (8, 16):
                 for x_shared in (False, True):
                     kernel = tensor_core_kernel(arch, bn, bk, ahead, rows, split, k, x_shared)
-                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                        f.write(kernel.asm["cubin"])
-                        f.flush()
-                        sass = subprocess.run([NV, "-c", f.name], capture_output=True, text=True).stdout
-                        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
-                                               text=True).stdout
-                    regs = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+                    regs = resources(kernel.asm["cubin"])
                     # the K step: the loop with the MMAs (the split's sum and x's copy have none)
-                    n, ops, _ = max(loop_ops(sass), key=lambda loop: (loop[1].get("HMMA", 0), loop[0]))
+                    n, ops, _ = max(loop_ops(kernel.asm["cubin"]), key=lambda loop: (loop[1].get("HMMA", 0), loop[0]))
                     kinds = ", ".join(f"{op} {ops.get(op, 0)}" for op in ("HMMA", "LDG", "LDS", "LDSM", "PRMT", "LOP3"))
                     print(f"sm_{arch} {product} K={k} {bn}x{bk} ahead {ahead} split {split}, {rows:2d} rows, "
                           f"x {'shared' if x_shared else 'loaded'}: K step {n} instructions ({kinds}); "
@@ -136,8 +101,9 @@ def tensor_core_report() -> None:
 
 
 def register_caps_report() -> None:
-    """Print, for the 4-bit tiles that ``triton_decode.PACKED_GEMV_CANDIDATES`` also times with a
-    register cap, where in the K step ptxas asks for the next step's words, with and without it."""
+    """Print, for the fastest 4-bit tiles of gate|up and down, where in the K step ptxas asks for the
+    next step's words, without a register cap and with the one tried on the H200 (not kept:
+    docs/results/probes/h200-register-caps-same-call)."""
     print(f"triton {triton.__version__}; sm_90; 4-bit, bf16, groups of 128; the K step's 32-bit loads "
           "(the next step's words) by position in the step")
     cases = {"gate|up 32x256/4w": ((4, 32, 256, 4, True, 1), 128), "gate|up 16x512/2w": ((4, 16, 512, 2, True, 1), 168),
@@ -145,8 +111,9 @@ def register_caps_report() -> None:
              "down 8x2048/4w": ((4, 8, 2048, 4, False, 0), 168)}
     for name, (cfg, cap) in cases.items():
         for registers in (None, cap):
-            n, _, wide = max(loop_ops(disasm(cfg, registers)), key=lambda loop: loop[0])
-            regs = disasm.registers
+            binary = packed_gemv_binary(cfg, registers)
+            n, _, wide = max(loop_ops(binary), key=lambda loop: loop[0])
+            regs = resources(binary)
             print(f"{name}, cap {registers or 'none'}: {regs.get('REG')} registers, {regs.get('STACK')} bytes "
                   f"spilled; K step of {n}, words asked for at {wide[0]}-{wide[-1]}")
 
@@ -162,7 +129,7 @@ elif __name__ == "__main__":
     for name, cfg in cases.items():
         bits, bn, bk, warps = cfg[:4]
         words = bn * bk * bits // 32 // (32 * warps)
-        found = [(n, ops, wide) for n, ops, wide in loop_ops(disasm(cfg)) if n > 1]
+        found = [(n, ops, wide) for n, ops, wide in loop_ops(packed_gemv_binary(cfg)) if n > 1]
         n, ops, wide = max(found, key=lambda f: f[0])  # the K steps; a smaller one is the RMSNorm prologue's sum
         print(f"{name} {cfg}: K-step loop of {n} instructions, {words} words a thread a step "
               f"({n / words:.1f} a word): {dict(ops.most_common(12))}")

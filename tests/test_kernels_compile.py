@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from edgeinfer.backends.torch import triton_decode  # noqa: E402
 from edgeinfer.quant import kernels  # noqa: E402
+from edgeinfer.testing.triton_compile import disassembled, loops, opcodes, resources  # noqa: E402
 
 TARGETS = {"sm_90 (Hopper)": GPUTarget("cuda", 90, 32), "sm_87 (Orin)": GPUTarget("cuda", 87, 32)}
 
@@ -121,24 +118,8 @@ def cubin(fn, types: dict[str, str], constexprs: dict, target: GPUTarget, warps:
 
 
 def k_step(binary: bytes) -> collections.Counter:
-    """Instructions by opcode in the longest loop of ``binary`` (nvdisasm, which Triton's wheel
-    carries): a backward branch closes a loop; the longest is the K step."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(binary)
-        f.flush()
-        listing = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    ops, labels, loops = [], {}, []
-    for line in listing.splitlines():
-        if (label := re.match(r"^\s*(\.L_x_\d+):", line)) is not None:
-            labels[label.group(1)] = len(ops)
-        elif (op := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)) is not None:
-            ops.append(op.group(1))
-            back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", op.group(1))
-            if back and labels.get(back.group(1), len(ops)) < len(ops):
-                loops.append(ops[labels[back.group(1)]:])
-    body = max(loops, key=len)
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in body)
+    """Instructions by opcode in the longest loop of ``binary``: the K step."""
+    return opcodes(max(loops(disassembled(binary)), key=len))
 
 
 @pytest.mark.parametrize("bits,dtype", [(4, "bf16"), (8, "bf16"), (4, "fp32")])
@@ -215,7 +196,7 @@ def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype
             kernel = compiled_gluon(tensor_core._mma_mm_kernel, dtype, given, target, warps)
             # whole: no shared memory but x's; split: the arrival count handed to every thread, nothing else
             assert kernel.asm["cubin"] and x_bytes <= kernel.metadata.shared <= x_bytes + (16 if split_k else 0)
-            registers[label, bn, bk, ahead, split_k, has_z, bm, x_shared] = resource_usage(kernel)["REG"]
+            registers[label, bn, bk, ahead, split_k, has_z, bm, x_shared] = resources(kernel.asm["cubin"])["REG"]
             # x's copies are cp.async (LDGSTS), all in flight at once, not a load and a store a step
             assert ("cp.async" in kernel.asm["ptx"]) == x_shared
     for (label, bn, bk, ahead, *rest, bm, x_shared), used in registers.items():
@@ -237,17 +218,6 @@ def compiled_gluon(fn, dtype: str, constexprs: dict, target: GPUTarget, warps: i
                             {(names.index(k),): v for k, v in constexprs.items()},
                             {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     return triton.compile(source, target=target, options={"num_warps": warps})
-
-
-def resource_usage(kernel) -> dict[str, int]:
-    """``cuobjdump -res-usage`` of a compiled kernel's binary: registers a thread (``REG``), stack and
-    static shared bytes (the wheel carries ``cuobjdump``)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED):(\d+)", out)}
 
 
 def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):

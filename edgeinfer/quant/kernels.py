@@ -852,12 +852,12 @@ def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.T
     """The ``tiles`` whose ``product(tile)`` equals ``want`` at columns ``outputs`` (:func:`divergence`),
     and each other tile's first divergence; a tile whose product is None (it could not be built) is
     in neither. Both tuners check their candidates so before timing them."""
-    right, wrong = [], {}
+    at, right, wrong = outputs.to(want.device), [], {}
     for tile in tiles:
         got = product(tile)
         if got is None:
             continue
-        why = divergence(got[:, outputs.to(got.device)], want, outputs)
+        why = divergence(got[:, at], want, outputs)
         if why is None:
             right.append(tile)
         else:
