@@ -13,7 +13,8 @@ weight dequantized to bf16 (largest difference over the largest output). Writes
 For 4-bit weights and up to 16 rows it also times the tensor-core kernel's tiles
 (``/tc`` in a tile's name), x read from memory each step and x put in shared memory
 (``/x-shared``), at every row count up to 16, whichever of them the tuner times there:
-``ROWS=1,4,16 OUT=folder python scripts/probe_packed_mm.py`` compares them.
+``ROWS=1,4,16 OUT=folder python scripts/probe_packed_mm.py`` compares them. ``PRODUCTS=down,qkv``
+times only the products named.
 
 The run docs/results/probes/h200-packed-mm.json also timed, at 16 rows (``classes``), the
 kernel that ``packed_mm`` had before (a dot per value ``i`` of the words, each value dequantized
@@ -124,7 +125,12 @@ def product(name):
 
 
 def main():
-    for name in PRODUCTS:
+    names = os.environ.get("PRODUCTS", ",".join(PRODUCTS)).split(",")
+    unknown = sorted(set(names) - set(PRODUCTS))
+    if unknown:
+        raise SystemExit(f"PRODUCTS names {unknown}; the products are {sorted(PRODUCTS)}")
+    res["products"] = names
+    for name in names:
         try:
             res[name] = product(name)
         except Exception:
