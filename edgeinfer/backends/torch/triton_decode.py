@@ -264,8 +264,10 @@ if triton is not None:
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
-        A decode product is bound by the instructions it issues per weight, not by its bytes, so
-        a weight costs a shift, an and-or and a multiply-add (an 8-bit one with bf16 activations,
+        A decode product reads too few bytes to stream at the memory's rate: it is held back by
+        the loads it has in flight and its programs' chains of waits (a tensor-core kernel that
+        issued a third of these instructions a word was no faster, docs/quantization.md). Still,
+        a weight costs only a shift, an and-or and a multiply-add (an 8-bit one with bf16 activations,
         ``WIDE``, a byte permute and a multiply-add): each word's ``sum_i (2^b + q_i)·x_i``
         is taken with the codes biased (:func:`biased_codes_at`; with ``EXACT``, the activations'
         16-bit floats, those products are exact), and per word, not per weight, the bias, the

@@ -1,0 +1,248 @@
+"""Diagnostic probe (not a benchmark): a batch-1 4-bit product on the tensor cores, beside the
+batch-1 product the decode step runs (``triton_decode.packed_gemv``), on a GPU.
+
+    OUT=folder python scripts/probe_mma_gemv.py [gate_up,down,qkv,o]
+
+The decode step's ``packed_gemv`` spends 35-42 instructions a packed word of its K step
+(docs/quantization.md): a shift, an ``lop3`` and a float32 multiply-add for each of a word's
+eight values, and x, the scales and the addresses around them. Here (Gluon, Triton's explicit
+layouts) each word becomes its eight values as bf16 128 + q in four ``lop3`` and three shifts, two
+to a register, already in the layout ``mma.sync`` m16n8k16 reads its A operand from, and the
+tensor cores multiply them by x with float32 sums: about 15 instructions a word in the sm_90
+binary. How it is laid out:
+
+- A warp takes 16 rows (the MMA's M). A lane holds four consecutive words (16 bytes, one load) of
+  two rows, g and g + 8, in each group of 128 columns. The MMA's K order is a permutation of the
+  columns (each thread's eight values of a 32-column block are one word; a lane's four words are
+  the four blocks of the group), and x is read in the same permutation: a sum over K does not
+  care about its order.
+- x is the B operand, the same in all 8 of the MMA's N columns; a second MMA of a constant -136
+  by x takes off each group's 128 + 8 (the bf16 bias and the symmetric zero point), and the
+  group's scale multiplies the group's sums (float32) in the accumulator.
+- Every group's words of a program's share of K are asked for before the first is used; ``ptxas``
+  still orders the loads as it likes, unless ``hoisted``: the first group's words then depend on
+  all of them (see ``HOIST``), and a thread's loads all go out before its first multiply.
+- K split ``split`` ways: each split stores its partials and the last to arrive adds them in
+  split order (``kernels.split_total``'s protocol), so the sum does not depend on who is last.
+
+Weights are random codes with bf16 scales, groups of 128, symmetric (the benchmark's W4A16), 28
+copies of each product (one per layer, so that reads come from memory as in a step); both kernels
+run without prologue or epilogue (a plain product, bf16 out) and are timed from one CUDA graph
+per tile (``kernels.graph_time_us``), every tile of both, in one process. Each output is checked
+against the product with the weight dequantized to bf16 (float32 sums): largest difference over
+the largest output. Writes ``$OUT/probe-mma-gemv.json``.
+"""
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from edgeinfer.backends.torch import triton_decode as td
+from edgeinfer.quant import kernels
+from edgeinfer.quant.packed import PackedMatrix, _pack_columns
+
+OUT = os.environ.get("OUT", "/tmp")
+DEV = torch.device("cuda")
+LAYERS, GS = 28, 128
+PRODUCTS = {"gate_up": (17920, 1536, (1, 2, 3, 4, 6)), "down": (1536, 8960, (5, 7, 10, 14, 35)),
+            "qkv": (2048, 1536, (1, 2, 3, 4, 6)), "o": (1536, 1536, (1, 2, 3, 4, 6))}  # N, K, splits tried
+WARPS = (1, 4)
+
+
+@gluon.constexpr_function
+def _mma_layout(nw):
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[nw, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _word_layout(nw):
+    """[16·nw rows, a group's 16 words]: lane (g, c) holds words 4c .. 4c+3 of rows g and g + 8."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)], block_bases=[], shape=[16 * nw, 16])
+
+
+@gluon.constexpr_function
+def _x_layout(nw):
+    """A group's 128 columns of x as stored: lane c holds columns 32c .. 32c+31 (every row lane alike)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1], [2], [4], [8], [16]], lane_bases=[[32], [64], [0], [0], [0]],
+        warp_bases=[[0] for _ in range(nw.bit_length() - 1)], block_bases=[], shape=[128])
+
+
+@gluon.constexpr_function
+def _pair_asm(j):
+    if j == 0:
+        return "lop3.b32 $0, $1, 0x000f000f, 0x43004300, 0xea;"
+    return "{ .reg .b32 u; shr.u32 u, $1, %d; lop3.b32 $0, u, 0x000f000f, 0x43004300, 0xea; }" % (4 * j)
+
+
+@gluon.jit
+def _pair(words2, J: gl.constexpr):
+    """Codes j and j + 4 of each word as bf16 128 + q in one register (``words2`` holds each word
+    twice: the two elements of a packed pair)."""
+    return gl.inline_asm_elementwise(_pair_asm(J), "=r,r,r", [words2], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _a_operand(words, A: gl.constexpr, BN: gl.constexpr):
+    """A group's words [BN, 16] as the MMA's A operand [BN, 128]: column 32b + 8c + 2j + h holds
+    code j + 4h of word 4c + b."""
+    w2 = gl.join(words, words)
+    r = gl.join(gl.join(_pair(w2, 0), _pair(w2, 1)), gl.join(_pair(w2, 2), _pair(w2, 3)))  # [BN, 16, h, j0, j1]
+    r = gl.reshape(r, [BN, 4, 4, 2, 2, 2])  # word 4c + b
+    r = gl.permute(r, [0, 2, 1, 5, 4, 3])  # [BN, b, c, j1, j0, h]
+    return gl.convert_layout(gl.reshape(r, [BN, 128]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _b_operand(x, B: gl.constexpr):
+    """A group's x [128] (as stored) as the MMA's B operand [128, 8] in the A operand's column order."""
+    xr = gl.permute(gl.reshape(x, [4, 4, 2, 4]), [1, 0, 3, 2])  # column 32c + 8b + 4h + j -> [b, c, j, h]
+    xr = gl.convert_layout(gl.reshape(xr, [128]), gl.SliceLayout(1, B))
+    return gl.broadcast(xr[:, None], gl.full([128, 8], 0.0, gl.bfloat16, B))[0]
+
+
+@gluon.jit
+def mma_gemv_kernel(X, W, S, Y, PARTS, ARRIVALS, N, KW, G, GPS: gl.constexpr, NW: gl.constexpr,
+                    SPLIT: gl.constexpr, HOIST: gl.constexpr):
+    """Y = W·X for 4-bit W [N, KW words] (groups of 128, symmetric, scales S [N, G]); a program is
+    16·NW rows by GPS groups (split ``program_id(1)``). ``HOIST``: the first group's words are made
+    to depend on every group's (an or of them all, anded with ``N >> 31``: zero, but not to the
+    compiler), so that every load is issued before the first group's arithmetic and the thread
+    waits once for all its bytes."""
+    BN: gl.constexpr = 16 * NW
+    MMA: gl.constexpr = _mma_layout(NW)
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+    WL: gl.constexpr = _word_layout(NW)
+    tile = gl.program_id(0)
+    split = gl.program_id(1)
+    g0 = split * GPS
+    wr = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WL))
+    wc = gl.arange(0, 16, layout=gl.SliceLayout(0, WL))
+    words_at = W + wr[:, None].to(gl.int64) * KW + (g0 * 16 + wc)[None, :]
+    xc = gl.arange(0, 128, layout=_x_layout(NW))
+    sr = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    ws = ()
+    for i in gl.static_range(GPS):  # every group's words asked for before any is used
+        ws = ws + (gl.load(words_at + i * 16),)
+    if HOIST:
+        every = ws[0]
+        for i in gl.static_range(1, GPS):
+            every = every | ws[i]
+        ws = (ws[0] + (every & (N >> 31)),) + ws[1:]
+    acc = gl.zeros([BN, 8], gl.float32, MMA)
+    bias = gl.full([BN, 128], -136.0, gl.bfloat16, A)
+    for i in gl.static_range(GPS):
+        b = _b_operand(gl.load(X + (g0 + i) * 128 + xc), B)
+        s = gl.load(S + sr * G + g0 + i).to(gl.float32)
+        d = mma_v2(bias, b, mma_v2(_a_operand(ws[i], A, BN), b, gl.zeros([BN, 8], gl.float32, MMA)))
+        acc += s[:, None] * d
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    y = gl.sum(gl.where(n[None, :] == 0, acc, 0.0), axis=1)  # the 8 columns hold the same sums
+    if SPLIT == 1:
+        gl.store(Y + sr, y.to(gl.bfloat16))
+    else:
+        gl.store(PARTS + split * N + sr, y)
+        gl.thread_barrier()
+        if gl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = gl.zeros_like(y)
+            for j in gl.static_range(SPLIT):
+                total += gl.load(PARTS + j * N + sr, cache_modifier=".cg")
+            gl.store(Y + sr, total.to(gl.bfloat16))
+            gl.atomic_xchg(ARRIVALS + tile, 0)
+
+
+def mma_gemv(x, w: PackedMatrix, nw: int, split: int, hoist: bool, workspace: kernels.SplitWorkspace,
+             warmup=False):
+    n, k = w.shape
+    groups = k // GS
+    assert n % (16 * nw) == 0 and groups % split == 0, (n, k, nw, split)
+    y = torch.empty(1, n, dtype=torch.bfloat16, device=x.device)
+    tiles = n // (16 * nw)
+    parts, arrivals = workspace.take(split * n, tiles) if split > 1 else (y, y)
+    args = (x, w.codes, w.scales, y, parts, arrivals, n, k // 8, groups)
+    meta = dict(GPS=groups // split, NW=nw, SPLIT=split, HOIST=hoist, num_warps=nw)
+    if warmup:
+        mma_gemv_kernel.warmup(*args, grid=(tiles, split), **meta)
+        return None
+    mma_gemv_kernel[(tiles, split)](*args, **meta)
+    return y
+
+
+def weight(n, k):
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scales = (torch.rand(n, k // GS) * 0.01 + 0.001).bfloat16()
+    return PackedMatrix(_pack_columns(codes, 4), scales, None, 4, GS, (n, k)).to(DEV)
+
+
+def error(got, want):
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def product(name):
+    n, k, splits = PRODUCTS[name]
+    torch.manual_seed(0)
+    ws = [weight(n, k) for _ in range(LAYERS)]
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    want = x.float() @ kernels.dequantize_with_torch(ws[0].codes, ws[0].scales, None, ws[0].layout,
+                                                      torch.bfloat16).float().T
+    space = kernels.SplitWorkspace(DEV)
+    ours = [(nw, s, h) for nw in WARPS for s in splits for h in (False, True) if n % (16 * nw) == 0]
+    warm = [lambda c=c: td.packed_gemv(x, ws[0], c, workspace=space, warmup=True) for c in td.PACKED_GEMV_CANDIDATES]
+    warm += [lambda nw=nw, s=s, h=h: mma_gemv(x, ws[0], nw, s, h, space, warmup=True) for nw, s, h in ours]
+    t0 = time.time()
+    kernels.compile_ahead(warm)
+    row = {"n": n, "k": k, "mb_a_layer": ws[0].nbytes / 1e6, "compile_s": round(time.time() - t0, 1),
+           "packed_gemv": {}, "mma": {}}
+    for c in td.PACKED_GEMV_CANDIDATES:
+        key = f"{c.bn}x{c.bk}/{c.warps}w split {c.split}" + (f" r{c.registers}" if c.registers else "")
+        try:
+            err = error(td.packed_gemv(x, ws[0], c, workspace=space), want)
+            us = kernels.graph_time_us([lambda w=w, c=c: td.packed_gemv(x, w, c, workspace=space) for w in ws], 10)
+            row["packed_gemv"][key] = {"us": round(us, 2), "err": err}
+        except Exception as e:  # noqa: BLE001 - a tile that fails is recorded, the others go on
+            row["packed_gemv"][key] = {"error": repr(e)[:300]}
+    for nw, s, h in ours:
+        key = f"{16 * nw} rows/{nw}w split {s}" + (" hoisted" if h else "")
+        try:
+            err = error(mma_gemv(x, ws[0], nw, s, h, space), want)
+            us = kernels.graph_time_us([lambda w=w, nw=nw, s=s, h=h: mma_gemv(x, w, nw, s, h, space) for w in ws], 10)
+            row["mma"][key] = {"us": round(us, 2), "err": err}
+        except Exception as e:  # noqa: BLE001
+            row["mma"][key] = {"error": repr(e)[:300]}
+    for kind in ("packed_gemv", "mma"):
+        timed = {k2: v for k2, v in row[kind].items() if "us" in v}
+        best = min(timed, key=lambda k2: timed[k2]["us"]) if timed else None
+        row[f"best_{kind}"] = [best, timed[best]["us"] if best else None]
+    row["gb_s_best_mma"] = round(ws[0].nbytes / (row["best_mma"][1] or float("inf")) / 1e3, 1)
+    return row
+
+
+def main():
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(PRODUCTS)
+    res = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+           "layers": LAYERS, "loadavg_before": os.getloadavg()}
+    for name in names:
+        try:
+            res[name] = product(name)
+            print(name, json.dumps({k: v for k, v in res[name].items() if k.startswith(("best", "gb", "comp"))}),
+                  flush=True)
+        except Exception:  # noqa: BLE001
+            res[name] = {"error": traceback.format_exc()[-3000:]}
+            print(name, res[name]["error"], flush=True)
+        res["loadavg_after"] = os.getloadavg()
+        with open(os.path.join(OUT, "probe-mma-gemv.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
