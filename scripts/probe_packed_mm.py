@@ -14,7 +14,7 @@ For 4-bit weights and up to 16 rows it also times the tensor-core kernel's tiles
 (``/tc`` in a tile's name), x read from memory each step and x put in shared memory
 (``/x-shared``), at every row count up to 16, whichever of them the tuner times there:
 ``ROWS=1,4,16 OUT=folder python scripts/probe_packed_mm.py`` compares them. ``PRODUCTS=down,qkv``
-times only the products named.
+times only the products named, ``KINDS=tc`` only the tensor-core tiles (``dot``: only the others).
 
 The run docs/results/probes/h200-packed-mm.json also timed, at 16 rows (``classes``), the
 kernel that ``packed_mm`` had before (a dot per value ``i`` of the words, each value dequantized
@@ -50,13 +50,13 @@ def packed(n, k, bits, gs):
     return PackedMatrix(words, scales, None, bits, gs, (n, k))
 
 
-def new_mm(x, w, cfg):
-    return kernels.packed_mm(x, w.codes, w.scales, None, w.layout, cfg)
+def new_mm(x, w, cfg, warmup=False):
+    return kernels.packed_mm(x, w.codes, w.scales, None, w.layout, cfg, warmup=warmup)
 
 
 def key(c):
     return (f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s/split{c.split}" + ("/wa" if c.w_a else "")
-            + ("/tc" if c.mma else "") + ("/x-shared" if c.x_shared else ""))
+            + ("/tc" if c.mma else "") + ("/x-shared" if c.x_shared else "") + ("/wide" if c.wide else ""))
 
 
 def sweep(fn, ws, x, want, configs):
@@ -80,16 +80,23 @@ def best(table):
 
 
 def tensor_core_configs(layout, rows):
-    """The tensor-core tiles for ``rows``, both ways of reading x, whichever the tuner times there
-    (x loaded each step up to 8 rows, x in shared memory at 16)."""
+    """The tensor-core tiles for ``rows``: both ways of reading x (the tuner times x loaded each step
+    up to 8 rows, x in shared memory at 16), and :data:`kernels.MMA_TILES` with a lane's words side
+    by side (``/wide``)."""
     if layout.bits != 4 or rows > 16:
         return []
     bm = 8 if rows <= 8 else 16
-    return [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=shared)
-            for shared, tiles in ((False, kernels.MMA_TILES), (True, kernels.X_SHARED_TILES))
-            for bn, bk, split in tiles for stages in (2, 4)
-            if layout.k // bk >= split and layout.group_constexpr % bk == 0
-            and (not shared or kernels.x_shared_bytes(layout.k, bk, split, bm) <= kernels.X_SHARED_BYTES)]
+
+    def fits(bk, split, shared):
+        return layout.k // bk >= split and layout.group_constexpr % bk == 0 and (
+            not shared or kernels.x_shared_bytes(layout.k, bk, split, bm) <= kernels.X_SHARED_BYTES)
+
+    tuned = [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=shared)
+             for shared, tiles in ((False, kernels.MMA_TILES), (True, kernels.X_SHARED_TILES))
+             for bn, bk, split in tiles for stages in (2, 4) if fits(bk, split, shared)]
+    wide = [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, wide=True)
+            for bn, bk, split in kernels.MMA_TILES for stages in (2, 4) if fits(bk, split, False)]
+    return tuned + wide
 
 
 def new_configs(layout, bks):
@@ -116,7 +123,12 @@ def product(name):
         x = torch.randn(m, k, device=dev, dtype=bf)
         want = (x @ dense0.t()).float()
         row = {"cublas_bf16_us": round(td.graph_time_us([lambda d=d: x @ d.t() for d in dense]), 2)}
-        table = sweep(new_mm, ws, x, want, new_configs(ws[0].layout, bks) + tensor_core_configs(ws[0].layout, m))
+        kinds = os.environ.get("KINDS", "dot,tc").split(",")
+        configs = ((new_configs(ws[0].layout, bks) if "dot" in kinds else [])
+                   + (tensor_core_configs(ws[0].layout, m) if "tc" in kinds else []))
+        kernels.compile_ahead(lambda c=c: new_mm(x, ws[0], c, warmup=True) for c in configs)  # on every core
+        row["compile_s"] = round(time.time() - t0, 1)
+        table = sweep(new_mm, ws, x, want, configs)
         row["new"], row["new_best"] = table, best(table)
         row["seconds"] = round(time.time() - t0, 1)
         r[f"m{m}"] = row

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import re
 
 import pytest
 import torch
@@ -203,6 +204,35 @@ def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype
         held = registers[label, bn, bk, ahead, *rest, bm, False]
         if x_shared and bm == 16:  # x's steps held ahead are most of a thread's registers at 16 rows
             assert used < held if ahead >= 2 else used <= held, (label, bn, bk, ahead, *rest, used, held)
+
+
+def test_a_lanes_words_side_by_side_load_sixteen_bytes_at_once():
+    """With ``WIDE`` a lane's words of a K step of 128 columns are four side by side, read by one
+    16-byte load (``LDG.E.128``) where the kernel otherwise reads one word a load (``LDG.E``): the
+    operand's columns are permuted by renaming registers, so no value moves between threads or
+    through shared memory. x's loads stay 16 bytes each. For Hopper and Orin, whole and split, 8 and
+    16 rows."""
+    from edgeinfer.quant import tensor_core
+
+    if tensor_core.gluon is None:
+        pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
+    for split_k, bm, (label, target) in itertools.product((False, True), (8, 16), TARGETS.items()):
+        loads, moves = {}, {}
+        for wide in (False, True):
+            given = dict(BN=128, BM=bm, BK=128, GS=128, HAS_Z=False, SPLIT_K=split_k, WARPS=4,
+                         LW=tensor_core.word_layout(128, 128, 4, wide), BF16=True, MAGIC=128.0, AHEAD=2,
+                         X_SHARED=False, X_STEPS=1, WIDE=wide)
+            kernel = compiled_gluon(tensor_core._mma_mm_kernel, "bf16", given, target, 4)
+            assert kernel.metadata.shared <= (16 if split_k else 0), (label, wide)
+            body = [re.sub(r"^@!?P\w+\s+", "", line.split(";")[0].split("*/")[-1].strip())  # predicate dropped
+                    for line in disassembled(kernel.asm["cubin"]).splitlines() if "/*" in line and ";" in line]
+            loads[wide] = collections.Counter(op.split()[0] for op in body if op.startswith("LDG"))
+            moves[wide] = {op: n for op, n in opcodes(body).items() if op in ("SHFL", "STS", "LDS")}
+        case = (label, split_k, bm, loads, moves)
+        # three steps (two ahead) of a thread's four rows: 48 one-word loads, or 12 of four words
+        assert loads[False]["LDG.E"] == 48 and loads[True]["LDG.E"] == 0, case
+        assert loads[True]["LDG.E.128"] == loads[False]["LDG.E.128"] + 12, case
+        assert moves[True] == moves[False], case  # the permutation moves no value between threads
 
 
 def compiled_gluon(fn, dtype: str, constexprs: dict, target: GPUTarget, warps: int):

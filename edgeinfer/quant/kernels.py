@@ -543,6 +543,7 @@ class MmConfig:
     w_a: bool = False  # the weight as the dot's first operand
     mma: bool = False  # the tensor-core kernel of :mod:`edgeinfer.quant.tensor_core` (4-bit, ≤ 16 rows)
     x_shared: bool = False  # that kernel with x put in shared memory once a CTA (``X_SHARED``)
+    wide: bool = False  # that kernel with a lane's words of a step side by side, one load (``WIDE``)
 
 
 class SplitWorkspace:
@@ -868,7 +869,7 @@ def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.T
 def _tile_name(cfg: MmConfig) -> str:
     kind = "tensor-core" if cfg.mma else "dot"
     return (f"{kind} {cfg.bn}x{cfg.bk}/split{cfg.split}/{cfg.warps}w/{cfg.stages}s" + ("/wa" if cfg.w_a else "")
-            + ("/x-shared" if cfg.x_shared else ""))
+            + ("/x-shared" if cfg.x_shared else "") + ("/wide" if cfg.wide else ""))
 
 
 def _kept_config(fields: dict | None) -> MmConfig | None:
@@ -895,7 +896,7 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
                                   split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),
-                                  ahead=cfg.stages - 1, x_shared=cfg.x_shared, warmup=warmup)
+                                  ahead=cfg.stages - 1, x_shared=cfg.x_shared, wide=cfg.wide, warmup=warmup)
     bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)
@@ -934,6 +935,7 @@ def tuned_choices() -> list[dict]:
             choice["kernel"] = "torch"
         else:
             choice.update(bn=cfg.bn, bk=cfg.bk, split=cfg.split, weight_first=cfg.w_a, x_shared=cfg.x_shared,
+                          wide=cfg.wide,
                           kernel="tensor_core" if cfg.mma else "dot")
         if key in _REFUSED:
             choice["tensor_core_refused"] = _REFUSED[key]

@@ -20,7 +20,12 @@ dialect, so the layouts are chosen rather than inferred:
   tensor cores, where :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`'s K loop spends
   some 35 a word and does its own.
 * x is the B operand, read straight from memory into its layout (8 consecutive columns a
-  thread, one 16-byte load); rows past M read zeros. With ``X_SHARED`` a CTA instead copies its
+  thread, one 16-byte load); rows past M read zeros.
+* With ``WIDE`` a lane's words of a K step lie side by side in memory (16 bytes, one load, at a
+  step of 128 columns) rather than one word in four: the MMA's K order is then a permutation of
+  the step's columns (a lane's words are the step's 32-column blocks, each one word of the
+  operand's fragment), and x is read in the same permutation, which a sum over K does not see.
+  A warp's load then asks for 16 bytes a lane instead of 4, the loads a step four times fewer. With ``X_SHARED`` a CTA instead copies its
   split's columns of x into shared memory once, and each step reads its slice from there: only
   the weights' operands are then held in registers ahead (at 16 rows x's steps were most of them).
 * K is split when N alone gives too few programs; each split writes its partial sums and the
@@ -69,18 +74,27 @@ MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, fma.rn.bf16x2
 
 
 @functools.cache  # one layout object per tile, not one a call
-def word_layout(bn: int, bk: int, warps: int):
+def word_layout(bn: int, bk: int, warps: int, wide: bool = False):
     """The layout of ``[bn, bk / 8]`` packed words whose values, each word's 8 joined in place, are
     the A operand (mma v2, ``k_width`` 8, ``warps`` along the rows) of a ``[bn, bk]`` tile: that
     operand's bases with the three register bits of a word's columns taken out (the kernel asserts
-    that the two agree, so a Triton that lays the operand out otherwise refuses to compile it)."""
-    registers = [[8, 0]] + [[0, (1 << b) // 8] for b in range(5, bk.bit_length() - 1)]
+    that the two agree, so a Triton that lays the operand out otherwise refuses to compile it).
+    ``wide``: lane c holds words ``R·c .. R·c + R - 1`` of a row (R = bk / 32, side by side in
+    memory), where the operand's lane c holds word c of each 32-column block: the same registers,
+    with the step's columns permuted (:func:`_weight_tile`)."""
+    if wide:
+        per_lane = bk // 32
+        registers = [[0, 1 << b] for b in range(per_lane.bit_length() - 1)] + [[8, 0]]
+        lanes = [[0, per_lane], [0, 2 * per_lane], [1, 0], [2, 0], [4, 0]]
+    else:
+        registers = [[8, 0]] + [[0, (1 << b) // 8] for b in range(5, bk.bit_length() - 1)]
+        lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
     rows = 16 * warps
     while rows < bn:
         registers.append([rows, 0])
         rows *= 2
     return gl.DistributedLinearLayout(
-        reg_bases=registers, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        reg_bases=registers, lane_bases=lanes,
         warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[bn, bk // 8])
 
 
@@ -98,8 +112,11 @@ if gluon is not None:
         return gl.join(gl.join(a, c), gl.join(b, d))
 
     @gluon.jit
-    def _weight_tile(words, s, nb, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, BF16: gl.constexpr):
-        """``(q - z)·s`` of ``words`` [BN, BK/8] as the A operand [BN, BK] (``nb`` = -(2^m + z))."""
+    def _weight_tile(words, s, nb, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, BF16: gl.constexpr,
+                     WIDE: gl.constexpr = False):
+        """``(q - z)·s`` of ``words`` [BN, BK/8] as the A operand [BN, BK] (``nb`` = -(2^m + z)); with
+        ``WIDE`` (:func:`word_layout`) its column 32b + 8c + e holds the step's column 8Rc + 8b + e
+        (R = BK / 32 words a lane), as :func:`_operand_columns` reads x."""
         if BF16:
             v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
                 _BF16_DEQUANTIZE, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, nb], dtype=(gl.bfloat16,) * 8,
@@ -109,7 +126,17 @@ if gluon is not None:
                 _F16_DEQUANTIZE, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, nb], dtype=(gl.float16,) * 8,
                 is_pure=True, pack=1)
         tile = gl.reshape(gl.join(_join4(v0, v2, v4, v6), _join4(v1, v3, v5, v7)), [BN, BK])
+        if WIDE:  # [BN, lane c, word b, value e] -> [BN, b, c, e]: moves no value, renames its column
+            tile = gl.reshape(gl.permute(gl.reshape(tile, [BN, 4, BK // 32, 8]), [0, 2, 1, 3]), [BN, BK])
+            return gl.convert_layout(tile, LA)
         return gl.convert_layout(tile, LA, assert_trivial=True)
+
+    @gluon.jit
+    def _operand_columns(rk, BK: gl.constexpr, WIDE: gl.constexpr):
+        """The step's column that the operands' column ``rk`` holds (:func:`_weight_tile`)."""
+        if WIDE:
+            return rk % 8 + (rk // 8) % 4 * (BK // 4) + rk // 32 * 8
+        return rk
 
     @gluon.jit
     def _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, k0,
@@ -162,7 +189,7 @@ if gluon is not None:
                        BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GS: gl.constexpr,
                        HAS_Z: gl.constexpr, SPLIT_K: gl.constexpr, WARPS: gl.constexpr, LW: gl.constexpr,
                        BF16: gl.constexpr, MAGIC: gl.constexpr, AHEAD: gl.constexpr,
-                       X_SHARED: gl.constexpr = False, X_STEPS: gl.constexpr = 1):
+                       X_SHARED: gl.constexpr = False, X_STEPS: gl.constexpr = 1, WIDE: gl.constexpr = False):
         """Y[m, n] = sum_k X[m, k] · W[n, k] for BN outputs and the BM (≤ 16) rows of X, over columns
         [split · per_split, (split + 1) · per_split); a K step of BK columns lies in one group. ``BF16``:
         X is bf16 (else fp16), whose mantissa holds a code over ``MAGIC`` (2^m). ``AHEAD`` (1 to 3)
@@ -181,11 +208,16 @@ if gluon is not None:
         last = end - BK  # steps past the end read the last one again (no mask, no branch)
         rn = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
         n_ok = rn < N
-        words_at = Q + gl.expand_dims(rn * (K // 8), 1) + gl.expand_dims(gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LW)), 0)
+        rows_at = rn * (K // 8)
+        if WIDE:  # rows and steps start at whole steps (K and per_split are multiples of BK): a lane's
+            rows_at = gl.multiple_of(rows_at, BK // 8)  # words of a step then load as one
+            start = gl.multiple_of(start, BK)
+            last = gl.multiple_of(last, BK)
+        words_at = Q + gl.expand_dims(rows_at, 1) + gl.expand_dims(gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LW)), 0)
         words_ok = gl.expand_dims(n_ok, 1)
         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, lb))
         rm = gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
-        x_at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(rk, 1)
+        x_at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(_operand_columns(rk, BK, WIDE), 1)
         x_ok = gl.expand_dims(rm < M, 0)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         if X_SHARED:
@@ -214,7 +246,7 @@ if gluon is not None:
                 w1, s1, z1, x1 = w2, s2, z2, x2
                 w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
                                                 MAGIC, LW, X_SHARED)
-            a = _weight_tile(w, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16)
+            a = _weight_tile(w, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16, WIDE)
             if X_SHARED:
                 x = x_smem.index((k0 - start) // BK).load(lb)
             acc = mma_v2(a, x, acc)
@@ -267,16 +299,19 @@ def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: in
 
 def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, n: int,
            group: int, *, bn: int, bk: int, split: int, warps: int, workspace, ahead: int = 2,
-           x_shared: bool = False, warmup: bool = False) -> torch.Tensor | None:
+           x_shared: bool = False, wide: bool = False, warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for ``x`` [M ≤ 16, K] (bf16 or fp16) and W packed 4-bit [N, K] in groups of
     ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
     ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials.
     ``x_shared``: each CTA puts its split's columns of x in shared memory first (``X_SHARED``).
+    ``wide``: a lane reads its words of a step side by side, in one load (``WIDE``; x from memory).
     ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     m, k = x.shape
     if group % bk or k % bk or bk % 64 or bn % 64:
         raise ValueError(f"K steps of {bk} must divide the row ({k}) and lie in one group ({group}); "
                          f"steps and tiles are multiples of 64 (got {bk}, {bn})")
+    if wide and x_shared:
+        raise ValueError("a lane's words side by side (wide) read x from memory: not with x_shared")
     x = x.contiguous()
     # x's copies into shared memory are 16 bytes each (cp.async): from a 16-byte aligned x only
     x_shared = x_shared and x.data_ptr() % 16 == 0
@@ -289,8 +324,9 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
     args = (x, codes, scales, zeros if zeros is not None else scales, y, parts, arrivals, m, n, k, scales.shape[1],
             x.stride(0), y.stride(0), per_split, splits)
     given = dict(BN=bn, BM=8 if m <= 8 else 16, BK=bk, GS=group, HAS_Z=zeros is not None, SPLIT_K=splits > 1,
-                 WARPS=warps, LW=word_layout(bn, bk, warps), BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype],
-                 AHEAD=ahead, X_SHARED=x_shared, X_STEPS=triton.next_power_of_2(per_split // bk) if x_shared else 1, num_warps=warps)
+                 WARPS=warps, LW=word_layout(bn, bk, warps, wide), BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype],
+                 AHEAD=ahead, X_SHARED=x_shared, X_STEPS=triton.next_power_of_2(per_split // bk) if x_shared else 1,
+                 WIDE=wide, num_warps=warps)
     if warmup:  # the compile alone (kernels.launch; this module is below kernels)
         _mma_mm_kernel.warmup(*args, grid=(tiles, splits), **given)
         return None
