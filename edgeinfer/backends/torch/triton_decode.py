@@ -300,9 +300,11 @@ if triton is not None:
         words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
         words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
         NG: tl.constexpr = BK // GS if BK >= GS else 1  # groups a step meets (POW2_GROUPS)
-        NGP: tl.constexpr = NG if POW2_GROUPS else 1  # (other groups take their addresses a word at a time)
-        S_ROWS = S + rn[:, None] * G + tl.arange(0, NGP)[None, :]  # the first step's groups, moved a step at a time
-        Z_ROWS = Z + rn[:, None] * G + tl.arange(0, NGP)[None, :]
+        if POW2_GROUPS:  # the first step's groups' addresses, moved a step at a time
+            S_ROWS = S + rn[:, None] * G + tl.arange(0, NG)[None, :]
+            Z_ROWS = Z + rn[:, None] * G + tl.arange(0, NG)[None, :]
+        else:  # other groups take their addresses a word at a time
+            S_ROWS, Z_ROWS = S, Z
         if not ONE_GROUP:
             s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
         await_inputs(PDL)
@@ -318,7 +320,9 @@ if triton is not None:
         # 2^15's bits for WIDE's byte permutes, in one register: ``| (N >> 31)`` (0: N is never negative)
         # keeps the compiler from seeing a constant, which ptxas then moved into a register before
         # nearly every permute (62 more instructions a step)
-        exponent = tl.full([BN, BKW], 0, tl.int32) + (((127 + 15) << 23) | (N >> 31))
+        exponent = 0
+        if WIDE:
+            exponent = tl.full([BN, BKW], 0, tl.int32) + (((127 + 15) << 23) | (N >> 31))
         xsums = tl.zeros([BKW], tl.float32)  # one group a row: x's sums, taken off once at the end
         xbiases = tl.zeros([BKW], tl.float32)
         stepped = 0  # words the step's words lie past the first step's (one number: the loads' offset)
