@@ -4,12 +4,15 @@ product's K-step loop, instruction by instruction kind, for the tiles the H200 c
     python scripts/probe_sass_loops.py > OUT.txt
     python scripts/probe_sass_loops.py --tensor-core > OUT.txt
     python scripts/probe_sass_loops.py --registers > OUT.txt
+    python scripts/probe_sass_loops.py --tensor-core --wide > OUT.txt
 
 ``--tensor-core``: the 4-bit tensor-core kernel (Gluon) instead, for sm_90 and sm_87, at 8 and 16
 rows, with x read from memory each step or put in shared memory once a CTA (``X_SHARED``): its
 K step's instructions by kind, registers a thread, spilled bytes and shared memory, compiled as a
 launch specializes it (pointers, N, K and strides multiples of 16). Output of the run the docs
-cite: docs/results/probes/sass-tensor-core-x-shared.txt.
+cite: docs/results/probes/sass-tensor-core-x-shared.txt. With ``--wide``, x read from memory with
+a lane's words of a step one word a block or side by side (``WIDE``) instead, the K step's loads
+by width: docs/results/probes/sass-tensor-core-wide.txt.
 
 ``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
 cap tried on the H200 (not kept), and where in the K step ptxas put the next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
@@ -19,6 +22,8 @@ Triton compiles the kernel on the CPU down to the binary (its wheel carries ``pt
 ``bn`` rows by ``bk`` columns over ``warps`` warps gives each thread ``bn · bk · bits / 32 /
 (32 · warps)`` words a step. Output of the run the docs cite:
 docs/results/probes/sm90-packed-gemv-loops.txt."""
+import collections
+import re
 import sys
 
 import triton
@@ -58,7 +63,8 @@ def loop_ops(binary: bytes):
             for body in loops(disassembled(binary))]
 
 
-def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split: int, k: int, x_shared: bool):
+def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split: int, k: int, x_shared: bool,
+                       wide: bool = False):
     """The tensor-core kernel compiled for sm_``arch`` as :func:`tensor_core.mma_mm` launches it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -70,8 +76,8 @@ def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split
              **dict.fromkeys(("M", "N", "K", "G", "stride_x", "stride_y", "per_split", "splits"), "i32")}
     per_split = -(-(k // bk) // split) * bk
     given = dict(BN=bn, BM=8 if rows <= 8 else 16, BK=bk, GS=128, HAS_Z=False, SPLIT_K=split > 1, WARPS=4,
-                 LW=tensor_core.word_layout(bn, bk, 4), BF16=True, MAGIC=128.0, AHEAD=ahead, X_SHARED=x_shared,
-                 X_STEPS=kernels.pow2(per_split // bk) if x_shared else 1)
+                 LW=tensor_core.word_layout(bn, bk, 4, wide), BF16=True, MAGIC=128.0, AHEAD=ahead, X_SHARED=x_shared,
+                 X_STEPS=kernels.pow2(per_split // bk) if x_shared else 1, WIDE=wide)
     aligned = ("X", "Q", "S", "Z", "Y", "PARTS", "ARRIVALS", "N", "K", "stride_x", "stride_y", "per_split")
     source = GluonASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                             {(names.index(a),): v for a, v in given.items()},
@@ -79,23 +85,33 @@ def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
-def tensor_core_report() -> None:
-    """Print, per product, tile and row count, the K step of both ways of reading x."""
+def tensor_core_report(wide: bool = False) -> None:
+    """Print, per product, tile and row count, the K step of both ways of reading x; with ``wide``,
+    of both ways of laying out a lane's words (x read from memory), and the step's loads by width."""
     print(f"triton {triton.__version__}; 4 warps; bf16; groups of 128; the K step = the loop with the MMAs")
     # (product, K, tile outputs, K step, steps ahead, split) as the H200's tuner met them
     cases = (("gate|up", 1536, 128, 64, 2, 2), ("gate|up", 1536, 64, 64, 1, 2), ("gate|up", 1536, 128, 128, 3, 4),
              ("down", 8960, 128, 64, 2, 8), ("q|k|v", 1536, 64, 64, 3, 4))
+    if wide:
+        cases += (("gate|up", 1536, 128, 128, 1, 2), ("down", 8960, 128, 128, 2, 10), ("q|k|v", 1536, 64, 128, 2, 4))
+    ways = ((False, False, "x loaded"), (False, True, "x loaded, words side by side")) if wide else \
+        ((False, False, "x loaded"), (True, False, "x shared"))
     for arch in (90, 87):
         for product, k, bn, bk, ahead, split in cases:
             for rows in (8, 16):
-                for x_shared in (False, True):
-                    kernel = tensor_core_kernel(arch, bn, bk, ahead, rows, split, k, x_shared)
+                for x_shared, side_by_side, way in ways:
+                    kernel = tensor_core_kernel(arch, bn, bk, ahead, rows, split, k, x_shared, side_by_side)
                     regs = resources(kernel.asm["cubin"])
                     # the K step: the loop with the MMAs (the split's sum and x's copy have none)
-                    n, ops, _ = max(loop_ops(kernel.asm["cubin"]), key=lambda loop: (loop[1].get("HMMA", 0), loop[0]))
+                    loop = max(loops(disassembled(kernel.asm["cubin"])), key=lambda body: (opcodes(body)["HMMA"], len(body)))
+                    n, ops = len(loop), opcodes(loop)
                     kinds = ", ".join(f"{op} {ops.get(op, 0)}" for op in ("HMMA", "LDG", "LDS", "LDSM", "PRMT", "LOP3"))
+                    if wide:  # the loads by width: LDG.E is 4 bytes, .64 8, .128 16, .U16 2 (scales)
+                        widths = collections.Counter(op for op in (
+                            re.sub(r"^@!?P\w+\s+", "", x).split(" ")[0] for x in loop) if op.startswith("LDG"))
+                        kinds += "; loads " + ", ".join(f"{w} {c}" for w, c in sorted(widths.items()))
                     print(f"sm_{arch} {product} K={k} {bn}x{bk} ahead {ahead} split {split}, {rows:2d} rows, "
-                          f"x {'shared' if x_shared else 'loaded'}: K step {n} instructions ({kinds}); "
+                          f"{way}: K step {n} instructions ({kinds}); "
                           f"{regs.get('REG')} registers, {regs.get('STACK')} bytes spilled, "
                           f"{kernel.metadata.shared} bytes shared")
 
@@ -118,7 +134,9 @@ def register_caps_report() -> None:
                   f"spilled; K step of {n}, words asked for at {wide[0]}-{wide[-1]}")
 
 
-if __name__ == "__main__" and "--tensor-core" in sys.argv:
+if __name__ == "__main__" and "--tensor-core" in sys.argv and "--wide" in sys.argv:
+    tensor_core_report(wide=True)
+elif __name__ == "__main__" and "--tensor-core" in sys.argv:
     tensor_core_report()
 elif __name__ == "__main__" and "--registers" in sys.argv:
     register_caps_report()
