@@ -81,8 +81,7 @@ def best(table):
 
 def tensor_core_configs(layout, rows):
     """The tensor-core tiles for ``rows``: both ways of reading x (the tuner times x loaded each step
-    up to 8 rows, x in shared memory at 16), and :data:`kernels.MMA_TILES` with a lane's words side
-    by side (``/wide``)."""
+    up to 8 rows, x in shared memory at 16), each also with a lane's words side by side (``/wide``)."""
     if layout.bits != 4 or rows > 16:
         return []
     bm = 8 if rows <= 8 else 16
@@ -94,8 +93,9 @@ def tensor_core_configs(layout, rows):
     tuned = [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=shared)
              for shared, tiles in ((False, kernels.MMA_TILES), (True, kernels.X_SHARED_TILES))
              for bn, bk, split in tiles for stages in (2, 4) if fits(bk, split, shared)]
-    wide = [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, wide=True)
-            for bn, bk, split in kernels.MMA_TILES for stages in (2, 4) if fits(bk, split, False)]
+    wide = [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=shared, wide=True)
+            for shared, tiles in ((False, kernels.MMA_TILES), (True, kernels.X_SHARED_TILES))
+            for bn, bk, split in tiles for stages in (2, 4) if fits(bk, split, shared)]
     return tuned + wide
 
 

@@ -10,9 +10,9 @@ product's K-step loop, instruction by instruction kind, for the tiles the H200 c
 rows, with x read from memory each step or put in shared memory once a CTA (``X_SHARED``): its
 K step's instructions by kind, registers a thread, spilled bytes and shared memory, compiled as a
 launch specializes it (pointers, N, K and strides multiples of 16). Output of the run the docs
-cite: docs/results/probes/sass-tensor-core-x-shared.txt. With ``--wide``, x read from memory with
-a lane's words of a step one word a block or side by side (``WIDE``) instead, the K step's loads
-by width: docs/results/probes/sass-tensor-core-wide.txt.
+cite: docs/results/probes/sass-tensor-core-x-shared.txt. With ``--wide``, also with
+a lane's words of a step one word a block or side by side (``WIDE``), each way of reading x, and
+the K step's loads by width: docs/results/probes/sass-tensor-core-wide.txt.
 
 ``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
 cap tried on the H200 (not kept), and where in the K step ptxas put the next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
@@ -94,8 +94,8 @@ def tensor_core_report(wide: bool = False) -> None:
              ("down", 8960, 128, 64, 2, 8), ("q|k|v", 1536, 64, 64, 3, 4))
     if wide:
         cases += (("gate|up", 1536, 128, 128, 1, 2), ("down", 8960, 128, 128, 2, 10), ("q|k|v", 1536, 64, 128, 2, 4))
-    ways = ((False, False, "x loaded"), (False, True, "x loaded, words side by side")) if wide else \
-        ((False, False, "x loaded"), (True, False, "x shared"))
+    ways = ((False, False, "x loaded"), (False, True, "x loaded, words side by side"), (True, False, "x shared"),
+            (True, True, "x shared, words side by side")) if wide else ((False, False, "x loaded"), (True, False, "x shared"))
     for arch in (90, 87):
         for product, k, bn, bk, ahead, split in cases:
             for rows in (8, 16):

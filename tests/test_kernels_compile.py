@@ -210,28 +210,34 @@ def test_a_lanes_words_side_by_side_load_sixteen_bytes_at_once():
     """With ``WIDE`` a lane's words of a K step of 128 columns are four side by side, read by one
     16-byte load (``LDG.E.128``) where the kernel otherwise reads one word a load (``LDG.E``): the
     operand's columns are permuted by renaming registers, so no value moves between threads or
-    through shared memory. x's loads stay 16 bytes each. For Hopper and Orin, whole and split, 8 and
-    16 rows."""
+    through shared memory. x's loads, or with ``X_SHARED`` its copies into shared memory, stay 16
+    bytes each, as many as before. For Hopper and Orin, whole and split, 8 and 16 rows."""
     from edgeinfer.quant import tensor_core
 
     if tensor_core.gluon is None:
         pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
-    for split_k, bm, (label, target) in itertools.product((False, True), (8, 16), TARGETS.items()):
+    for split_k, bm, x_shared, (label, target) in itertools.product((False, True), (8, 16), (False, True),
+                                                                    TARGETS.items()):
         loads, moves = {}, {}
+        x_bytes = kernels.x_shared_bytes(1536, 128, 2 if split_k else 1, bm) if x_shared else 0
         for wide in (False, True):
             given = dict(BN=128, BM=bm, BK=128, GS=128, HAS_Z=False, SPLIT_K=split_k, WARPS=4,
                          LW=tensor_core.word_layout(128, 128, 4, wide), BF16=True, MAGIC=128.0, AHEAD=2,
-                         X_SHARED=False, X_STEPS=1, WIDE=wide)
+                         X_SHARED=x_shared, X_STEPS=kernels.pow2((768 if split_k else 1536) // 128) if x_shared else 1,
+                         WIDE=wide)
             kernel = compiled_gluon(tensor_core._mma_mm_kernel, "bf16", given, target, 4)
-            assert kernel.metadata.shared <= (16 if split_k else 0), (label, wide)
+            assert x_bytes <= kernel.metadata.shared <= x_bytes + (16 if split_k else 0), (label, wide)
             body = [re.sub(r"^@!?P\w+\s+", "", line.split(";")[0].split("*/")[-1].strip())  # predicate dropped
                     for line in disassembled(kernel.asm["cubin"]).splitlines() if "/*" in line and ";" in line]
-            loads[wide] = collections.Counter(op.split()[0] for op in body if op.startswith("LDG"))
+            loads[wide] = collections.Counter(op.split()[0] for op in body if op.startswith("LDG"))  # LDGSTS too
             moves[wide] = {op: n for op, n in opcodes(body).items() if op in ("SHFL", "STS", "LDS")}
-        case = (label, split_k, bm, loads, moves)
+        case = (label, split_k, bm, x_shared, loads, moves)
         # three steps (two ahead) of a thread's four rows: 48 one-word loads, or 12 of four words
         assert loads[False]["LDG.E"] == 48 and loads[True]["LDG.E"] == 0, case
         assert loads[True]["LDG.E.128"] == loads[False]["LDG.E.128"] + 12, case
+        copies = {w: {op: n for op, n in loads[w].items() if op.startswith("LDGSTS")} for w in loads}
+        assert copies[True] == copies[False] and all(op.endswith(".128") for op in copies[True]), case
+        assert bool(copies[True]) == x_shared, case
         assert moves[True] == moves[False], case  # the permutation moves no value between threads
 
 

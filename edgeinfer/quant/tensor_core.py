@@ -159,7 +159,7 @@ if gluon is not None:
 
     @gluon.jit
     def _x_to_shared(X, M, stride_x, start, end, BK: gl.constexpr, BM: gl.constexpr, X_STEPS: gl.constexpr,
-                     WARPS: gl.constexpr):
+                     WARPS: gl.constexpr, WIDE: gl.constexpr = False):
         """Start copying x's columns [start, end) for BM rows (zeros past M) into shared memory, a
         [BK, BM] slice a K step, 16 bytes a copy (``cp.async``: all in flight at once, no register
         held), each CTA reading them once rather than each warp once a step. The copies are waited
@@ -171,7 +171,9 @@ if gluon is not None:
         x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [X_STEPS, BK, BM], shared)
         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, xl))
         rm = gl.arange(0, BM, layout=gl.SliceLayout(0, xl))
-        at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(rk, 1) + start
+        # with WIDE, row rk of a step's slice holds the column the operands' column rk stands for: the
+        # permutation moves whole runs of 8 columns, so each copy is still 16 contiguous bytes
+        at = X + gl.expand_dims(rm * stride_x, 0) + gl.expand_dims(_operand_columns(rk, BK, WIDE), 1) + start
         ok = gl.expand_dims(rm < M, 0)
         for step in range(0, (end - start) // BK):
             _async_load(x_smem.index(step), at + step * BK, mask=ok)
@@ -221,7 +223,7 @@ if gluon is not None:
         x_ok = gl.expand_dims(rm < M, 0)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         if X_SHARED:
-            x_smem = _x_to_shared(X, M, stride_x, start, end, BK, BM, X_STEPS, WARPS)
+            x_smem = _x_to_shared(X, M, stride_x, start, end, BK, BM, X_STEPS, WARPS, WIDE)
         w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, start, GS, HAS_Z, MAGIC, LW, X_SHARED)
         if AHEAD >= 2:
             w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
@@ -304,14 +306,13 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
     ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
     ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials.
     ``x_shared``: each CTA puts its split's columns of x in shared memory first (``X_SHARED``).
-    ``wide``: a lane reads its words of a step side by side, in one load (``WIDE``; x from memory).
+    ``wide``: a lane reads its words of a step side by side, in one load (``WIDE``), and x is read
+    (or put in shared memory) in the same permutation of the step's columns.
     ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     m, k = x.shape
     if group % bk or k % bk or bk % 64 or bn % 64:
         raise ValueError(f"K steps of {bk} must divide the row ({k}) and lie in one group ({group}); "
                          f"steps and tiles are multiples of 64 (got {bk}, {bn})")
-    if wide and x_shared:
-        raise ValueError("a lane's words side by side (wide) read x from memory: not with x_shared")
     x = x.contiguous()
     # x's copies into shared memory are 16 bytes each (cp.async): from a 16-byte aligned x only
     x_shared = x_shared and x.data_ptr() % 16 == 0
