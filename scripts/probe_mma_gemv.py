@@ -46,7 +46,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
-from edgeinfer.quant.packed import PackedMatrix, _pack_columns
+from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.testing.products import random_packed
 
 OUT = os.environ.get("OUT", "/tmp")
 DEV = torch.device("cuda")
@@ -178,12 +179,6 @@ def mma_gemv(x, w: PackedMatrix, nw: int, split: int, hoist: bool, workspace: ke
     return y
 
 
-def weight(n, k):
-    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
-    scales = (torch.rand(n, k // GS) * 0.01 + 0.001).bfloat16()
-    return PackedMatrix(_pack_columns(codes, 4), scales, None, 4, GS, (n, k)).to(DEV)
-
-
 def error(got, want):
     return float((got.float() - want).abs().max() / want.abs().max())
 
@@ -191,7 +186,7 @@ def error(got, want):
 def product(name):
     n, k, splits = PRODUCTS[name]
     torch.manual_seed(0)
-    ws = [weight(n, k) for _ in range(LAYERS)]
+    ws = [random_packed(n, k, 4, GS, DEV) for _ in range(LAYERS)]
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
     want = x.float() @ kernels.dequantize_with_torch(ws[0].codes, ws[0].scales, None, ws[0].layout,
                                                       torch.bfloat16).float().T

@@ -27,7 +27,7 @@ import triton
 
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
-from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.testing.products import random_packed
 
 OUT = os.environ.get("OUT", "/tmp")
 DEADLINE = time.time() + float(os.environ.get("PROBE_SECONDS", "400"))
@@ -42,12 +42,6 @@ PRODUCTS = {"gate_up": (17920, 1536, 4, 128), "down": (1536, 8960, 4, 128), "qkv
 
 def save():
     json.dump(res, open(f"{OUT}/probe-packed-mm.json", "w"), indent=1)
-
-
-def packed(n, k, bits, gs):
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=dev)
-    scales = (torch.rand(n, k // gs, device=dev) * 0.004 + 0.001).to(bf)
-    return PackedMatrix(words, scales, None, bits, gs, (n, k))
 
 
 def new_mm(x, w, cfg, warmup=False):
@@ -113,7 +107,7 @@ def new_configs(layout, bks):
 def product(name):
     n, k, bits, gs = PRODUCTS[name]
     copies = 1 if name == "lm_head" else LAYERS
-    ws = [packed(n, k, bits, gs) for _ in range(copies)]
+    ws = [random_packed(n, k, bits, gs, dev) for _ in range(copies)]
     dense0 = ws[0].dequantize(bf)
     r = {"shape": [n, k], "bits": bits, "group": gs, "copies": copies, "packed_mb": round(ws[0].nbytes / 1e6, 3)}
     bks = (64, 128) if gs == 128 else (128, 256)

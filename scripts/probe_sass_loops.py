@@ -22,8 +22,6 @@ Triton compiles the kernel on the CPU down to the binary (its wheel carries ``pt
 ``bn`` rows by ``bk`` columns over ``warps`` warps gives each thread ``bn · bk · bits / 32 /
 (32 · warps)`` words a step. Output of the run the docs cite:
 docs/results/probes/sm90-packed-gemv-loops.txt."""
-import collections
-import re
 import sys
 
 import triton
@@ -107,8 +105,7 @@ def tensor_core_report(wide: bool = False) -> None:
                     n, ops = len(loop), opcodes(loop)
                     kinds = ", ".join(f"{op} {ops.get(op, 0)}" for op in ("HMMA", "LDG", "LDS", "LDSM", "PRMT", "LOP3"))
                     if wide:  # the loads by width: LDG.E is 4 bytes, .64 8, .128 16, .U16 2 (scales)
-                        widths = collections.Counter(op for op in (
-                            re.sub(r"^@!?P\w+\s+", "", x).split(" ")[0] for x in loop) if op.startswith("LDG"))
+                        widths = {op: c for op, c in opcodes(loop, modifiers=True).items() if op.startswith("LDG")}
                         kinds += "; loads " + ", ".join(f"{w} {c}" for w, c in sorted(widths.items()))
                     print(f"sm_{arch} {product} K={k} {bn}x{bk} ahead {ahead} split {split}, {rows:2d} rows, "
                           f"{way}: K step {n} instructions ({kinds}); "

@@ -935,8 +935,7 @@ def tuned_choices() -> list[dict]:
             choice["kernel"] = "torch"
         else:
             choice.update(bn=cfg.bn, bk=cfg.bk, split=cfg.split, weight_first=cfg.w_a, x_shared=cfg.x_shared,
-                          wide=cfg.wide,
-                          kernel="tensor_core" if cfg.mma else "dot")
+                          wide=cfg.wide, kernel="tensor_core" if cfg.mma else "dot")
         if key in _REFUSED:
             choice["tensor_core_refused"] = _REFUSED[key]
         if key in _WRONG:

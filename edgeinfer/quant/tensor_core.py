@@ -20,14 +20,14 @@ dialect, so the layouts are chosen rather than inferred:
   tensor cores, where :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`'s K loop spends
   some 35 a word and does its own.
 * x is the B operand, read straight from memory into its layout (8 consecutive columns a
-  thread, one 16-byte load); rows past M read zeros.
+  thread, one 16-byte load); rows past M read zeros. With ``X_SHARED`` a CTA instead copies its
+  split's columns of x into shared memory once, and each step reads its slice from there: only
+  the weights' operands are then held in registers ahead (at 16 rows x's steps were most of them).
 * With ``WIDE`` a lane's words of a K step lie side by side in memory (16 bytes, one load, at a
   step of 128 columns) rather than one word in four: the MMA's K order is then a permutation of
   the step's columns (a lane's words are the step's 32-column blocks, each one word of the
-  operand's fragment), and x is read in the same permutation, which a sum over K does not see.
-  A warp's load then asks for 16 bytes a lane instead of 4, the loads a step four times fewer. With ``X_SHARED`` a CTA instead copies its
-  split's columns of x into shared memory once, and each step reads its slice from there: only
-  the weights' operands are then held in registers ahead (at 16 rows x's steps were most of them).
+  operand's fragment), and x is read, or copied into shared memory, in the same permutation,
+  which a sum over K does not see. The words of a step then take a quarter of the loads.
 * K is split when N alone gives too few programs; each split writes its partial sums and the
   last to arrive adds them in split order (the same bits on every run) and writes the output,
   as :func:`~edgeinfer.quant.kernels.split_total` does for the Triton kernels (a Gluon kernel

@@ -6,7 +6,7 @@ device, its stream and its target. :func:`compile_only` answers those questions 
 given, so that a wrapper called with ``warmup=True`` (:func:`edgeinfer.quant.kernels.launch`)
 compiles what it would run there, with the arguments it would pass, and runs nothing.
 
-:func:`disassembled`, :func:`resources` and :func:`loops` read such a binary with the tools
+:func:`disassembled`, :func:`resources`, :func:`instructions` and :func:`loops` read such a binary with the tools
 Triton's wheel carries (``nvdisasm``, ``cuobjdump``): its instructions, its registers, its loops.
 """
 
@@ -90,6 +90,14 @@ def resources(binary: bytes) -> dict[str, int]:
     return {key: int(n) for key, n in re.findall(r"(REG|STACK|SHARED):(\d+)", usage)}
 
 
+_INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;")
+
+
+def instructions(listing: str) -> list[str]:
+    """Every instruction of a :func:`disassembled` listing, in order."""
+    return [op.group(1) for line in listing.splitlines() if (op := _INSTRUCTION.match(line)) is not None]
+
+
 def loops(listing: str) -> list[list[str]]:
     """The body of each loop of a :func:`disassembled` listing, its instructions in order: a branch
     back to a label closes one, from the label to the branch."""
@@ -97,7 +105,7 @@ def loops(listing: str) -> list[list[str]]:
     for line in listing.splitlines():
         if (label := re.match(r"^\s*(\.L_x_\d+):", line)) is not None:
             labels[label.group(1)] = len(ops)
-        elif (op := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)) is not None:
+        elif (op := _INSTRUCTION.match(line)) is not None:
             ops.append(op.group(1))
             back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", op.group(1))
             if back and labels.get(back.group(1), len(ops)) < len(ops):
@@ -105,6 +113,8 @@ def loops(listing: str) -> list[list[str]]:
     return bodies
 
 
-def opcodes(body: list[str]) -> collections.Counter:
-    """``body``'s instructions by opcode (predicate and modifiers dropped: ``@!P0 LDG.E`` is ``LDG``)."""
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in body)
+def opcodes(body: list[str], modifiers: bool = False) -> collections.Counter:
+    """``body``'s instructions by opcode, predicate dropped: ``@!P0 LDG.E.128`` is ``LDG``, or with
+    ``modifiers`` ``LDG.E.128`` (a load's width is its last modifier)."""
+    names = (re.sub(r"^@!?U?P\w+\s+", "", op).split()[0] for op in body)
+    return collections.Counter(name if modifiers else name.split(".")[0] for name in names)
