@@ -47,6 +47,13 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
 from edgeinfer.quant.packed import PackedMatrix
+# the A operand from a chunk's words, x as the B operand, and their layouts: written for this probe,
+# now the staged kernel's (edgeinfer.quant.staged), which reuses this arithmetic
+from edgeinfer.quant.staged import a_operand as _a_operand
+from edgeinfer.quant.staged import b_operand as _b_operand
+from edgeinfer.quant.staged import mma_layout as _mma_layout
+from edgeinfer.quant.staged import word_layout as _word_layout
+from edgeinfer.quant.staged import x_layout as _x_layout
 from edgeinfer.testing.products import random_packed
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -55,60 +62,6 @@ LAYERS, GS = 28, 128
 PRODUCTS = {"gate_up": (17920, 1536, (1, 2, 3, 4, 6)), "down": (1536, 8960, (5, 7, 10, 14, 35)),
             "qkv": (2048, 1536, (1, 2, 3, 4, 6)), "o": (1536, 1536, (1, 2, 3, 4, 6))}  # N, K, splits tried
 WARPS = (1, 4)
-
-
-@gluon.constexpr_function
-def _mma_layout(nw):
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[nw, 1], instr_shape=[16, 8])
-
-
-@gluon.constexpr_function
-def _word_layout(nw):
-    """[16·nw rows, a group's 16 words]: lane (g, c) holds words 4c .. 4c+3 of rows g and g + 8."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)], block_bases=[], shape=[16 * nw, 16])
-
-
-@gluon.constexpr_function
-def _x_layout(nw):
-    """A group's 128 columns of x as stored: lane c holds columns 32c .. 32c+31 (every row lane alike)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[1], [2], [4], [8], [16]], lane_bases=[[32], [64], [0], [0], [0]],
-        warp_bases=[[0] for _ in range(nw.bit_length() - 1)], block_bases=[], shape=[128])
-
-
-@gluon.constexpr_function
-def _pair_asm(j):
-    if j == 0:
-        return "lop3.b32 $0, $1, 0x000f000f, 0x43004300, 0xea;"
-    return "{ .reg .b32 u; shr.u32 u, $1, %d; lop3.b32 $0, u, 0x000f000f, 0x43004300, 0xea; }" % (4 * j)
-
-
-@gluon.jit
-def _pair(words2, J: gl.constexpr):
-    """Codes j and j + 4 of each word as bf16 128 + q in one register (``words2`` holds each word
-    twice: the two elements of a packed pair)."""
-    return gl.inline_asm_elementwise(_pair_asm(J), "=r,r,r", [words2], dtype=gl.bfloat16, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _a_operand(words, A: gl.constexpr, BN: gl.constexpr):
-    """A group's words [BN, 16] as the MMA's A operand [BN, 128]: column 32b + 8c + 2j + h holds
-    code j + 4h of word 4c + b."""
-    w2 = gl.join(words, words)
-    r = gl.join(gl.join(_pair(w2, 0), _pair(w2, 1)), gl.join(_pair(w2, 2), _pair(w2, 3)))  # [BN, 16, h, j0, j1]
-    r = gl.reshape(r, [BN, 4, 4, 2, 2, 2])  # word 4c + b
-    r = gl.permute(r, [0, 2, 1, 5, 4, 3])  # [BN, b, c, j1, j0, h]
-    return gl.convert_layout(gl.reshape(r, [BN, 128]), A, assert_trivial=True)
-
-
-@gluon.jit
-def _b_operand(x, B: gl.constexpr):
-    """A group's x [128] (as stored) as the MMA's B operand [128, 8] in the A operand's column order."""
-    xr = gl.permute(gl.reshape(x, [4, 4, 2, 4]), [1, 0, 3, 2])  # column 32c + 8b + 4h + j -> [b, c, j, h]
-    xr = gl.convert_layout(gl.reshape(xr, [128]), gl.SliceLayout(1, B))
-    return gl.broadcast(xr[:, None], gl.full([128, 8], 0.0, gl.bfloat16, B))[0]
 
 
 @gluon.jit
@@ -222,21 +175,27 @@ def product(name):
     return row
 
 
-def main():
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(PRODUCTS)
+def run_products(product, names, filename: str, shown: tuple[str, ...]):
+    """``product(name)`` for each of ``names``, its ``shown`` keys printed as it ends, and every row so
+    far written to ``$OUT/filename`` after each (with the torch, Triton and GPU, and the load
+    average before and after); a product that fails is recorded with its traceback."""
     res = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
            "layers": LAYERS, "loadavg_before": os.getloadavg()}
     for name in names:
         try:
             res[name] = product(name)
-            print(name, json.dumps({k: v for k, v in res[name].items() if k.startswith(("best", "gb", "comp"))}),
-                  flush=True)
+            print(name, json.dumps({k: v for k, v in res[name].items() if k.startswith(shown)}), flush=True)
         except Exception:  # noqa: BLE001
             res[name] = {"error": traceback.format_exc()[-3000:]}
             print(name, res[name]["error"], flush=True)
         res["loadavg_after"] = os.getloadavg()
-        with open(os.path.join(OUT, "probe-mma-gemv.json"), "w") as f:
+        with open(os.path.join(OUT, filename), "w") as f:
             json.dump(res, f, indent=1)
+
+
+def main():
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(PRODUCTS)
+    run_products(product, names, "probe-mma-gemv.json", ("best", "gb", "comp"))
 
 
 if __name__ == "__main__":

@@ -258,8 +258,9 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):
     """``compile_ahead`` compiles a tuner's candidate tiles on threads, through the wrappers' own
     arguments (``warmup=True``), and leaves each where its launch looks it up: the same calls made
     again compile nothing. Batch-1 products (packed and dense) and few-row packed products (the
-    dot kernel, and the tensor-core kernel where this Triton has Gluon), compiled for Orin."""
-    from edgeinfer.quant import tensor_core
+    dot kernel, and the tensor-core kernel where this Triton has Gluon), and the staged batch-1
+    product (Gluon too), compiled for Orin."""
+    from edgeinfer.quant import staged, tensor_core
     from edgeinfer.quant.packed import PackedMatrix
     from edgeinfer.testing.triton_compile import binaries, compile_only
 
@@ -278,8 +279,14 @@ def test_tiles_compiled_ahead_are_the_ones_their_launches_look_up(monkeypatch):
     mm = kernels.mm_candidates(layout)[:2] + (tensor_cores if tensor_core.gluon else [])
     calls += [lambda c=c: kernels.packed_mm(rows, packed.codes, packed.scales, None, layout, c, warmup=True)
               for c in mm]
+    if staged.gluon:  # whole with RMSNorm and SiLU·up, and split with the residual
+        calls += [lambda: staged.staged_gemv(one, packed, staged.StagedGemvConfig(1), norm_weight=one[0], eps=1e-6,
+                                             glu=True, warmup=True),
+                  lambda: staged.staged_gemv(one, packed, staged.StagedGemvConfig(2, 3), residual=one[:, :n],
+                                             warmup=True)]
     jitted = [triton_decode._packed_gemv_kernel, triton_decode._gemv_kernel, kernels._packed_mm_kernel]
     jitted += [tensor_core._mma_mm_kernel] if tensor_core.gluon else []
+    jitted += [staged._staged_gemv_kernel] if staged.gluon else []
     with compile_only(TARGETS["sm_87 (Orin)"], jitted):
         report = kernels.compile_ahead(calls, workers=2)
         ahead = binaries(jitted)
@@ -368,3 +375,50 @@ def test_a_compile_that_fails_as_it_finishes_leaves_the_launches_to_compile(monk
         report = kernels.compile_ahead([lambda: kernels._copy_one.warmup(torch.empty(1), torch.empty(1), grid=(1,))],
                                        workers=1)
     assert report.compiles == 1 and kernels._async_compile_mode.get() is None
+
+
+@pytest.mark.parametrize("product", ["gate_up", "down", "qkv"])
+def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
+    """The staged batch-1 product (Gluon, ``edgeinfer.quant.staged``) compiles for Hopper and Orin
+    with the prologue and epilogues the step fuses, whole and split, with and without zero points.
+    Each thread's words go to shared memory in 16-byte copies (``LDGSTS.128``, two a chunk: rows g and
+    g + 8), all of them issued before the first wait, and on Hopper before the wait for the kernels
+    before it; then one wait a chunk, so chunk i waits for the copies up to its own only. The
+    program takes the shared memory :func:`staged.shared_bytes` counts. (Some one-warp tiles spill
+    up to about a hundred bytes a thread: docs/results/probes/sass-staged-gemv.txt.)"""
+    from edgeinfer.quant import staged
+
+    if staged.gluon is None:
+        pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    n, k, fused = {"gate_up": (17920, 1536, dict(PROLOGUE=True, GLU=True, HAS_BIAS=False, HAS_RES=False)),
+                   "down": (1536, 8960, dict(PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=True)),
+                   "qkv": (2048, 1536, dict(PROLOGUE=True, GLU=False, HAS_BIAS=True, HAS_RES=False))}[product]
+    fn = staged._staged_gemv_kernel
+    names = fn.arg_names
+    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G"), "i32"), "eps": "fp32"}
+    aligned = ("X", "W", "S", "Z", "BIAS", "RES", "NORM_W", "Y", "PARTS", "ARRIVALS", "N", "K", "KW")
+    tiles = [(c.warps, c.split) for c in (staged.StagedGemvConfig(nw, s) for nw in (1, 4) for s in range(1, 11))
+             if (k // staged.CHUNK) % c.split == 0 and k // staged.CHUNK // c.split <= staged.MAX_CHUNKS
+             and staged.shared_bytes(k, c.warps, c.split) <= staged.MAX_SHARED][:4]
+    assert tiles and any(split > 1 for _, split in tiles), tiles
+    for (label, target), (warps, split), zeros in itertools.product(TARGETS.items(), tiles, (False, True)):
+        chunks = k // staged.CHUNK // split
+        given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, GS=128, XB=min(kernels.pow2(k), 2048),
+                     HAS_Z=zeros, BF16=True, PDL=target.arch >= 90, **fused)
+        source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
+                                {(names.index(a),): v for a, v in given.items()},
+                                {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+        kernel = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": target.arch >= 90})
+        case = (label, product, warps, split, zeros)
+        body = instructions(disassembled(kernel.asm["cubin"]))
+        copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
+        waits = [i for i, op in enumerate(body) if "DEPBAR.LE" in op]
+        assert len(copies) == 2 * chunks and all(body[i].split()[0].endswith(".128") for i in copies), case
+        assert max(copies) < min(waits) and len(waits) == chunks, case
+        ptx = kernel.asm["ptx"]
+        if target.arch >= 90:  # the copies go out while the kernels before this one finish
+            assert ptx.rindex("cp.async.cg.shared.global") < ptx.index("griddepcontrol.wait"), case
+        assert kernel.metadata.shared == staged.shared_bytes(k, warps, split), case

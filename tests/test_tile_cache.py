@@ -273,13 +273,20 @@ def test_kept_tiles_of_the_wrong_kind_or_incomplete_are_not_taken(checkpoint, ti
     fused.tune(step_budget_s=0)
     kept = fused.kept(8.0)
     assert fused_step(checkpoint).restore(json.loads(json.dumps(kept)), 8.0)
+    assert {c["kind"] for c in kept["configs"].values()} == {"dense"}
+    from_before_kinds = json.loads(json.dumps(kept))
+    for config in from_before_kinds["configs"].values():
+        del config["kind"]  # a file kept before tiles named their kernel: read by its "packed" alone
+    assert fused_step(checkpoint).restore(from_before_kinds, 8.0)
     packed_kind = json.loads(json.dumps(kept))
     packed_kind["configs"]["qkv"]["packed"] = True  # a packed tile for a dense product
+    staged_kind = json.loads(json.dumps(kept))
+    staged_kind["configs"]["o"]["kind"] = "staged"  # the staged kernel's tile for a dense product
     missing = json.loads(json.dumps(kept))
     del missing["configs"]["down"]
     unknown_field = json.loads(json.dumps(kept))
     unknown_field["configs"]["o"]["tiles"] = 3
-    for bad in (packed_kind, missing, unknown_field, {}):
+    for bad in (packed_kind, staged_kind, missing, unknown_field, {}):
         other = fused_step(checkpoint)
         assert not other.restore(bad, 8.0) and other.configs == {} and other.tiles_source is None
 

@@ -62,7 +62,9 @@ from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, checked_outputs, checked_tiles, compile_ahead,
                                      dependent_launch, dequantized_rows, graph_time_us, interpreting, launch)
+from edgeinfer.quant import staged
 from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv
 from edgeinfer.tile_cache import TileCache, device_identity
 
 # The tile cache's kind for the batch-1 step's tiles.
@@ -676,9 +678,18 @@ PACKED_GEMV_CANDIDATES = (
 )
 
 
-def _candidates(w: torch.Tensor | PackedMatrix) -> tuple[GemvConfig, ...] | tuple[PackedGemvConfig, ...]:
-    """The tiles timed for a product of weight ``w`` at batch 1."""
-    return PACKED_GEMV_CANDIDATES if isinstance(w, PackedMatrix) else GEMV_CANDIDATES
+Tile = GemvConfig | PackedGemvConfig | StagedGemvConfig
+_TILE_CLASSES = {"dense": GemvConfig, "packed": PackedGemvConfig, "staged": StagedGemvConfig}  # a kept tile's kind
+_TILE_KINDS = {cls: kind for kind, cls in _TILE_CLASSES.items()}
+
+
+def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None, glu: bool = False) -> tuple[Tile, ...]:
+    """The tiles timed for a product of weight ``w`` at batch 1 (``dtype``: the activations'; ``glu``:
+    it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, and the staged kernel's
+    follow where it is enabled and fits (:func:`staged.candidates`)."""
+    if not isinstance(w, PackedMatrix):
+        return GEMV_CANDIDATES
+    return PACKED_GEMV_CANDIDATES + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
 
 
 def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, bias: torch.Tensor | None = None,
@@ -825,7 +836,9 @@ def right_tiles(x: torch.Tensor, w: torch.Tensor | PackedMatrix, candidates, out
     return right, {_config_name(tile): why for tile, why in wrong.items()}
 
 
-def _config_name(c: GemvConfig | PackedGemvConfig) -> str:
+def _config_name(c: Tile) -> str:
+    if isinstance(c, StagedGemvConfig):
+        return f"staged/{c.warps}w/split{c.split}"
     if isinstance(c, PackedGemvConfig):
         return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
     return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s"
@@ -857,7 +870,7 @@ class FusedDecode:
         self.cfg = cfg
         # (qkv, after_attention) as functions of (layer, ...): the rows past MAX_GEMV_ROWS
         self.halves = halves or (DecoderLayer.qkv, DecoderLayer.after_attention)
-        self.configs: dict[str, GemvConfig | PackedGemvConfig] = {}
+        self.configs: dict[str, Tile] = {}
         self.report: dict[str, dict] = {}  # per product: its tile and timings
         self.step_report: dict | None = None  # what choosing the tiles by whole-step time changed
         self.tiles_source: str | None = None  # "timed" here, or "cache": kept by an earlier process
@@ -916,8 +929,9 @@ class FusedDecode:
             cache.put(FUSED_TILES, key, self.kept(step_budget_s), ident)
 
     def tiles_key(self) -> dict:
-        """What the tiles were timed for: each product's shape, weight format and what it fuses, and
-        the layers the step runs (the step's attention is timed with them)."""
+        """What the tiles were timed for: each product's shape, weight format and what it fuses, the
+        layers the step runs (the step's attention is timed with them), and whether the staged
+        kernel's tiles were among the candidates (:func:`staged.enabled`)."""
         cfg = self.cfg
         products = {}
         for name, (weights, kw) in self._products().items():
@@ -929,11 +943,11 @@ class FusedDecode:
                               "glu": bool(kw.get("glu"))}
         return {"products": products, "dtype": str(self.decoder.norm.weight.dtype), "layers": cfg.num_layers,
                 "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                "qk_norm": cfg.qk_norm}
+                "qk_norm": cfg.qk_norm, "staged": staged.enabled()}
 
     def kept(self, step_budget_s: float) -> dict:
         """The tiles and their timings as :meth:`restore` takes them back."""
-        return {"configs": {name: {"packed": isinstance(c, PackedGemvConfig), **asdict(c)}
+        return {"configs": {name: {"packed": not isinstance(c, GemvConfig), "kind": _TILE_KINDS[type(c)], **asdict(c)}
                             for name, c in self.configs.items()},
                 "step_budget_s": step_budget_s, "report": self.report, "step_report": self.step_report}
 
@@ -947,9 +961,11 @@ class FusedDecode:
             for name, (weights, _) in self._products().items():
                 fields = dict(kept["configs"][name])
                 packed = fields.pop("packed")
-                if packed != isinstance(weights[0], PackedMatrix):
+                kind = fields.pop("kind", "packed" if packed else "dense")  # files kept before staged tiles
+                if kind not in _TILE_CLASSES or packed != isinstance(weights[0], PackedMatrix) or \
+                        (kind == "dense") == packed:
                     return False
-                configs[name] = (PackedGemvConfig if packed else GemvConfig)(**fields)
+                configs[name] = _TILE_CLASSES[kind](**fields)
             report, step_report = dict(kept["report"]), kept["step_report"]
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
@@ -957,7 +973,7 @@ class FusedDecode:
         self.tiles_source = "cache"
         return True
 
-    def _tune_alone(self, steps: Steps) -> dict[str, list[GemvConfig | PackedGemvConfig]]:
+    def _tune_alone(self, steps: Steps) -> dict[str, list[Tile]]:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
         (as a step does: from memory, not from the L2 cache), and keep the fastest; cuBLAS is timed
         beside it for the report (on the dense weights; a packed product has no cuBLAS twin).
@@ -977,19 +993,22 @@ class FusedDecode:
             timed[name] = weights, torch.randn(1, k, dtype=dtype, device=device), kw, outs
         if device.type == "cuda":  # every candidate compiled on threads first: the timings then compile nothing
             ahead = compile_ahead((lambda c=c, w=ws[0], x=x, kw=kw, o=outs[0]: self._product(x, w, c, out=o, warmup=True, **kw)
-                           for ws, x, kw, outs in timed.values() for c in _candidates(ws[0])), steps)
+                           for ws, x, kw, outs in timed.values() for c in _candidates(ws[0], dtype, kw.get("glu", False))),
+                          steps)
             self.compiled_ahead = asdict(ahead) if ahead is not None else None
-        advance = steps.phase(TILES_ALONE, sum(len(_candidates(ws[0])) for ws, *_ in timed.values()))
+        advance = steps.phase(TILES_ALONE, sum(len(_candidates(ws[0], dtype, kw.get("glu", False)))
+                                               for ws, _, kw, _ in timed.values()))
         for name, (weights, x, kw, outs) in timed.items():
             n, k = weights[0].shape
             times = {}
             packed = isinstance(weights[0], PackedMatrix)
-            right, wrong = right_tiles(x, weights[0], _candidates(weights[0]), outs[0], self._product, **kw)
+            tiles = _candidates(weights[0], dtype, kw.get("glu", False))
+            right, wrong = right_tiles(x, weights[0], tiles, outs[0], self._product, **kw)
             if not right:  # the engine falls back to the compiled layers, with a warning
                 first = next(iter(wrong))
                 raise RuntimeError(f"every tile of the fused step's {name} product gave wrong outputs on this GPU "
                                    f"(tile {first}: {wrong[first]})")
-            for c in _candidates(weights[0]):
+            for c in tiles:
                 if c in right:
                     calls = [lambda w=w, o=o, c=c: self._product(x, w, c, out=o, **kw) for w, o in zip(weights, outs)]
                     times[c] = graph_time_us(calls)
@@ -1010,7 +1029,7 @@ class FusedDecode:
             ranked[name] = sorted(times, key=times.get)
         return ranked
 
-    def _tune_in_step(self, ranked: dict[str, list[GemvConfig | PackedGemvConfig]], budget_s: float,
+    def _tune_in_step(self, ranked: dict[str, list[Tile]], budget_s: float,
                       steps: Steps) -> None:
         """Change the tiles where the whole step gets faster (:func:`.step_tuning.descend`), timing
         a batch-1 step over a past of :data:`STEP_TUNING_CONTEXT` positions in a scratch pool, over
@@ -1056,6 +1075,8 @@ class FusedDecode:
         return lambda: self.layers(x, cos, sin, k_pool, v_pool, tables, context_lens, valid)
 
     def _product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
+        if isinstance(config, StagedGemvConfig):
+            return staged_gemv(x, w, config, workspace=self.workspace, **kw)
         if isinstance(w, PackedMatrix):
             return packed_gemv(x, w, config, workspace=self.workspace, **kw)
         return gemv(x, w, config=config, **kw)

@@ -1,0 +1,378 @@
+"""The batch-1 4-bit product with a program's words waiting in shared memory: :func:`staged_gemv`.
+
+**Not yet run on a GPU**, so the load-time tuner times it only where ``EDGEINFER_STAGED_GEMV=1``
+(:func:`enabled`); its tiles are then checked against torch before they are timed, as every
+tile is (``triton_decode.right_tiles``).
+
+Under Nsight Compute the decode step's :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`
+was bound neither by bytes nor by issue (docs/quantization.md): the whole grid is resident at
+once, and each SM's programs ask for a step's words, wait, multiply and ask again together, so
+a product of S steps waits S memory latencies. Words held in registers cannot both be all in
+flight and be multiplied as they arrive. This kernel (Gluon, Triton's explicit layouts) asks for
+them differently:
+
+* A program of ``16·warps`` rows issues every 16-byte ``cp.async`` of its share of the words
+  first, one commit group a chunk of 128 columns, before it waits for the kernels before it
+  (the words are not theirs to write). The copies hold no register, so a whole wave's bytes are
+  in flight at once, as many as shared memory holds.
+* Then x's columns of the split, RMSNorm'd as the eager layer rounds where the product fuses
+  it, go to shared memory once; chunk i waits only for the copies up to its own
+  (``cp.async.wait_group``) and multiplies while the later chunks are still arriving.
+* The arithmetic is on the tensor cores (``mma.sync`` m16n8k16, Ampere's, so Orin's sm_87 runs
+  it too): a lane's four words of a chunk side by side are taken apart into 16-bit ``2^m + q``
+  pairs already in the A operand's registers (:func:`a_operand`), x is the B operand in the same
+  permutation of the chunk's columns (:func:`b_operand`), and a second MMA of the constant
+  ``-(2^m + z)`` takes off the bias and the zero point (with zero points, ``(2^m + z)·Σx``
+  from an MMA of ones). The chunk's scale multiplies its float32 sums.
+* K is split where N alone gives too few programs; each split writes its partial sums and the
+  last to arrive adds them in split order (the same bits on every run). With ``glu`` each 16
+  rows are 8 outputs' gate rows and then their up rows, so a lane holds an output's gate and up
+  sums and writes SiLU(gate)·up.
+
+Scope: 4-bit codes, bf16 or fp16 activations with scales (and zero points) of the same dtype,
+groups of a multiple of 128 columns (or one a row), K a multiple of 128 and rows a multiple of
+the tile's; :func:`unfit` says why a product or tile falls outside, and ``packed_gemv`` serves it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, launch, pow2
+from edgeinfer.quant.packed import PackedMatrix
+
+try:  # the import decides whether this kernel exists at all
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - CPU builds of torch come without Triton; older Triton without Gluon
+    gluon = None
+
+STAGED_ENV = "EDGEINFER_STAGED_GEMV"
+CHUNK = 128  # columns a commit group and a step of MMAs take: 16 words a row
+MAX_CHUNKS = 16  # a program's chunks (each one unrolled, with its own buffer and wait)
+MAX_SHARED = 64 * 1024  # a program's words and x in shared memory
+WARPS = (1, 2, 4)  # a tile is 16 rows a warp
+SPLITS_A_TILE = 3  # splits tried for each tile: the fewest that fit
+MIN_CAPABILITY = (8, 0)  # cp.async, mma.sync m16n8k16 with bf16
+
+
+@dataclass(frozen=True)
+class StagedGemvConfig:
+    """A tile of :func:`staged_gemv`: ``16·warps`` rows, K split ``split`` ways."""
+
+    warps: int
+    split: int = 1
+
+
+def enabled() -> bool:
+    """Whether the tuner times this kernel's tiles (``EDGEINFER_STAGED_GEMV=1``)."""
+    return os.environ.get(STAGED_ENV) == "1"
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def unavailable(device: torch.device) -> str | None:
+    """None where this kernel can run on ``device``, else why not."""
+    if gluon is None:
+        return "Triton's Gluon is not installed"
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if _capability(device.index if device.index is not None else torch.cuda.current_device()) < MIN_CAPABILITY:
+        return "cp.async and the bf16 mma need sm_80 or later"
+    return None
+
+
+def shared_bytes(k: int, warps: int, split: int, itemsize: int = 2) -> int:
+    """A program's shared memory: its words (``16·warps`` rows by its chunks) and x's chunks (rounded
+    up to a power of two)."""
+    chunks = k // CHUNK // split
+    return chunks * 16 * warps * CHUNK // 2 + pow2(chunks) * CHUNK * itemsize
+
+
+def unfit(w: PackedMatrix, dtype: torch.dtype, glu: bool, config: StagedGemvConfig) -> str | None:
+    """None where ``config`` can multiply ``w`` for ``dtype`` activations (``glu``: rows gate | up),
+    else why not."""
+    n, k = w.shape
+    layout = w.layout
+    if w.bits != 4:
+        return f"{w.bits}-bit codes (the kernel reads 4-bit codes)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} activations (the kernel multiplies in bf16 or fp16)"
+    if w.scales.dtype != dtype or (w.zeros is not None and w.zeros.dtype != dtype):
+        return f"{w.scales.dtype} scales with {dtype} activations (the kernel takes them in one dtype)"
+    if k % CHUNK or layout.group_constexpr % CHUNK:
+        return f"groups of {w.group_size} over {k} columns (chunks of {CHUNK} must each lie in one group)"
+    if not w.codes.is_contiguous() or w.codes.data_ptr() % 16:
+        return "codes not contiguous and 16-byte aligned (the copies are 16 bytes)"
+    chunks = k // CHUNK
+    if config.split < 1 or chunks % config.split:
+        return f"{chunks} chunks of {CHUNK} columns do not split {config.split} ways"
+    if chunks // config.split > MAX_CHUNKS:
+        return f"{chunks // config.split} chunks a program (at most {MAX_CHUNKS})"
+    rows = 16 * config.warps
+    if glu and (n % 2 or (n // 2) % (rows // 2)):
+        return f"{n // 2} outputs in tiles of {rows // 2} (glu)"
+    if not glu and n % rows:
+        return f"{n} rows in tiles of {rows}"
+    need = shared_bytes(k, config.warps, config.split, dtype.itemsize)
+    if need > MAX_SHARED:
+        return f"{need} bytes of shared memory a program (at most {MAX_SHARED})"
+    return None
+
+
+def candidates(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
+    """The tiles the tuner times for ``w`` at batch 1: none unless :func:`enabled` and the device can
+    run the kernel; else, for each warp count, the :data:`SPLITS_A_TILE` fewest splits that fit with
+    at least two chunks a program."""
+    if not enabled() or unavailable(w.codes.device) is not None:
+        return []
+    chunks = w.shape[1] // CHUNK
+    tiles = []
+    for warps in WARPS:
+        fits = [StagedGemvConfig(warps, s) for s in range(1, chunks // 2 + 1)
+                if chunks % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(warps, s)) is None]
+        tiles += fits[:SPLITS_A_TILE]
+    return tiles
+
+
+def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                glu: bool = False, out: torch.Tensor | None = None, workspace: SplitWorkspace | None = None,
+                warmup: bool = False) -> torch.Tensor | None:
+    """``f(x) @ W.T (+ bias) (+ residual)`` for one row ``x`` [1, K] and a packed 4-bit ``W``, as
+    ``triton_decode.packed_gemv`` gives it (``f`` RMSNorm with ``norm_weight``; ``glu``: W's rows
+    gate | up, SiLU(gate)·up of N / 2 outputs). Raises ValueError where :func:`unfit` names a reason.
+    ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"staged_gemv reads one row, got {x.shape[0]}")
+    reason = (None if warmup else unavailable(x.device)) or unfit(w, x.dtype, glu, config)
+    if reason is not None:
+        raise ValueError(f"staged_gemv cannot take this product: {reason}")
+    if glu and residual is not None:
+        raise ValueError("glu writes SiLU(gate)·up and takes no residual")
+    n, k = w.shape
+    layout = w.layout
+    chunks = k // CHUNK // config.split
+    outputs = n // 2 if glu else n
+    tiles = n // (16 * config.warps)
+    x = x.contiguous()
+    y = out if out is not None else torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    parts, arrivals = (workspace or SplitWorkspace(x.device)).take(config.split * n, tiles) \
+        if config.split > 1 else (y, y)
+    codes = w.codes
+    pdl = dependent_launch(x.device)
+    launch(_staged_gemv_kernel, (tiles, config.split), warmup,
+           x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
+           bias if bias is not None else codes, residual if residual is not None else codes,
+           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps,
+           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split, GS=layout.group_constexpr,
+           XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
+           HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
+           PDL=pdl, launch_pdl=pdl, num_warps=config.warps)
+    return None if warmup else y
+
+
+if gluon is not None:
+    # a CTA's barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9; a copy into shared memory:
+    # ``async_copy_global_to_shared`` in 3.6, ``async_load`` in 3.9 (as edgeinfer.quant.tensor_core)
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+    @gluon.constexpr_function
+    def mma_layout(nw):
+        """``mma.sync`` m16n8k16's accumulator, warps along the rows: 16 rows a warp."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[nw, 1], instr_shape=[16, 8])
+
+    @gluon.constexpr_function
+    def word_layout(nw):
+        """[16·nw rows, a chunk's 16 words]: lane (g, c) holds words 4c .. 4c+3 of rows g and g + 8."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)], block_bases=[], shape=[16 * nw, 16])
+
+    @gluon.constexpr_function
+    def x_layout(nw):
+        """A chunk's 128 columns of x as stored: lane c holds columns 32c .. 32c+31 (every row lane alike).
+        (Stored in the operand's order instead and read in its layout, x took more instructions a chunk.)"""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1], [2], [4], [8], [16]], lane_bases=[[32], [64], [0], [0], [0]],
+            warp_bases=[[0] for _ in range(nw.bit_length() - 1)], block_bases=[], shape=[128])
+
+    @gluon.constexpr_function
+    def _plain(rank):
+        """Shared memory as the values lie, row after row (no swizzle), for views of ``rank`` dimensions
+        (a buffer of rank + 1 is indexed along its first)."""
+        return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=list(range(rank - 1, -1, -1)))
+
+    @gluon.constexpr_function
+    def _pair_asm(j, bf16):
+        """Codes j and j + 4 of a word into the mantissa of 2^m, two 16-bit floats in one register
+        (m = 7 for bf16, 10 for fp16)."""
+        magic = "0x43004300" if bf16 else "0x64006400"
+        if j == 0:
+            return f"lop3.b32 $0, $1, 0x000f000f, {magic}, 0xea;"
+        return "{ .reg .b32 u; shr.u32 u, $1, %d; lop3.b32 $0, u, 0x000f000f, %s, 0xea; }" % (4 * j, magic)
+
+    @gluon.jit
+    def _pair(words2, J: gl.constexpr, BF16: gl.constexpr):
+        """Codes j and j + 4 of each word as 16-bit 2^m + q in one register (``words2`` holds each
+        word twice: the two elements of a packed pair)."""
+        if BF16:
+            pair = gl.inline_asm_elementwise(_pair_asm(J, True), "=r,r,r", [words2], dtype=gl.bfloat16, is_pure=True,
+                                             pack=2)
+        else:
+            pair = gl.inline_asm_elementwise(_pair_asm(J, False), "=r,r,r", [words2], dtype=gl.float16, is_pure=True,
+                                             pack=2)
+        return pair
+
+    @gluon.jit
+    def a_operand(words, A: gl.constexpr, BN: gl.constexpr, BF16: gl.constexpr = True):
+        """A chunk's words [BN, 16] as the MMA's A operand [BN, 128] of 2^m + q: column 32b + 8c + 2j + h
+        holds code j + 4h of word 4c + b."""
+        w2 = gl.join(words, words)
+        r = gl.join(gl.join(_pair(w2, 0, BF16), _pair(w2, 1, BF16)),
+                    gl.join(_pair(w2, 2, BF16), _pair(w2, 3, BF16)))  # [BN, 16, h, j0, j1]
+        r = gl.reshape(r, [BN, 4, 4, 2, 2, 2])  # word 4c + b
+        r = gl.permute(r, [0, 2, 1, 5, 4, 3])  # [BN, b, c, j1, j0, h]
+        return gl.convert_layout(gl.reshape(r, [BN, 128]), A, assert_trivial=True)
+
+    @gluon.jit
+    def b_operand(x, B: gl.constexpr):
+        """A chunk's x [128] (as stored) as the MMA's B operand [128, 8] in the A operand's column order
+        (its 8 columns alike)."""
+        xr = gl.permute(gl.reshape(x, [4, 4, 2, 4]), [1, 0, 3, 2])  # column 32c + 8b + 4h + j -> [b, c, j, h]
+        xr = gl.convert_layout(gl.reshape(xr, [128]), gl.SliceLayout(1, B))
+        return gl.broadcast(xr[:, None], gl.full([128, 8], 0.0, x.dtype, B))[0]
+
+    @gluon.jit
+    def _weight_rows(tile, r, N, BN: gl.constexpr, GLU: gl.constexpr):
+        """The weight rows of a tile's rows ``r``: ``tile·BN + r``; with ``GLU`` each 16 rows are the
+        gate rows of 8 outputs and then their up rows (rows g and g + 8 are one lane's)."""
+        if GLU:
+            j = tile * (BN // 2) + r // 16 * 8 + r % 8
+            return j + r % 16 // 8 * (N // 2)
+        return tile * BN + r
+
+    @gluon.jit
+    def _finish(y, rows, bias, RES, Y, N, BN: gl.constexpr, GLU: gl.constexpr, HAS_BIAS: gl.constexpr,
+                HAS_RES: gl.constexpr):
+        """The sums ``y`` of weight rows ``rows`` [BN] written as ``triton_decode``'s epilogues write
+        them, rounded where the eager layer rounds: (+ bias), then the residual, or with ``GLU``
+        SiLU(gate)·up at the gate rows' outputs."""
+        dt: gl.constexpr = Y.dtype.element_ty
+        v = y.to(dt)
+        if HAS_BIAS:
+            v = (v.to(gl.float32) + bias).to(dt)
+        if GLU:  # [BN] -> [BN/16, 8, 2]: an output's gate and up sums side by side in one lane
+            gate, up = gl.split(gl.permute(gl.reshape(v.to(gl.float32), [BN // 16, 2, 8]), [0, 2, 1]))
+            outs, _ = gl.split(gl.permute(gl.reshape(rows, [BN // 16, 2, 8]), [0, 2, 1]))
+            act = (gate * (1 / (1 + gl.exp(-gate)))).to(dt).to(gl.float32)  # tl.sigmoid's own formula
+            gl.store(Y + outs, (act * up).to(dt))
+        else:
+            if HAS_RES:
+                v = (v.to(gl.float32) + gl.load(RES + rows).to(gl.float32)).to(dt)
+            gl.store(Y + rows, v)
+
+    @gluon.jit
+    def _staged_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, KW, G, eps,
+                            GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
+                            GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            HAS_RES: gl.constexpr, HAS_Z: gl.constexpr, GLU: gl.constexpr, BF16: gl.constexpr,
+                            PDL: gl.constexpr):
+        """Y = f(X)·W (+ bias) (+ residual) for 16·NW weight rows (:func:`_weight_rows`) over chunks
+        [split·GPS, (split + 1)·GPS) of 128 columns; ``KW`` = K / 8 words a row (an argument of its
+        own, so that a launch sees it a multiple of 16 where it is: a lane's four words are then one
+        16-byte copy); scales and zero points ``[N, G]``, groups of ``GS`` columns; XP = GPS rounded
+        up to a power of two (x's buffer)."""
+        BN: gl.constexpr = 16 * NW
+        MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
+        dt: gl.constexpr = Y.dtype.element_ty
+        mma: gl.constexpr = mma_layout(NW)
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        lw: gl.constexpr = word_layout(NW)
+        lv: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+        tile = gl.program_id(0)
+        split = gl.program_id(1)
+        c0 = split * GPS
+        # every chunk's words, a buffer and a commit group each (shared memory's shapes are powers of
+        # two; GPS need not be), before the wait: the kernels before this one do not write them
+        r = gl.arange(0, BN, layout=gl.SliceLayout(1, lw))
+        wc = gl.arange(0, 16, layout=gl.SliceLayout(0, lw))
+        words_at = W + _weight_rows(tile, r, N, BN, GLU).to(gl.int64)[:, None] * KW + (c0 * 16 + wc)[None, :]
+        w_smem = ()
+        for i in gl.static_range(GPS):
+            w_smem = w_smem + (gl.allocate_shared_memory(gl.int32, [BN, 16], _plain(2)),)
+            _async_load(w_smem[i], words_at + i * 16)
+            async_copy.commit_group()
+        rows = _weight_rows(tile, gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), N, BN, GLU)
+        scales = ()
+        zeros = ()
+        for i in gl.static_range(GPS):
+            g = (c0 + i) * 128 // GS
+            scales = scales + (gl.load(S + rows * G + g).to(gl.float32),)
+            if HAS_Z:
+                zeros = zeros + (gl.load(Z + rows * G + g).to(gl.float32),)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = gl.load(BIAS + rows).to(gl.float32)
+        if PDL:  # x and the residual are the kernels before this one's: wait for them, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
+        rstd = 1.0
+        if PROLOGUE:  # RMSNorm over the whole row, whatever columns this program reads
+            lr: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[NW],
+                                                order=[0])
+            ss = gl.zeros([XB], gl.float32, lr)
+            for k0 in range(0, K, XB):
+                rk = k0 + gl.arange(0, XB, layout=lr)
+                xv = gl.load(X + rk, mask=rk < K, other=0.0).to(gl.float32)
+                ss += xv * xv
+            rstd = 1.0 / gl.sqrt(gl.sum(ss, axis=0) / K + eps)
+        # f(x) of the split's chunks, rounded as the eager layer rounds, into shared memory once; unrolled,
+        # so that every chunk's x is asked for at once (a loop waits for each chunk's in turn)
+        x_smem = gl.allocate_shared_memory(dt, [XP, 128], _plain(1))
+        xk = gl.arange(0, 128, layout=lv)
+        for i in gl.static_range(GPS):
+            at = (c0 + i) * 128 + xk
+            xv = gl.load(X + at)
+            if PROLOGUE:
+                xn = (xv.to(gl.float32) * rstd).to(dt).to(gl.float32)
+                xv = (xn * gl.load(NORM_W + at).to(gl.float32)).to(dt)
+            x_smem.index(i).store(xv)
+        acc = gl.zeros([BN, 8], gl.float32, mma)
+        less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
+        if HAS_Z:
+            less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
+        for i in gl.static_range(GPS):
+            async_copy.wait_group(GPS - 1 - i)  # this thread's copies up to chunk i have landed
+            _cta_barrier()  # and every other thread's, and x in shared memory
+            b = b_operand(x_smem.index(i).load(x_layout(NW)), lb)
+            d = mma_v2(a_operand(w_smem[i].load(lw), la, BN, BF16), b, gl.zeros([BN, 8], gl.float32, mma))
+            if HAS_Z:
+                minus_sum = mma_v2(less, b, gl.zeros([BN, 8], gl.float32, mma))
+                acc += scales[i][:, None] * (d + (MAGIC + zeros[i])[:, None] * minus_sum)
+            else:
+                acc += scales[i][:, None] * mma_v2(less, b, d)
+        n8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        y = gl.sum(gl.where(n8[None, :] == 0, acc, 0.0), axis=1)  # the 8 columns hold the same sums
+        if SPLIT == 1:
+            _finish(y, rows, bias, RES, Y, N, BN, GLU, HAS_BIAS, HAS_RES)
+        else:  # partials at [split, row]; the last split to arrive adds them in split order
+            gl.store(PARTS + split * N + rows, y)
+            _cta_barrier()  # every thread's partials are written before the count says so
+            if gl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == SPLIT - 1:
+                total = gl.zeros_like(y)
+                for j in gl.static_range(SPLIT):
+                    total += gl.load(PARTS + j * N + rows, cache_modifier=".cg")
+                _finish(total, rows, bias, RES, Y, N, BN, GLU, HAS_BIAS, HAS_RES)
+                gl.atomic_xchg(ARRIVALS + tile, 0)

@@ -1,0 +1,131 @@
+"""The batch-1 4-bit product whose words wait in shared memory (``edgeinfer.quant.staged``).
+
+Which products and tiles it takes, and that the tuner times it only where it is turned on, are
+checked on any machine; its outputs against torch's need a GPU (Gluon kernels do not run in
+Triton's CPU interpreter), and its compiled structure is checked without one in
+tests/test_kernels_compile.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgeinfer.quant import staged
+from edgeinfer.quant.kernels import SplitWorkspace
+from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.quant.staged import StagedGemvConfig, unfit
+from edgeinfer.testing.products import random_packed
+
+
+def packed(n: int, k: int, bits: int = 4, group: int = 128, dtype=torch.bfloat16, device="cpu") -> PackedMatrix:
+    return random_packed(n, k, bits, group, torch.device(device), dtype)
+
+
+def test_a_product_outside_the_kernel_is_named_with_its_limit():
+    fits = packed(17920, 1536)
+    assert unfit(fits, torch.bfloat16, True, StagedGemvConfig(1)) is None
+    assert unfit(packed(1536, 8960), torch.bfloat16, False, StagedGemvConfig(4, 5)) is None
+    w = fits
+    misaligned = torch.zeros(64 * 192 + 1, dtype=torch.int32)[1:].view(64, 192)  # 4 bytes past a 16-byte line
+    cases = [
+        (packed(64, 1536, bits=8, group=1536), torch.bfloat16, False, StagedGemvConfig(1), "8-bit codes"),
+        (w, torch.float32, True, StagedGemvConfig(1), "torch.float32 activations"),
+        (packed(64, 1536, dtype=torch.float16), torch.bfloat16, False, StagedGemvConfig(1), "torch.float16 scales"),
+        (packed(64, 1536, group=64), torch.bfloat16, False, StagedGemvConfig(1), "groups of 64 over 1536"),
+        (packed(64, 1000, group=1000), torch.bfloat16, False, StagedGemvConfig(1), "over 1000 columns"),
+        (PackedMatrix(misaligned, w.scales[:64], None, 4, 128, (64, 1536)), torch.bfloat16, False,
+         StagedGemvConfig(1), "16-byte aligned"),
+        (w, torch.bfloat16, True, StagedGemvConfig(1, 5), "12 chunks of 128 columns do not split 5 ways"),
+        (packed(64, 128 * 34), torch.bfloat16, False, StagedGemvConfig(1), "34 chunks a program (at most 16)"),
+        (packed(40, 1536), torch.bfloat16, False, StagedGemvConfig(1), "40 rows in tiles of 16"),
+        (packed(24, 1536), torch.bfloat16, True, StagedGemvConfig(1), "12 outputs in tiles of 8 (glu)"),
+        (packed(64, 2048), torch.bfloat16, False, StagedGemvConfig(4),
+         f"{16 * 4 * 16 * 64 + 16 * 256} bytes of shared memory a program (at most 65536)"),
+    ]
+    for w, dtype, glu, config, reason in cases:
+        got = unfit(w, dtype, glu, config)
+        assert got is not None and reason in got, (reason, got)
+
+
+def test_its_tiles_are_timed_only_where_turned_on_and_on_a_gpu_that_runs_it(monkeypatch):
+    gate_up, down = packed(17920, 1536), packed(1536, 8960)
+    monkeypatch.delenv(staged.STAGED_ENV, raising=False)
+    assert not staged.enabled() and staged.candidates(gate_up, torch.bfloat16, True) == []
+    monkeypatch.setenv(staged.STAGED_ENV, "1")
+    assert staged.enabled()
+    assert staged.unavailable(torch.device("cpu")) in ("not a CUDA device", "Triton's Gluon is not installed")
+    assert staged.candidates(gate_up, torch.bfloat16, True) == []  # these weights are on the CPU
+    monkeypatch.setattr(staged, "unavailable", lambda device: None)  # as on a GPU that can run it
+    got = staged.candidates(gate_up, torch.bfloat16, True)
+    assert [(c.warps, c.split) for c in got] == [(w, s) for w in (1, 2, 4) for s in (1, 2, 3)]
+    got = staged.candidates(down, torch.bfloat16, False)  # 70 chunks: 5, 7 and 10 splits are the fewest of ≤ 16
+    assert [(c.warps, c.split) for c in got] == [(w, s) for w in (1, 2, 4) for s in (5, 7, 10)]
+    assert all(unfit(down, torch.bfloat16, False, c) is None for c in got)
+    assert staged.candidates(packed(64, 1536, bits=8, group=1536), torch.bfloat16, False) == []
+
+
+def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
+    from edgeinfer.backends.torch import triton_decode
+
+    w = packed(17920, 1536)
+    monkeypatch.setenv(staged.STAGED_ENV, "1")
+    monkeypatch.setattr(staged, "unavailable", lambda device: None)
+    tiles = triton_decode._candidates(w, torch.bfloat16, True)
+    assert tiles[:len(triton_decode.PACKED_GEMV_CANDIDATES)] == triton_decode.PACKED_GEMV_CANDIDATES
+    assert tiles[len(triton_decode.PACKED_GEMV_CANDIDATES):] == tuple(staged.candidates(w, torch.bfloat16, True))
+    assert triton_decode._candidates(w) == triton_decode.PACKED_GEMV_CANDIDATES  # no dtype: packed_gemv's alone
+    assert triton_decode._config_name(StagedGemvConfig(2, 7)) == "staged/2w/split7"
+
+
+def _gpu_skip() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is false)"
+    return staged.unavailable(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"the staged kernel cannot run here: {_gpu_skip()}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
+@pytest.mark.parametrize("fused", ["plain", "norm bias", "norm glu", "residual"])
+def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fused):
+    """Every tile, whole and split, gives what the fused step's check takes (torch's product, rounded
+    where the eager layer rounds, at both ends of N and between: a code from the wrong nibble, a
+    chunk's x or scale from another chunk, or a gate paired with another output's up row moves
+    whole outputs), for a gate|up-like, a down-like (70 chunks) and a q|k|v-like product, with and
+    without zero points; every split product leaves its arrival counts at zero."""
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(3)
+    dev = torch.device("cuda")
+    shapes = {"plain": (512, 1536), "norm bias": (2048, 1536), "norm glu": (1024, 1536), "residual": (256, 8960)}
+    n, k = shapes[fused]
+    groups = k // 128
+    w = packed(n, k, dtype=dtype, device="cuda")
+    if zeros:
+        w = PackedMatrix(w.codes, w.scales, torch.randint(0, 16, (n, groups), device=dev).to(dtype), 4, 128, (n, k))
+    x = torch.randn(1, k, device=dev, dtype=dtype)
+    kw = {}
+    if "norm" in fused:
+        kw.update(norm_weight=torch.empty(k, device=dev, dtype=dtype).uniform_(0.5, 1.5), eps=1e-6)
+    if "bias" in fused or "glu" in fused:
+        kw["bias"] = torch.randn(n, device=dev, dtype=dtype)
+    if "glu" in fused:
+        kw["glu"] = True
+    if fused == "residual":
+        kw["residual"] = torch.randn(1, n, device=dev, dtype=dtype)
+    glu = kw.get("glu", False)
+    tiles = [StagedGemvConfig(nw, s) for nw in (1, 2, 4) for s in (1, 2, 3, 5, 7, 10)
+             if groups % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(nw, s)) is None]
+    assert len(tiles) >= 3 and any(t.split > 1 for t in tiles)
+    space = SplitWorkspace(dev)
+    out = torch.empty(1, n // 2 if glu else n, device=dev, dtype=dtype)
+
+    def run(x, w, tile, **kw):
+        return staged.staged_gemv(x, w, tile, workspace=space, **kw)
+
+    right, wrong = triton_decode.right_tiles(x, w, tiles, out, run, **kw)
+    assert right == tiles and wrong == {}, wrong
+    torch.cuda.synchronize()
+    assert int(space.arrivals.abs().sum()) == 0, "a split product left an arrival count behind"
