@@ -12,7 +12,9 @@ weight dequantized to bf16 (largest difference over the largest output). Writes
 
 For 4-bit weights and up to 16 rows it also times the tensor-core kernel's tiles
 (``/tc`` in a tile's name), x read from memory each step and x put in shared memory
-(``/x-shared``), at every row count up to 16, whichever of them the tuner times there:
+(``/x-shared``), each with a lane's words side by side too (``/wide``), and the staged tiles
+(``/staged``: every step's words in shared memory at once, not yet run on a GPU), at every row count
+up to 16, whichever of them the tuner times there:
 ``ROWS=1,4,16 OUT=folder python scripts/probe_packed_mm.py`` compares them. ``PRODUCTS=down,qkv``
 times only the products named, ``KINDS=tc`` only the tensor-core tiles (``dot``: only the others).
 
@@ -50,7 +52,8 @@ def new_mm(x, w, cfg, warmup=False):
 
 def key(c):
     return (f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s/split{c.split}" + ("/wa" if c.w_a else "")
-            + ("/tc" if c.mma else "") + ("/x-shared" if c.x_shared else "") + ("/wide" if c.wide else ""))
+            + ("/tc" if c.mma else "") + ("/x-shared" if c.x_shared else "") + ("/wide" if c.wide else "")
+            + ("/staged" if c.staged else ""))
 
 
 def sweep(fn, ws, x, want, configs):
@@ -75,7 +78,9 @@ def best(table):
 
 def tensor_core_configs(layout, rows):
     """The tensor-core tiles for ``rows``: both ways of reading x (the tuner times x loaded each step
-    up to 8 rows, x in shared memory at 16), each also with a lane's words side by side (``/wide``)."""
+    up to 8 rows, x in shared memory at 16), each also with a lane's words side by side (``/wide``),
+    and the staged tiles (``/staged``: every step's words in shared memory at once,
+    ``kernels.staged_mma_candidates``)."""
     if layout.bits != 4 or rows > 16:
         return []
     bm = 8 if rows <= 8 else 16
@@ -90,7 +95,7 @@ def tensor_core_configs(layout, rows):
     wide = [kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=shared, wide=True)
             for shared, tiles in ((False, kernels.MMA_TILES), (True, kernels.X_SHARED_TILES))
             for bn, bk, split in tiles for stages in (2, 4) if fits(bk, split, shared)]
-    return tuned + wide
+    return tuned + wide + kernels.staged_mma_candidates(layout, bm)
 
 
 def new_configs(layout, bks):

@@ -239,6 +239,35 @@ def test_a_lanes_words_side_by_side_load_sixteen_bytes_at_once():
         assert moves[True] == moves[False], case  # the permutation moves no value between threads
 
 
+def test_the_staged_tensor_core_product_asks_for_every_step_s_words_first():
+    """The tensor-core kernel's ``STAGED`` tiles (as ``kernels.staged_mma_candidates`` gives them for
+    gate|up and down at 8 and 16 rows, whole and split, with and without zero points) copy every step's
+    words into shared memory in 16-byte copies, all before the first wait, then wait once a step; they
+    take the shared memory ``kernels.staged_bytes`` counts. For Hopper and Orin."""
+    from edgeinfer.quant import tensor_core
+
+    if tensor_core.gluon is None:
+        pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
+    for (n, k), rows, has_z, (label, target) in itertools.product(((17920, 1536), (1536, 8960)), (8, 16),
+                                                                  (False, True), TARGETS.items()):
+        layout = kernels.PackedGeometry(n, k, 4, k // 128, 128)
+        tiles = kernels.staged_mma_candidates(layout, rows)
+        assert tiles, (n, k, rows)
+        for c in tiles[::2]:  # 64 and 128 outputs, each at its fewest splits
+            steps = k // c.bk // c.split
+            given = dict(BN=c.bn, BM=rows, BK=c.bk, GS=128, HAS_Z=has_z, SPLIT_K=c.split > 1, WARPS=4,
+                         LW=tensor_core.word_layout(c.bn, c.bk, 4, True), BF16=True, MAGIC=128.0, AHEAD=1,
+                         X_SHARED=True, X_STEPS=kernels.pow2(steps), WIDE=True, STAGED=True, STEPS=steps)
+            kernel = compiled_gluon(tensor_core._mma_mm_kernel, "bf16", given, target, 4)
+            body = instructions(disassembled(kernel.asm["cubin"]))
+            copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
+            waits = [i for i, op in enumerate(body) if "DEPBAR.LE" in op]
+            case = (label, n, k, rows, has_z, c)
+            assert copies and all(".128 " in body[i] for i in copies), case  # (predicated or not)
+            assert max(copies) < min(waits) and len(waits) == steps, case
+            assert kernel.metadata.shared == kernels.staged_bytes(k, c.bn, c.bk, c.split, rows), case
+
+
 def compiled_gluon(fn, dtype: str, constexprs: dict, target: GPUTarget, warps: int):
     """``fn`` (Gluon) compiled for ``target`` as its wrapper launches it: pointers, N, K, strides and
     ``per_split`` specialized as multiples of 16, as Triton specializes them at a launch."""

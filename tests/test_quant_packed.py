@@ -254,7 +254,8 @@ def test_the_tensor_core_product_is_the_dequantized_product_rounded_once(dtype, 
     a pair put in the wrong half, or a row of x read as another moves whole outputs); the same with x
     put in shared memory first (a step's slice read from the wrong place moves whole outputs too), and
     with a lane's words side by side, x read from memory or put in shared memory (x in another
-    permutation than the weight's columns moves whole outputs)."""
+    permutation than the weight's columns moves whole outputs); and staged, every step's words in
+    shared memory at once (a step read from another step's buffer moves whole outputs)."""
     from edgeinfer.quant import tensor_core
 
     if (why := tensor_core.unavailable(torch.empty(1, k, dtype=dtype, device="cuda"), dtype, 4, group, n, k)) is not None:
@@ -269,13 +270,18 @@ def test_the_tensor_core_product_is_the_dequantized_product_rounded_once(dtype, 
         for rows in (1, 5, 16):
             x = torch.randn(rows, k, device="cuda").to(dtype)
             want = (x.float() @ dense.t()).to(dtype).float()
-            for bn, bk, split, stages, x_shared, wide in (
-                    (64, 64, 1, 2, False, False), (128, 128 if group % 128 == 0 else 64, 3, 3, False, False),
-                    (256, 64, 16, 4, False, False), (64, 64, 1, 2, True, False),
-                    (128, 128 if group % 128 == 0 else 64, 3, 4, True, False),
-                    (64, 64, 1, 2, False, True), (128, 128 if group % 128 == 0 else 64, 3, 3, False, True),
-                    (128, 128 if group % 128 == 0 else 64, 3, 4, True, True)):
-                config = kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=x_shared, wide=wide)
+            long = 128 if group % 128 == 0 else 64
+            for bn, bk, split, stages, x_shared, wide, staged in (
+                    (64, 64, 1, 2, False, False, False), (128, long, 3, 3, False, False, False),
+                    (256, 64, 16, 4, False, False, False), (64, 64, 1, 2, True, False, False),
+                    (128, long, 3, 4, True, False, False),
+                    (64, 64, 1, 2, False, True, False), (128, long, 3, 3, False, True, False),
+                    (128, long, 3, 4, True, True, False),
+                    (64, long, 2, 2, True, True, True), (128, 64, 4, 2, True, False, True)):
+                if staged and (k // bk) % split:
+                    continue  # staged splits take the same steps each
+                config = kernels.MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=x_shared, wide=wide,
+                                          staged=staged)
                 got = kernels.packed_mm(x, packed.codes, packed.scales, packed.zeros, packed.layout, config).float()
                 torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item(),
                                            msg=lambda m: f"{rows} rows, {config}, zeros {zeros is not None}: {m}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgeinfer.quant import staged
-from edgeinfer.quant.kernels import SplitWorkspace
+from edgeinfer.quant.kernels import STAGED_ENV, SplitWorkspace
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, unfit
 from edgeinfer.testing.products import random_packed
@@ -50,9 +50,9 @@ def test_a_product_outside_the_kernel_is_named_with_its_limit():
 
 def test_its_tiles_are_timed_only_where_turned_on_and_on_a_gpu_that_runs_it(monkeypatch):
     gate_up, down = packed(17920, 1536), packed(1536, 8960)
-    monkeypatch.delenv(staged.STAGED_ENV, raising=False)
+    monkeypatch.delenv(STAGED_ENV, raising=False)
     assert not staged.enabled() and staged.candidates(gate_up, torch.bfloat16, True) == []
-    monkeypatch.setenv(staged.STAGED_ENV, "1")
+    monkeypatch.setenv(STAGED_ENV, "1")
     assert staged.enabled()
     assert staged.unavailable(torch.device("cpu")) in ("not a CUDA device", "Triton's Gluon is not installed")
     assert staged.candidates(gate_up, torch.bfloat16, True) == []  # these weights are on the CPU
@@ -69,13 +69,39 @@ def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
     from edgeinfer.backends.torch import triton_decode
 
     w = packed(17920, 1536)
-    monkeypatch.setenv(staged.STAGED_ENV, "1")
+    monkeypatch.setenv(STAGED_ENV, "1")
     monkeypatch.setattr(staged, "unavailable", lambda device: None)
     tiles = triton_decode._candidates(w, torch.bfloat16, True)
     assert tiles[:len(triton_decode.PACKED_GEMV_CANDIDATES)] == triton_decode.PACKED_GEMV_CANDIDATES
     assert tiles[len(triton_decode.PACKED_GEMV_CANDIDATES):] == tuple(staged.candidates(w, torch.bfloat16, True))
     assert triton_decode._candidates(w) == triton_decode.PACKED_GEMV_CANDIDATES  # no dtype: packed_gemv's alone
     assert triton_decode._config_name(StagedGemvConfig(2, 7)) == "staged/2w/split7"
+
+
+def test_the_tensor_core_kernel_s_staged_tiles_are_timed_only_where_turned_on(monkeypatch):
+    """At 2 to 16 rows the tensor-core kernel's staged tiles (every step's words and x in shared
+    memory at once) join its candidates only with the same switch; each leaves every split the same
+    steps, at least two, within ``STAGED_BYTES`` of shared memory."""
+    from edgeinfer.quant import kernels
+
+    gate_up = kernels.PackedGeometry(17920, 1536, 4, 12, 128)
+    down = kernels.PackedGeometry(1536, 8960, 4, 70, 128)
+    monkeypatch.delenv(STAGED_ENV, raising=False)
+    assert not any(c.staged for rows in (8, 16) for c in kernels.mma_candidates(gate_up, rows))
+    monkeypatch.setenv(STAGED_ENV, "1")
+    for layout, rows, want in ((gate_up, 16, [(64, 2), (64, 3), (128, 2), (128, 3)]),
+                               (gate_up, 8, [(64, 1), (64, 2), (128, 2), (128, 3)]),
+                               (down, 16, [(64, 10), (64, 14), (128, 10), (128, 14)])):
+        tiles = [c for c in kernels.mma_candidates(layout, rows) if c.staged]
+        assert tiles == kernels.staged_mma_candidates(layout, rows)
+        assert [(c.bn, c.split) for c in tiles] == want, (layout, rows)
+        for c in tiles:
+            steps = layout.k // c.bk
+            assert c.mma and c.x_shared and c.wide and steps % c.split == 0 and steps // c.split >= 2
+            assert kernels.staged_bytes(layout.k, c.bn, c.bk, c.split, rows) <= kernels.STAGED_BYTES
+    assert kernels._tile_name(tiles[0]).endswith("/x-shared/wide/staged")
+    # groups shorter than a step of 128 columns: none
+    assert kernels.staged_mma_candidates(kernels.PackedGeometry(256, 1024, 4, 16, 64), 16) == []
 
 
 def _gpu_skip() -> str | None:

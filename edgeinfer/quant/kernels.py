@@ -62,6 +62,9 @@ except ImportError:  # pragma: no cover - older Triton, or none
 DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
 # Set to 0 to compile each candidate tile at its first launch, one after another (compile_ahead off).
 COMPILE_AHEAD_ENV = "EDGEINFER_COMPILE_AHEAD"
+# "1": the tuners also time the staged products' tiles (quant/staged.py at one row, the tensor-core
+# kernel's ``STAGED`` for a few): not yet run on a GPU, so off by default
+STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
 
 MAX_DOT_ROWS = 64  # rows past this take dequantize + GEMM: the tile of weight is then reused enough
 
@@ -116,6 +119,11 @@ def _cannot_build_for(capability: tuple[int, int]) -> str | None:
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def staged_enabled() -> bool:
+    """Whether the tuners time the staged products' tiles (``$EDGEINFER_STAGED_PRODUCTS=1``)."""
+    return os.environ.get(STAGED_ENV) == "1"
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -544,6 +552,7 @@ class MmConfig:
     mma: bool = False  # the tensor-core kernel of :mod:`edgeinfer.quant.tensor_core` (4-bit, ≤ 16 rows)
     x_shared: bool = False  # that kernel with x put in shared memory once a CTA (``X_SHARED``)
     wide: bool = False  # that kernel with a lane's words of a step side by side, one load (``WIDE``)
+    staged: bool = False  # that kernel with every step's words copied into shared memory at once (``STAGED``)
 
 
 class SplitWorkspace:
@@ -652,7 +661,34 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
     shared = [MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=True) for bn, bk, split in X_SHARED_TILES
               for stages in (2, 4)
               if row_tile == 16 and fits(bk, split) and x_shared_bytes(layout.k, bk, split, row_tile) <= X_SHARED_BYTES]
-    return registers + shared
+    return registers + shared + (staged_mma_candidates(layout, row_tile) if staged_enabled() else [])
+
+
+def staged_mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
+    """The tensor-core kernel's staged tiles (``STAGED``: every step's words and x in shared memory at
+    once; not yet run on a GPU): 64 and 128 outputs, steps of 128 columns with a lane's words side by
+    side (16-byte copies), each at the :data:`STAGED_SPLITS` fewest splits that leave every split the
+    same steps, at least two, in :data:`STAGED_BYTES` of shared memory (:func:`staged_bytes`)."""
+    bk = 128
+    if layout.k % bk or layout.group_constexpr % bk:
+        return []
+    steps = layout.k // bk
+    out = []
+    for bn in (64, 128):
+        fits = [split for split in range(1, steps // 2 + 1) if steps % split == 0
+                and staged_bytes(layout.k, bn, bk, split, row_tile) <= STAGED_BYTES]
+        out += [MmConfig(bn, bk, split, stages=2, mma=True, x_shared=True, wide=True, staged=True)
+                for split in fits[:STAGED_SPLITS]]
+    return out
+
+
+STAGED_SPLITS = 2
+STAGED_BYTES = 96 * 1024  # under half of an H200 SM's shared memory, and of an Orin SM's 164 KB
+
+
+def staged_bytes(k: int, bn: int, bk: int, split: int, row_tile: int) -> int:
+    """The shared memory a CTA of the staged tensor-core kernel takes: its steps' words and x."""
+    return k // bk // split * bn * bk // 2 + x_shared_bytes(k, bk, split, row_tile)
 
 
 MMA_TILES = ((64, 64, 1), (64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (128, 64, 16), (256, 64, 4),
@@ -790,7 +826,8 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return mm_config(layout, x.shape[0], x.device)
     cache, ident = tile_cache.default(), tile_cache.device_identity(x.device)
-    cache_key = {**asdict(layout), "row_tile": bm, "zeros": zeros is not None, "dtype": str(x.dtype)}
+    cache_key = {**asdict(layout), "row_tile": bm, "zeros": zeros is not None, "dtype": str(x.dtype),
+                 "staged": staged_enabled()}  # whether the staged tiles were candidates
     kept = _kept_config(cache.get(PACKED_TILES, cache_key, ident))
     if kept is not None:
         _TUNED[key] = kept
@@ -869,7 +906,7 @@ def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.T
 def _tile_name(cfg: MmConfig) -> str:
     kind = "tensor-core" if cfg.mma else "dot"
     return (f"{kind} {cfg.bn}x{cfg.bk}/split{cfg.split}/{cfg.warps}w/{cfg.stages}s" + ("/wa" if cfg.w_a else "")
-            + ("/x-shared" if cfg.x_shared else "") + ("/wide" if cfg.wide else ""))
+            + ("/x-shared" if cfg.x_shared else "") + ("/wide" if cfg.wide else "") + ("/staged" if cfg.staged else ""))
 
 
 def _kept_config(fields: dict | None) -> MmConfig | None:
@@ -896,7 +933,8 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
                                   split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),
-                                  ahead=cfg.stages - 1, x_shared=cfg.x_shared, wide=cfg.wide, warmup=warmup)
+                                  ahead=cfg.stages - 1, x_shared=cfg.x_shared, wide=cfg.wide, staged=cfg.staged,
+                                  warmup=warmup)
     bm = max(16, pow2(m))
     grid = (triton.cdiv(layout.n, cfg.bn), triton.cdiv(m, bm), cfg.split)
     y = torch.empty(m, layout.n, dtype=x.dtype, device=x.device)
@@ -935,7 +973,7 @@ def tuned_choices() -> list[dict]:
             choice["kernel"] = "torch"
         else:
             choice.update(bn=cfg.bn, bk=cfg.bk, split=cfg.split, weight_first=cfg.w_a, x_shared=cfg.x_shared,
-                          wide=cfg.wide, kernel="tensor_core" if cfg.mma else "dot")
+                          wide=cfg.wide, staged=cfg.staged, kernel="tensor_core" if cfg.mma else "dot")
         if key in _REFUSED:
             choice["tensor_core_refused"] = _REFUSED[key]
         if key in _WRONG:

@@ -1,6 +1,6 @@
 """The batch-1 4-bit product with a program's words waiting in shared memory: :func:`staged_gemv`.
 
-**Not yet run on a GPU**, so the load-time tuner times it only where ``EDGEINFER_STAGED_GEMV=1``
+**Not yet run on a GPU**, so the load-time tuner times it only where ``EDGEINFER_STAGED_PRODUCTS=1``
 (:func:`enabled`); its tiles are then checked against torch before they are timed, as every
 tile is (``triton_decode.right_tiles``).
 
@@ -37,12 +37,11 @@ the tile's; :func:`unfit` says why a product or tile falls outside, and ``packed
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, launch, pow2
+from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, launch, pow2, staged_enabled
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this kernel exists at all
@@ -53,7 +52,6 @@ try:  # the import decides whether this kernel exists at all
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton; older Triton without Gluon
     gluon = None
 
-STAGED_ENV = "EDGEINFER_STAGED_GEMV"
 CHUNK = 128  # columns a commit group and a step of MMAs take: 16 words a row
 MAX_CHUNKS = 16  # a program's chunks (each one unrolled, with its own buffer and wait)
 MAX_SHARED = 64 * 1024  # a program's words and x in shared memory
@@ -71,8 +69,8 @@ class StagedGemvConfig:
 
 
 def enabled() -> bool:
-    """Whether the tuner times this kernel's tiles (``EDGEINFER_STAGED_GEMV=1``)."""
-    return os.environ.get(STAGED_ENV) == "1"
+    """Whether the tuner times this kernel's tiles (``EDGEINFER_STAGED_PRODUCTS=1``)."""
+    return staged_enabled()
 
 
 @functools.cache

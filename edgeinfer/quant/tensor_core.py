@@ -28,6 +28,11 @@ dialect, so the layouts are chosen rather than inferred:
   the step's columns (a lane's words are the step's 32-column blocks, each one word of the
   operand's fragment), and x is read, or copied into shared memory, in the same permutation,
   which a sum over K does not see. The words of a step then take a quarter of the loads.
+* With ``STAGED`` (and ``X_SHARED``) every step's words are copied into shared memory too, all
+  before the first multiply, a commit group a step, and step i waits for the copies up to its own:
+  every byte of a program is in flight at once without holding a register, and the arithmetic
+  follows the copies as they land (:mod:`edgeinfer.quant.staged` does so at one row). Not yet run
+  on a GPU: the tuner times these tiles only with ``EDGEINFER_STAGED_PRODUCTS=1``.
 * K is split when N alone gives too few programs; each split writes its partial sums and the
   last to arrive adds them in split order (the same bits on every run) and writes the output,
   as :func:`~edgeinfer.quant.kernels.split_total` does for the Triton kernels (a Gluon kernel
@@ -104,6 +109,8 @@ if gluon is not None:
     # a copy into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, ``async_load`` in 3.9
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _BF16_DEQUANTIZE = gl.constexpr(BF16_DEQUANTIZE)
+    # a step's words in shared memory as they lie, row after row (a lane's 16 bytes are its own)
+    _WORDS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
     _F16_DEQUANTIZE = gl.constexpr(F16_DEQUANTIZE)
 
     @gluon.jit
@@ -187,11 +194,44 @@ if gluon is not None:
         _cta_barrier()
 
     @gluon.jit
+    def _staged_steps(acc, x_smem, words_at, words_ok, S, Z, rn, n_ok, G, start, BN: gl.constexpr, BK: gl.constexpr,
+                      GS: gl.constexpr, HAS_Z: gl.constexpr, MAGIC: gl.constexpr, LW: gl.constexpr, LA: gl.constexpr,
+                      LB: gl.constexpr, BF16: gl.constexpr, WIDE: gl.constexpr, STEPS: gl.constexpr):
+        """``acc`` plus the split's STEPS steps, their words copied into shared memory all at once (a
+        buffer and a commit group a step, after x's: ``cp.async`` holds no register, so every step's
+        bytes are in flight together) and each step multiplied once the copies up to its own have
+        landed, while the later ones still arrive (as :mod:`edgeinfer.quant.staged` does at one row).
+        The steps' scales and ``-(2^m + z)`` are asked for first too, kept in registers."""
+        dt = S.dtype.element_ty  # the activations' dtype too (unavailable refuses others)
+        w_smem = ()
+        for i in gl.static_range(STEPS):
+            w_smem = w_smem + (gl.allocate_shared_memory(gl.int32, [BN, BK // 8], _WORDS_SHARED),)
+            _async_load(w_smem[i], words_at + (start + i * BK) // 8, mask=words_ok)
+            async_copy.commit_group()
+        scales = ()
+        less = ()
+        for i in gl.static_range(STEPS):
+            at = rn * G + (start + i * BK) // GS
+            scales = scales + (gl.load(S + at, mask=n_ok, other=0.0).to(dt),)
+            if HAS_Z:
+                less = less + ((-MAGIC - gl.load(Z + at, mask=n_ok, other=0.0).to(gl.float32)).to(dt),)
+            else:
+                less = less + (gl.full(rn.shape, -MAGIC - 8.0, dt, layout=gl.SliceLayout(1, LW)),)
+        for i in gl.static_range(STEPS):
+            async_copy.wait_group(STEPS - 1 - i)  # this thread's copies up to step i (and x's) have landed
+            _cta_barrier()  # and every other thread's
+            a = _weight_tile(w_smem[i].load(LW), gl.expand_dims(scales[i], 1), gl.expand_dims(less[i], 1), BN, BK, LA,
+                             BF16, WIDE)
+            acc = mma_v2(a, x_smem.index(i).load(LB), acc)
+        return acc
+
+    @gluon.jit
     def _mma_mm_kernel(X, Q, S, Z, Y, PARTS, ARRIVALS, M, N, K, G, stride_x, stride_y, per_split, splits,
                        BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GS: gl.constexpr,
                        HAS_Z: gl.constexpr, SPLIT_K: gl.constexpr, WARPS: gl.constexpr, LW: gl.constexpr,
                        BF16: gl.constexpr, MAGIC: gl.constexpr, AHEAD: gl.constexpr,
-                       X_SHARED: gl.constexpr = False, X_STEPS: gl.constexpr = 1, WIDE: gl.constexpr = False):
+                       X_SHARED: gl.constexpr = False, X_STEPS: gl.constexpr = 1, WIDE: gl.constexpr = False,
+                       STAGED: gl.constexpr = False, STEPS: gl.constexpr = 1):
         """Y[m, n] = sum_k X[m, k] · W[n, k] for BN outputs and the BM (≤ 16) rows of X, over columns
         [split · per_split, (split + 1) · per_split); a K step of BK columns lies in one group. ``BF16``:
         X is bf16 (else fp16), whose mantissa holds a code over ``MAGIC`` (2^m). ``AHEAD`` (1 to 3)
@@ -199,7 +239,9 @@ if gluon is not None:
         memory, and a product of a few rows has too few warps to hide one step's wait. ``X_SHARED``: x's
         columns of the split (at most ``X_STEPS`` steps) are put in shared memory first, once a CTA
         (:func:`_x_to_shared`), and each step's slice is read from there as it multiplies, so only the
-        weights' operands are in flight ahead and x is read from the L2 once a CTA, not once a warp."""
+        weights' operands are in flight ahead and x is read from the L2 once a CTA, not once a warp.
+        ``STAGED`` (with ``X_SHARED``; each split exactly ``STEPS`` steps): every step's words are
+        copied into shared memory too, all before the first multiply (:func:`_staged_steps`)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -224,34 +266,38 @@ if gluon is not None:
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         if X_SHARED:
             x_smem = _x_to_shared(X, M, stride_x, start, end, BK, BM, X_STEPS, WARPS, WIDE)
-        w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, start, GS, HAS_Z, MAGIC, LW, X_SHARED)
-        if AHEAD >= 2:
-            w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
-                                            gl.minimum(start + BK, last), GS, HAS_Z, MAGIC, LW, X_SHARED)
-        if AHEAD >= 3:
-            w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
-                                            gl.minimum(start + 2 * BK, last), GS, HAS_Z, MAGIC, LW, X_SHARED)
-        if X_SHARED:  # x's copies were in flight while the first steps' weights were asked for
-            _x_arrived()
-        for k0 in range(start, end, BK):
-            w, s, nb, x = w0, s0, z0, x0
-            ahead = gl.minimum(k0 + AHEAD * BK, last)
-            if AHEAD == 1:
-                w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
-                                                MAGIC, LW, X_SHARED)
-            elif AHEAD == 2:
-                w0, s0, z0, x0 = w1, s1, z1, x1
-                w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
-                                                MAGIC, LW, X_SHARED)
-            else:
-                w0, s0, z0, x0 = w1, s1, z1, x1
-                w1, s1, z1, x1 = w2, s2, z2, x2
-                w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
-                                                MAGIC, LW, X_SHARED)
-            a = _weight_tile(w, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16, WIDE)
-            if X_SHARED:
-                x = x_smem.index((k0 - start) // BK).load(lb)
-            acc = mma_v2(a, x, acc)
+        if STAGED:
+            acc = _staged_steps(acc, x_smem, words_at, words_ok, S, Z, rn, n_ok, G, start, BN, BK, GS, HAS_Z, MAGIC,
+                                LW, la, lb, BF16, WIDE, STEPS)
+        else:
+            w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, start, GS, HAS_Z, MAGIC, LW, X_SHARED)
+            if AHEAD >= 2:
+                w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
+                                                gl.minimum(start + BK, last), GS, HAS_Z, MAGIC, LW, X_SHARED)
+            if AHEAD >= 3:
+                w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G,
+                                                gl.minimum(start + 2 * BK, last), GS, HAS_Z, MAGIC, LW, X_SHARED)
+            if X_SHARED:  # x's copies were in flight while the first steps' weights were asked for
+                _x_arrived()
+            for k0 in range(start, end, BK):
+                w, s, nb, x = w0, s0, z0, x0
+                ahead = gl.minimum(k0 + AHEAD * BK, last)
+                if AHEAD == 1:
+                    w0, s0, z0, x0 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
+                                                    MAGIC, LW, X_SHARED)
+                elif AHEAD == 2:
+                    w0, s0, z0, x0 = w1, s1, z1, x1
+                    w1, s1, z1, x1 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
+                                                    MAGIC, LW, X_SHARED)
+                else:
+                    w0, s0, z0, x0 = w1, s1, z1, x1
+                    w1, s1, z1, x1 = w2, s2, z2, x2
+                    w2, s2, z2, x2 = _step_operands(words_at, words_ok, S, Z, x_at, x_ok, rn, n_ok, G, ahead, GS, HAS_Z,
+                                                    MAGIC, LW, X_SHARED)
+                a = _weight_tile(w, gl.expand_dims(s, 1), gl.expand_dims(nb, 1), BN, BK, la, BF16, WIDE)
+                if X_SHARED:
+                    x = x_smem.index((k0 - start) // BK).load(lb)
+                acc = mma_v2(a, x, acc)
         rn_o = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         rm_o = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         ok = gl.expand_dims(rm_o < M, 0) & gl.expand_dims(rn_o < N, 1)
@@ -301,13 +347,17 @@ def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: in
 
 def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, n: int,
            group: int, *, bn: int, bk: int, split: int, warps: int, workspace, ahead: int = 2,
-           x_shared: bool = False, wide: bool = False, warmup: bool = False) -> torch.Tensor | None:
+           x_shared: bool = False, wide: bool = False, staged: bool = False,
+           warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for ``x`` [M ≤ 16, K] (bf16 or fp16) and W packed 4-bit [N, K] in groups of
     ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
     ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials.
     ``x_shared``: each CTA puts its split's columns of x in shared memory first (``X_SHARED``).
     ``wide``: a lane reads its words of a step side by side, in one load (``WIDE``), and x is read
     (or put in shared memory) in the same permutation of the step's columns.
+    ``staged``: with ``x_shared``, every step's words are copied into shared memory too, all at once
+    (``STAGED``; the splits must take the same number of steps); where x is not 16-byte aligned
+    (no ``x_shared``), the kernel runs as without it.
     ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     m, k = x.shape
     if group % bk or k % bk or bk % 64 or bn % 64:
@@ -316,7 +366,10 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
     x = x.contiguous()
     # x's copies into shared memory are 16 bytes each (cp.async): from a 16-byte aligned x only
     x_shared = x_shared and x.data_ptr() % 16 == 0
+    staged = staged and x_shared
     steps = triton.cdiv(k, bk)
+    if staged and steps % split:
+        raise ValueError(f"staged steps: {steps} steps of {bk} columns do not split {split} ways evenly")
     per_split = triton.cdiv(steps, split) * bk
     splits = triton.cdiv(k, per_split)
     tiles = triton.cdiv(n, bn)
@@ -327,7 +380,7 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
     given = dict(BN=bn, BM=8 if m <= 8 else 16, BK=bk, GS=group, HAS_Z=zeros is not None, SPLIT_K=splits > 1,
                  WARPS=warps, LW=word_layout(bn, bk, warps, wide), BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype],
                  AHEAD=ahead, X_SHARED=x_shared, X_STEPS=triton.next_power_of_2(per_split // bk) if x_shared else 1,
-                 WIDE=wide, num_warps=warps)
+                 WIDE=wide, STAGED=staged, STEPS=steps // split if staged else 1, num_warps=warps)
     if warmup:  # the compile alone (kernels.launch; this module is below kernels)
         _mma_mm_kernel.warmup(*args, grid=(tiles, splits), **given)
         return None
