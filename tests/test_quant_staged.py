@@ -48,6 +48,18 @@ def test_a_product_outside_the_kernel_is_named_with_its_limit():
         assert got is not None and reason in got, (reason, got)
 
 
+def test_a_product_it_cannot_take_is_refused_before_anything_launches():
+    w = packed(64, 1536)
+    x = torch.randn(1, 1536, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="staged_gemv reads one row, got 2"):
+        staged.staged_gemv(torch.randn(2, 1536, dtype=torch.bfloat16), w, StagedGemvConfig(1))
+    with pytest.raises(ValueError, match="cannot take this product: .*(not a CUDA device|Gluon is not installed)"):
+        staged.staged_gemv(x, w, StagedGemvConfig(1))
+    if staged.gluon is not None:  # a compile alone skips the device check, not the product's
+        with pytest.raises(ValueError, match="cannot take this product: 12 chunks of 128 columns do not split 5 ways"):
+            staged.staged_gemv(x, w, StagedGemvConfig(1, 5), warmup=True)
+
+
 def test_its_tiles_are_timed_only_where_turned_on_and_on_a_gpu_that_runs_it(monkeypatch):
     gate_up, down = packed(17920, 1536), packed(1536, 8960)
     monkeypatch.delenv(STAGED_ENV, raising=False)

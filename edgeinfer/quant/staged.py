@@ -152,7 +152,9 @@ def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, b
     ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     if x.shape[0] != 1:
         raise ValueError(f"staged_gemv reads one row, got {x.shape[0]}")
-    reason = (None if warmup else unavailable(x.device)) or unfit(w, x.dtype, glu, config)
+    # a compile alone (warmup) may target a GPU this machine does not have: it needs Gluon only
+    reason = unavailable(x.device) if not warmup else ("Triton's Gluon is not installed" if gluon is None else None)
+    reason = reason or unfit(w, x.dtype, glu, config)
     if reason is not None:
         raise ValueError(f"staged_gemv cannot take this product: {reason}")
     if glu and residual is not None:
