@@ -50,6 +50,7 @@ SCHEMA = 1
 KERNEL_MODULES = (
     "edgeinfer.quant.kernels",
     "edgeinfer.quant.tensor_core",
+    "edgeinfer.quant.staged",
     "edgeinfer.backends.torch.triton_decode",
     "edgeinfer.backends.torch.step_tuning",
 )

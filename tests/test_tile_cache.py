@@ -145,6 +145,12 @@ def test_processes_storing_at_once_always_leave_a_whole_file(tmp_path):
 def test_the_kernels_digest_covers_every_kernel_module_s_source():
     for name in tile_cache.KERNEL_MODULES:
         assert name in sys.modules or __import__(name)
+    package = Path(tile_cache.__file__).parent
+    with_kernels = {".".join(("edgeinfer", *path.relative_to(package).with_suffix("").parts))
+                    for path in package.rglob("*.py")
+                    if "@triton.jit" in (text := path.read_text(encoding="utf-8")) or "@gluon.jit" in text}
+    assert with_kernels and with_kernels <= set(tile_cache.KERNEL_MODULES), \
+        f"kernels whose source the tiles' identity does not read: {sorted(with_kernels - set(tile_cache.KERNEL_MODULES))}"
     import edgeinfer.backends.torch.triton_decode as module
 
     assert Path(module.__file__).read_bytes()  # the digest reads the files themselves

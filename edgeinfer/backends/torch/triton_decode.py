@@ -60,9 +60,9 @@ from edgeinfer.backends.torch.step_tuning import (
 )
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
+from edgeinfer.quant import staged
 from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, checked_outputs, checked_tiles, compile_ahead,
                                      dependent_launch, dequantized_rows, graph_time_us, interpreting, launch)
-from edgeinfer.quant import staged
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv
 from edgeinfer.tile_cache import TileCache, device_identity
