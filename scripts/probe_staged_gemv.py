@@ -17,7 +17,8 @@ process, from one CUDA graph per tile (``kernels.graph_time_us``):
 
 - ``fused``: as the decode step calls it (q|k|v with RMSNorm and bias, o and ``down`` with the
   residual, gate|up with RMSNorm and SiLU·up): every ``packed_gemv`` tile against every staged
-  tile that fits (``staged.unfit``), each first checked as the tuner checks it
+  tile that fits (``staged.unfit``), each staged tile also with half its chunks' copies issued
+  before x is read and the rest after (``/early``), each first checked as the tuner checks it
   (``triton_decode.right_tiles``: torch's product at the outputs ``kernels.checked_outputs``
   names, within ``kernels.divergence``'s bounds); a tile outside them is named and not timed.
 - ``plain``: no prologue or epilogue, the staged tiles against the tensor-core probe's
@@ -73,6 +74,9 @@ def product(which):
     glu = kw.get("glu", False)
     space = kernels.SplitWorkspace(dev)
     ours = staged_tiles(ws[0], glu)
+    # each also with half its chunks copied before x is read and the rest after (``early``): whether x,
+    # written by the kernel before, waits behind a whole program's copies
+    ours += [staged.StagedGemvConfig(c.warps, c.split, max(1, k // staged.CHUNK // c.split // 2)) for c in ours]
     plain_ours = staged_tiles(ws[0], False)
     theirs = list(td.PACKED_GEMV_CANDIDATES)
     outs = [torch.empty(1, n // 2 if glu else n, dtype=x.dtype, device=dev) for _ in ws]
@@ -147,7 +151,7 @@ def sass_report():
                             or staged.shared_bytes(k, nw, split) > staged.MAX_SHARED:
                         continue
                     gps = chunks // split
-                    given = dict(GPS=gps, XP=pow2(gps), NW=nw, SPLIT=split, GS=GS, XB=min(pow2(k), 2048),
+                    given = dict(GPS=gps, XP=pow2(gps), NW=nw, SPLIT=split, EARLY=gps, GS=GS, XB=min(pow2(k), 2048),
                                  PROLOGUE="norm" in kind, HAS_BIAS="bias" in kind, HAS_RES="residual" in kind,
                                  HAS_Z=False, GLU=glu, BF16=True, PDL=arch >= 90)
                     source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},

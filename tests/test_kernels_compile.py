@@ -412,9 +412,10 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
     with the prologue and epilogues the step fuses, whole and split, with and without zero points.
     Each thread's words go to shared memory in 16-byte copies (``LDGSTS.128``, two a chunk: rows g and
     g + 8), all of them issued before the first wait, and on Hopper before the wait for the kernels
-    before it; then one wait a chunk, so chunk i waits for the copies up to its own only. The
-    program takes the shared memory :func:`staged.shared_bytes` counts. (Some one-warp tiles spill
-    up to about a hundred bytes a thread: docs/results/probes/sass-staged-gemv.txt.)"""
+    before it; then one wait a chunk, so chunk i waits for the copies up to its own only. With
+    ``early`` copies, only the first chunks' go out before that wait, and the rest after x's loads.
+    The program takes the shared memory :func:`staged.shared_bytes` counts. (Some one-warp tiles
+    spill up to about a hundred bytes a thread: docs/results/probes/sass-staged-gemv.txt.)"""
     from edgeinfer.quant import staged
 
     if staged.gluon is None:
@@ -433,21 +434,27 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
              if (k // staged.CHUNK) % c.split == 0 and k // staged.CHUNK // c.split <= staged.MAX_CHUNKS
              and staged.shared_bytes(k, c.warps, c.split) <= staged.MAX_SHARED][:4]
     assert tiles and any(split > 1 for _, split in tiles), tiles
-    for (label, target), (warps, split), zeros in itertools.product(TARGETS.items(), tiles, (False, True)):
+    for (label, target), (warps, split), (zeros, half) in itertools.product(
+            TARGETS.items(), tiles, ((False, False), (True, False), (False, True))):
         chunks = k // staged.CHUNK // split
-        given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, GS=128, XB=min(kernels.pow2(k), 2048),
-                     HAS_Z=zeros, BF16=True, PDL=target.arch >= 90, **fused)
+        early = max(1, chunks // 2) if half else chunks
+        given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, EARLY=early, GS=128,
+                     XB=min(kernels.pow2(k), 2048), HAS_Z=zeros, BF16=True, PDL=target.arch >= 90, **fused)
         source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
                                 {(names.index(a),): v for a, v in given.items()},
                                 {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
         kernel = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": target.arch >= 90})
-        case = (label, product, warps, split, zeros)
+        case = (label, product, warps, split, zeros, early)
         body = instructions(disassembled(kernel.asm["cubin"]))
         copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
         waits = [i for i, op in enumerate(body) if "DEPBAR.LE" in op]
         assert len(copies) == 2 * chunks and all(body[i].split()[0].endswith(".128") for i in copies), case
         assert max(copies) < min(waits) and len(waits) == chunks, case
         ptx = kernel.asm["ptx"]
-        if target.arch >= 90:  # the copies go out while the kernels before this one finish
-            assert ptx.rindex("cp.async.cg.shared.global") < ptx.index("griddepcontrol.wait"), case
+        if target.arch >= 90:  # the (early) copies go out while the kernels before this one finish
+            before = ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.cg.shared.global")
+            assert before == 2 * early, (case, before)
+        if early < chunks:  # the rest after x's 16-byte loads
+            x_loads = [i for i, op in enumerate(body) if "LDG.E.128" in op]
+            assert x_loads and min(x_loads) < copies[2 * early], case
         assert kernel.metadata.shared == staged.shared_bytes(k, warps, split), case

@@ -40,6 +40,8 @@ def test_a_product_outside_the_kernel_is_named_with_its_limit():
         (packed(64, 128 * 34), torch.bfloat16, False, StagedGemvConfig(1), "34 chunks a program (at most 16)"),
         (packed(40, 1536), torch.bfloat16, False, StagedGemvConfig(1), "40 rows in tiles of 16"),
         (packed(24, 1536), torch.bfloat16, True, StagedGemvConfig(1), "12 outputs in tiles of 8 (glu)"),
+        (w, torch.bfloat16, True, StagedGemvConfig(1, 2, early=7), "7 chunks copied early of 6 a program"),
+        (w, torch.bfloat16, True, StagedGemvConfig(1, 2, early=0), "0 chunks copied early of 6 a program"),
         (packed(64, 2048), torch.bfloat16, False, StagedGemvConfig(4),
          f"{16 * 4 * 16 * 64 + 16 * 256} bytes of shared memory a program (at most 65536)"),
     ]
@@ -88,6 +90,7 @@ def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
     assert tiles[len(triton_decode.PACKED_GEMV_CANDIDATES):] == tuple(staged.candidates(w, torch.bfloat16, True))
     assert triton_decode._candidates(w) == triton_decode.PACKED_GEMV_CANDIDATES  # no dtype: packed_gemv's alone
     assert triton_decode._config_name(StagedGemvConfig(2, 7)) == "staged/2w/split7"
+    assert triton_decode._config_name(StagedGemvConfig(2, 7, early=3)) == "staged/2w/split7/early3"
 
 
 def test_the_tensor_core_kernel_s_staged_tiles_are_timed_only_where_turned_on(monkeypatch):
@@ -128,11 +131,12 @@ def _gpu_skip() -> str | None:
 @pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
 @pytest.mark.parametrize("fused", ["plain", "norm bias", "norm glu", "residual"])
 def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fused):
-    """Every tile, whole and split, gives what the fused step's check takes (torch's product, rounded
-    where the eager layer rounds, at both ends of N and between: a code from the wrong nibble, a
-    chunk's x or scale from another chunk, or a gate paired with another output's up row moves
-    whole outputs), for a gate|up-like, a down-like (70 chunks) and a q|k|v-like product, with and
-    without zero points; every split product leaves its arrival counts at zero."""
+    """Every tile, whole and split, with all its copies out before x is read or only the first
+    chunk's, gives what the fused step's check takes (torch's product, rounded where the eager
+    layer rounds, at both ends of N and between: a code from the wrong nibble, a chunk's x or scale
+    from another chunk, or a gate paired with another output's up row moves whole outputs), for a
+    gate|up-like, a down-like (70 chunks) and a q|k|v-like product, with and without zero points;
+    every split product leaves its arrival counts at zero."""
     from edgeinfer.backends.torch import triton_decode
 
     torch.manual_seed(3)
@@ -157,6 +161,7 @@ def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fus
     tiles = [StagedGemvConfig(nw, s) for nw in (1, 2, 4) for s in (1, 2, 3, 5, 7, 10)
              if groups % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(nw, s)) is None]
     assert len(tiles) >= 3 and any(t.split > 1 for t in tiles)
+    tiles += [StagedGemvConfig(t.warps, t.split, early=1) for t in tiles[:2]]  # the rest copied after x's loads
     space = SplitWorkspace(dev)
     out = torch.empty(1, n // 2 if glu else n, device=dev, dtype=dtype)
 

@@ -62,10 +62,13 @@ MIN_CAPABILITY = (8, 0)  # cp.async, mma.sync m16n8k16 with bf16
 
 @dataclass(frozen=True)
 class StagedGemvConfig:
-    """A tile of :func:`staged_gemv`: ``16·warps`` rows, K split ``split`` ways."""
+    """A tile of :func:`staged_gemv`: ``16·warps`` rows, K split ``split`` ways; ``early``: the chunks
+    whose copies go out before x is read (None: all of them; the rest follow x's loads, so that x,
+    which the kernel before this one wrote, does not queue behind a whole program's copies)."""
 
     warps: int
     split: int = 1
+    early: int | None = None
 
 
 def enabled() -> bool:
@@ -116,6 +119,8 @@ def unfit(w: PackedMatrix, dtype: torch.dtype, glu: bool, config: StagedGemvConf
         return f"{chunks} chunks of {CHUNK} columns do not split {config.split} ways"
     if chunks // config.split > MAX_CHUNKS:
         return f"{chunks // config.split} chunks a program (at most {MAX_CHUNKS})"
+    if config.early is not None and not 1 <= config.early <= chunks // config.split:
+        return f"{config.early} chunks copied early of {chunks // config.split} a program"
     rows = 16 * config.warps
     if glu and (n % 2 or (n // 2) % (rows // 2)):
         return f"{n // 2} outputs in tiles of {rows // 2} (glu)"
@@ -174,7 +179,8 @@ def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, b
            x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
            bias if bias is not None else codes, residual if residual is not None else codes,
            norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps,
-           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split, GS=layout.group_constexpr,
+           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split,
+           EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
            XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
            HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
            PDL=pdl, launch_pdl=pdl, num_warps=config.warps)
@@ -285,14 +291,15 @@ if gluon is not None:
     @gluon.jit
     def _staged_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, KW, G, eps,
                             GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
-                            GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            EARLY: gl.constexpr, GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
                             HAS_RES: gl.constexpr, HAS_Z: gl.constexpr, GLU: gl.constexpr, BF16: gl.constexpr,
                             PDL: gl.constexpr):
         """Y = f(X)·W (+ bias) (+ residual) for 16·NW weight rows (:func:`_weight_rows`) over chunks
         [split·GPS, (split + 1)·GPS) of 128 columns; ``KW`` = K / 8 words a row (an argument of its
         own, so that a launch sees it a multiple of 16 where it is: a lane's four words are then one
         16-byte copy); scales and zero points ``[N, G]``, groups of ``GS`` columns; XP = GPS rounded
-        up to a power of two (x's buffer)."""
+        up to a power of two (x's buffer); the first ``EARLY`` chunks' copies go out before x is
+        read, the others after x's loads."""
         BN: gl.constexpr = 16 * NW
         MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
         dt: gl.constexpr = Y.dtype.element_ty
@@ -312,8 +319,9 @@ if gluon is not None:
         w_smem = ()
         for i in gl.static_range(GPS):
             w_smem = w_smem + (gl.allocate_shared_memory(gl.int32, [BN, 16], _plain(2)),)
-            _async_load(w_smem[i], words_at + i * 16)
-            async_copy.commit_group()
+            if i < EARLY:
+                _async_load(w_smem[i], words_at + i * 16)
+                async_copy.commit_group()
         rows = _weight_rows(tile, gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), N, BN, GLU)
         scales = ()
         zeros = ()
@@ -349,6 +357,9 @@ if gluon is not None:
                 xn = (xv.to(gl.float32) * rstd).to(dt).to(gl.float32)
                 xv = (xn * gl.load(NORM_W + at).to(gl.float32)).to(dt)
             x_smem.index(i).store(xv)
+        for i in gl.static_range(EARLY, GPS):  # the later chunks' copies, a commit group each, in order
+            _async_load(w_smem[i], words_at + i * 16)
+            async_copy.commit_group()
         acc = gl.zeros([BN, 8], gl.float32, mma)
         less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
         if HAS_Z:

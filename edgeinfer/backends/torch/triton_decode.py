@@ -838,7 +838,7 @@ def right_tiles(x: torch.Tensor, w: torch.Tensor | PackedMatrix, candidates, out
 
 def _config_name(c: Tile) -> str:
     if isinstance(c, StagedGemvConfig):
-        return f"staged/{c.warps}w/split{c.split}"
+        return f"staged/{c.warps}w/split{c.split}" + (f"/early{c.early}" if c.early is not None else "")
     if isinstance(c, PackedGemvConfig):
         return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
     return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s"
