@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgeinfer.quant import staged
-from edgeinfer.quant.kernels import STAGED_ENV, SplitWorkspace
+from edgeinfer.quant.kernels import STAGED_ENV, SplitWorkspace, compile_ahead
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, unfit
 from edgeinfer.testing.products import random_packed
@@ -168,6 +168,7 @@ def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fus
     def run(x, w, tile, **kw):
         return staged.staged_gemv(x, w, tile, workspace=space, **kw)
 
+    compile_ahead(lambda t=t: run(x, w, t, out=out, warmup=True, **kw) for t in tiles)  # on every core, as the tuner
     right, wrong = triton_decode.right_tiles(x, w, tiles, out, run, **kw)
     assert right == tiles and wrong == {}, wrong
     torch.cuda.synchronize()
