@@ -63,7 +63,7 @@ DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
 # Set to 0 to compile each candidate tile at its first launch, one after another (compile_ahead off).
 COMPILE_AHEAD_ENV = "EDGEINFER_COMPILE_AHEAD"
 # "1": the tuners also time the staged products' tiles (quant/staged.py at one row, the tensor-core
-# kernel's ``STAGED`` for a few): not yet run on a GPU, so off by default
+# kernel's ``STAGED`` for a few): right on an H200, not yet measured in whole decode, so off by default
 STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
 
 MAX_DOT_ROWS = 64  # rows past this take dequantize + GEMM: the tile of weight is then reused enough
@@ -666,9 +666,10 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
 
 def staged_mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
     """The tensor-core kernel's staged tiles (``STAGED``: every step's words and x in shared memory at
-    once; not yet run on a GPU): 64 and 128 outputs, steps of 128 columns with a lane's words side by
-    side (16-byte copies), each at the :data:`STAGED_SPLITS` fewest splits that leave every split the
-    same steps, at least two, in :data:`STAGED_BYTES` of shared memory (:func:`staged_bytes`)."""
+    once; right on an H200, but not faster at 16 rows there): 64 and 128 outputs, steps of 128
+    columns with a lane's words side by side (16-byte copies), each at the :data:`STAGED_SPLITS`
+    fewest splits that leave every split the same steps, at least two, in :data:`STAGED_BYTES` of
+    shared memory (:func:`staged_bytes`)."""
     bk = 128
     if layout.k % bk or layout.group_constexpr % bk:
         return []

@@ -1,6 +1,7 @@
 """The batch-1 4-bit product with a program's words waiting in shared memory: :func:`staged_gemv`.
 
-**Not yet run on a GPU**, so the load-time tuner times it only where ``EDGEINFER_STAGED_PRODUCTS=1``
+Right on an H200 and faster alone for gate|up and ``down`` there, but **not yet measured in whole
+decode**, so the load-time tuner times it only where ``EDGEINFER_STAGED_PRODUCTS=1``
 (:func:`enabled`); its tiles are then checked against torch before they are timed, as every
 tile is (``triton_decode.right_tiles``).
 

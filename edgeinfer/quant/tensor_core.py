@@ -31,8 +31,9 @@ dialect, so the layouts are chosen rather than inferred:
 * With ``STAGED`` (and ``X_SHARED``) every step's words are copied into shared memory too, all
   before the first multiply, a commit group a step, and step i waits for the copies up to its own:
   every byte of a program is in flight at once without holding a register, and the arithmetic
-  follows the copies as they land (:mod:`edgeinfer.quant.staged` does so at one row). Not yet run
-  on a GPU: the tuner times these tiles only with ``EDGEINFER_STAGED_PRODUCTS=1``.
+  follows the copies as they land (:mod:`edgeinfer.quant.staged` does so at one row). Right on an
+  H200 but no faster there at 16 rows (docs/quantization.md): the tuner times these tiles only
+  with ``EDGEINFER_STAGED_PRODUCTS=1``.
 * K is split when N alone gives too few programs; each split writes its partial sums and the
   last to arrive adds them in split order (the same bits on every run) and writes the output,
   as :func:`~edgeinfer.quant.kernels.split_total` does for the Triton kernels (a Gluon kernel
