@@ -37,12 +37,11 @@ the tile's; :func:`unfit` says why a product or tile falls outside, and ``packed
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, launch, pow2, staged_enabled
+from edgeinfer.quant.kernels import SplitWorkspace, _capability, dependent_launch, launch, pow2, staged_enabled
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this kernel exists at all
@@ -75,11 +74,6 @@ class StagedGemvConfig:
 def enabled() -> bool:
     """Whether the tuner times this kernel's tiles (``EDGEINFER_STAGED_PRODUCTS=1``)."""
     return staged_enabled()
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def unavailable(device: torch.device) -> str | None:
