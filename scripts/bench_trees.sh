@@ -6,7 +6,9 @@
 #       --cache /tmp/cache --batch-sizes 1 --weights w4a16-h8 --kinds ours --repeats 5 --warmup 2
 #
 # A TREE is a revision, unpacked with `git archive` into OUT/trees/TREE, or WORKTREE, this checkout
-# as it is (uncommitted changes included). Round r runs every tree in the order given:
+# as it is (uncommitted changes included), optionally after VAR=VALUE assignments joined by `@`,
+# which its runs get in their environment: EDGEINFER_STAGED_PRODUCTS=1@WORKTREE is this checkout
+# with the staged products' switch on (its runs' folder: EDGEINFER_STAGED_PRODUCTS_1_WORKTREE). Round r runs every tree in the order given:
 # `python -m edgeinfer.cli.main EDGEINFER-ARGS --out OUT/TREE-r`, from the tree's copy and with it
 # first on PYTHONPATH, so the report and every engine worker it starts import that tree. Give the
 # trees one --cache, as an absolute path (each run starts in its own folder): a checkpoint built
@@ -38,20 +40,29 @@ done
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT/trees"
 OUT=$(cd "$OUT" && pwd)
-declare -A dir label
+declare -A dir label env rev
 for tree in "${trees[@]}"; do
     label[$tree]=${tree//[^A-Za-z0-9._]/_}  # a folder name: HEAD~1 -> HEAD_1
-    if [ "$tree" = WORKTREE ]; then
+    rev[$tree]=${tree##*@}
+    env[$tree]=""
+    if [ "${rev[$tree]}" != "$tree" ]; then
+        env[$tree]=${tree%@*}
+        for assignment in ${env[$tree]//@/ }; do
+            [[ $assignment =~ ^[A-Za-z_][A-Za-z0-9_]*=[^[:space:]]*$ ]] \
+                || { echo "bench_trees.sh: $assignment (in $tree) is not VAR=VALUE" >&2; exit 2; }
+        done
+    fi
+    if [ "${rev[$tree]}" = WORKTREE ]; then
         dir[$tree]=$ROOT
         echo "== $tree: $(git -C "$ROOT" rev-parse --short HEAD) and this checkout's uncommitted changes" \
             | tee -a "$OUT/trees.log"
     else
-        git -C "$ROOT" rev-parse --verify --quiet "$tree^{commit}" >/dev/null \
-            || { echo "bench_trees.sh: $tree is not a revision of this repository" >&2; exit 2; }
+        git -C "$ROOT" rev-parse --verify --quiet "${rev[$tree]}^{commit}" >/dev/null \
+            || { echo "bench_trees.sh: ${rev[$tree]} is not a revision of this repository" >&2; exit 2; }
         dir[$tree]=$OUT/trees/${label[$tree]}
         rm -rf "${dir[$tree]}" && mkdir -p "${dir[$tree]}"
-        git -C "$ROOT" archive "$tree" | tar -x -C "${dir[$tree]}"
-        echo "== $tree: $(git -C "$ROOT" rev-parse --short "$tree")" | tee -a "$OUT/trees.log"
+        git -C "$ROOT" archive "${rev[$tree]}" | tar -x -C "${dir[$tree]}"
+        echo "== $tree: $(git -C "$ROOT" rev-parse --short "${rev[$tree]}")" | tee -a "$OUT/trees.log"
     fi
 done
 
@@ -60,7 +71,8 @@ for round in $(seq 1 "$ROUNDS"); do
     for tree in "${trees[@]}"; do
         run=${label[$tree]}-$round
         echo "== $run, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null): edgeinfer $*" | tee -a "$OUT/trees.log"
-        if (cd "${dir[$tree]}" && PYTHONPATH="${dir[$tree]}${PYTHONPATH:+:$PYTHONPATH}" \
+        # shellcheck disable=SC2086  # the assignments were checked to hold no spaces
+        if (cd "${dir[$tree]}" && env ${env[$tree]//@/ } PYTHONPATH="${dir[$tree]}${PYTHONPATH:+:$PYTHONPATH}" \
                 python -m edgeinfer.cli.main "$@" --out "$OUT/$run") >"$OUT/$run.log" 2>&1; then
             echo "== $run: done" | tee -a "$OUT/trees.log"
         else

@@ -347,6 +347,19 @@ def test_the_raw_file_names_the_cpu_and_the_instructions_its_kernels_depend_on(t
     assert missing["cpu_features"] is None and missing["cpu"]
 
 
+def test_the_raw_file_records_the_switches_a_run_had(monkeypatch):
+    """Two runs of one tree differ by their ``EDGEINFER_*`` switches (a kernel behind one, the tile
+    cache): the raw file's environment names those set, and no other variable."""
+    from edgeinfer.bench.common import environment, switches
+
+    assert switches({"EDGEINFER_STAGED_PRODUCTS": "1", "HOME": "/root", "EDGEINFER_TILE_CACHE": "off"}) == \
+        {"EDGEINFER_STAGED_PRODUCTS": "1", "EDGEINFER_TILE_CACHE": "off"}
+    monkeypatch.setenv("EDGEINFER_STAGED_PRODUCTS", "1")
+    assert environment("cpu")["switches"]["EDGEINFER_STAGED_PRODUCTS"] == "1"
+    monkeypatch.delenv("EDGEINFER_STAGED_PRODUCTS")
+    assert "EDGEINFER_STAGED_PRODUCTS" not in environment("cpu")["switches"]
+
+
 def test_int4_options_reach_the_int4_builds_only_and_the_build_command_takes_them():
     """``bench onnxruntime --int4-block-size/--int4-symmetric`` builds the int4 kinds that way (the
     int8 ones as before), records it in the spec and says it above the table; the flags are ones

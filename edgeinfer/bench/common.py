@@ -13,6 +13,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,14 +121,21 @@ def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
             "cpu_features": [f for f in CPU_FEATURES if f in flags]}
 
 
+def switches(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The ``EDGEINFER_*`` variables set for this run (kernels behind a switch, the tile cache):
+    two runs of one tree differ by these."""
+    return {name: value for name, value in sorted(environ.items()) if name.startswith("EDGEINFER_")}
+
+
 def environment(device: str, threads: int | None = None) -> dict[str, Any]:
-    """Versions and hardware of this run, as the raw file records them."""
+    """Versions and hardware of this run, and its ``EDGEINFER_*`` switches, as the raw file records them."""
     import torch
     import transformers
 
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "machine": platform.machine(),
-                           **cpu_identity(), "cores": os.cpu_count(), "threads": threads, "device": device}
+                           **cpu_identity(), "cores": os.cpu_count(), "threads": threads, "device": device,
+                           "switches": switches()}
     try:
         import onnxruntime
 

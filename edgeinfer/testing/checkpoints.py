@@ -151,6 +151,15 @@ QWEN2_VL_SIZES = {
                     spatial_merge_size=2, temporal_patch_size=2, rope_parameters=dict(TINY_VISION_ROPE)),
         text=_QWEN_TINY_TEXT, tie_word_embeddings=False, min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28,
     ),
+    # Tiny, with every product's K a multiple of 128 columns in two chunks at least (text 256 wide,
+    # MLP 512): the shortest model the batch-1 staged products (edgeinfer.quant.staged) take.
+    "tiny-k256": dict(
+        vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=256, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2, rope_parameters=dict(TINY_VISION_ROPE)),
+        text=dict(_QWEN_TINY_TEXT, hidden_size=256, intermediate_size=512,
+                  rope_parameters={**TINY_ROPE, "mrope_section": [8, 12, 12]}),
+        tie_word_embeddings=False, min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28,
+    ),
     "qwen2-vl-2b": dict(
         vision=dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=1536, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2),

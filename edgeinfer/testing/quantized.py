@@ -37,9 +37,10 @@ def _copy_side_files(src: Path, out: Path) -> None:
 
 
 def quantize_compressed_tensors(src: str | Path, out: str | Path, *, bits: int = 4, group_size: int | None = 32,
-                                symmetric: bool = True) -> Path:
+                                symmetric: bool = True, dtype: torch.dtype | None = None) -> Path:
     """A compressed-tensors ``pack-quantized`` copy of ``src`` (group strategy, or channel
-    when ``group_size`` is None), written as llm-compressor writes it."""
+    when ``group_size`` is None), written as llm-compressor writes it; ``dtype``: the model loaded
+    in that dtype first, so the copy's weights and scales are in it (as a bf16 checkpoint's are)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -51,7 +52,7 @@ def quantize_compressed_tensors(src: str | Path, out: str | Path, *, bits: int =
     from transformers import AutoModelForImageTextToText
 
     src, out = Path(src), Path(out)
-    model = AutoModelForImageTextToText.from_pretrained(src).eval()
+    model = AutoModelForImageTextToText.from_pretrained(src, **({"dtype": dtype} if dtype else {})).eval()
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
                             strategy="group" if group_size else "channel", group_size=group_size)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
