@@ -287,6 +287,21 @@ def test_the_tensor_core_product_is_the_dequantized_product_rounded_once(dtype, 
                                            msg=lambda m: f"{rows} rows, {config}, zeros {zeros is not None}: {m}")
 
 
+def test_the_tensor_core_tiles_timed_at_16_rows_are_the_shared_ones_and_two_register_ones(monkeypatch):
+    """At 8 rows the tuner times the register tiles; at 16 the x-shared tiles and the two register
+    tiles that measured fastest there (:data:`kernels.ROW16_REGISTER_TILES`), each where the row
+    has the steps its split needs; staged tiles only with their switch."""
+    monkeypatch.delenv(kernels.STAGED_ENV, raising=False)
+    gate_up, short = kernels.PackedGeometry(17920, 1536, 4, 12, 128), kernels.PackedGeometry(256, 256, 4, 2, 128)
+    eight, sixteen = kernels.mma_candidates(gate_up, 8), kernels.mma_candidates(gate_up, 16)
+    assert eight and not any(c.x_shared or c.wide for c in eight)
+    assert [c for c in sixteen if not c.x_shared] == list(kernels.ROW16_REGISTER_TILES)
+    assert all(c.mma and not c.staged for c in sixteen)
+    assert kernels.ROW16_REGISTER_TILES[0].wide and kernels.ROW16_REGISTER_TILES[0].split == 4
+    # 4 steps of 64 columns: split 4 fits, split 8 does not
+    assert [c for c in kernels.mma_candidates(short, 16) if not c.x_shared] == [kernels.ROW16_REGISTER_TILES[0]]
+
+
 def test_tuning_copies_a_weight_until_the_copies_fill_three_l2_caches_and_no_further():
     mb = 2 ** 20
     assert kernels.cold_copies(mb, 60 * mb) == 180  # an H200's 60 MB L2: 180 one-MB copies

@@ -652,7 +652,8 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
     each step was slower than the dot kernel on every product of the H200's sweep, x's steps held
     ahead being most of a thread's registers. At 8 rows x holds half as many, and those tiles were
     the fastest at 1 to 4 rows; each tile timed is a compile at first use, so the shared ones are not
-    timed there."""
+    timed there. Beside them at 16 rows, the two tiles of :data:`ROW16_REGISTER_TILES`, which were the
+    fastest of all at 16 rows in the H200's later probe, once a lane read its words side by side."""
     def fits(bk: int, split: int) -> bool:
         return layout.k // bk >= split and layout.group_constexpr % bk == 0
 
@@ -661,7 +662,8 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
     shared = [MmConfig(bn, bk, split, stages=stages, mma=True, x_shared=True) for bn, bk, split in X_SHARED_TILES
               for stages in (2, 4)
               if row_tile == 16 and fits(bk, split) and x_shared_bytes(layout.k, bk, split, row_tile) <= X_SHARED_BYTES]
-    return registers + shared + (staged_mma_candidates(layout, row_tile) if staged_enabled() else [])
+    row16 = [c for c in ROW16_REGISTER_TILES if row_tile == 16 and fits(c.bk, c.split)]
+    return registers + shared + row16 + (staged_mma_candidates(layout, row_tile) if staged_enabled() else [])
 
 
 def staged_mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
@@ -699,6 +701,11 @@ MMA_TILES = ((64, 64, 1), (64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), 
 # scripts/probe_sass_loops.py --tensor-core), for up to 64 KB of shared memory a CTA (under a third
 # of an H200 SM's, of an Orin SM's 164 KB). Five tiles, ten with the steps ahead: each is a compile
 # at a shape's first use, on a Jetson's few cores too.
+# At 16 rows, x read from memory each step: the fastest tile of gate|up (128×64, split 4, a lane's
+# words side by side, one step ahead: 14.89 µs against 15.73 for the best shared tile) and of down
+# (64×64, split 8, three steps ahead: 14.81 against 15.27 and more) on the H200
+# (docs/results/probes/h200-staged-gemv/second-call/probe-packed-mm.json, one mean of 10 replays a tile).
+ROW16_REGISTER_TILES = (MmConfig(128, 64, 4, stages=2, mma=True, wide=True), MmConfig(64, 64, 8, stages=4, mma=True))
 X_SHARED_TILES = ((64, 64, 2), (128, 64, 2), (128, 64, 4), (128, 64, 8), (128, 128, 4))
 X_SHARED_BYTES = 64 * 1024
 
