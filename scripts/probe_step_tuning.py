@@ -28,6 +28,7 @@ import torch
 from edgeinfer.backends.torch import step_tuning, triton_decode
 from edgeinfer.bench.raw import print_and_save
 from edgeinfer.engine import Engine, EngineConfig
+from edgeinfer.progress import NoSteps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +70,7 @@ def main() -> None:
                           max_context=4096, cuda_graphs=True, prefix_cache=False, step_tuning_s=0.0)
     engine = Engine.load(args.model, config=config)
     fused = engine.decoder_engine._fused
-    ranked = fused._tune_alone()
+    ranked = fused._tune_alone(NoSteps())
     alone = dict(fused.configs)
     out = {"model": str(args.model), "gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(),
            "alone": {k: triton_decode._config_name(v) for k, v in alone.items()}, "runs": []}
@@ -81,7 +82,7 @@ def main() -> None:
             for label, fn in variants.items():
                 fused.configs = dict(alone)
                 triton_decode.descend = fn
-                fused._tune_in_step(ranked, args.budget)
+                fused._tune_in_step(ranked, args.budget, NoSteps())
                 names = {k: triton_decode._config_name(v) for k, v in fused.configs.items()}
                 ends.setdefault(names_key(names), dict(fused.configs))
                 out["runs"].append({"descent": label, "run": run, "report": fused.step_report, "ends": names})
