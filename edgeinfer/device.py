@@ -10,6 +10,7 @@ reclaimable page cache — is the number that says what can still be allocated.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -202,6 +203,21 @@ class CudaProbe:
     name: str
     sm: str
     memory_mb: int
+
+
+def cuda_capability(device) -> tuple[int, int]:
+    """The compute capability of the CUDA ``device`` (a ``torch.device``; the current one where it
+    names no index), asked of torch once a GPU: kernels ask it on every launch they decide."""
+    import torch
+
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
 
 
 def probe_cuda() -> CudaProbe | None:

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from edgeinfer import tile_cache
+from edgeinfer.device import cuda_capability
 from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant import tensor_core
 
@@ -99,7 +100,7 @@ def cannot_build(device: torch.device) -> str | None:
 @functools.cache  # every packed product asks (usable): after the first, a lookup
 def _cannot_build_on(index: int) -> str | None:
     with torch.cuda.device(index):  # Triton builds for the current device's target
-        return _cannot_build_for(_capability(index))
+        return _cannot_build_for(cuda_capability(torch.device("cuda", index)))
 
 
 def _cannot_build_for(capability: tuple[int, int]) -> str | None:
@@ -114,11 +115,6 @@ def _cannot_build_for(capability: tuple[int, int]) -> str | None:
         verdict = next((line.strip() for line in lines if "fatal" in line), lines[0])
         return f"{type(e).__name__}: {verdict}"[:300]
     return None
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def staged_enabled() -> bool:
@@ -139,7 +135,7 @@ def dependent_launch(device: torch.device) -> bool:
         return False
     if os.environ.get(DEPENDENT_LAUNCH_ENV, "1") == "0":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return cuda_capability(device)[0] >= 9
 
 
 COMPILING = "compiling the tiles' kernels"  # the progress phase of compile_ahead

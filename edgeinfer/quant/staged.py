@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.quant.kernels import SplitWorkspace, _capability, dependent_launch, launch, pow2, staged_enabled
+from edgeinfer.device import cuda_capability
+from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, launch, pow2, staged_enabled
 from edgeinfer.quant.packed import PackedMatrix
 
 try:  # the import decides whether this kernel exists at all
@@ -82,7 +83,7 @@ def unavailable(device: torch.device) -> str | None:
         return "Triton's Gluon is not installed"
     if device.type != "cuda":
         return "not a CUDA device"
-    if _capability(device.index if device.index is not None else torch.cuda.current_device()) < MIN_CAPABILITY:
+    if cuda_capability(device) < MIN_CAPABILITY:
         return "cp.async and the bf16 mma need sm_80 or later"
     return None
 

@@ -49,6 +49,8 @@ import functools
 
 import torch
 
+from edgeinfer.device import cuda_capability
+
 try:  # the import decides whether this kernel exists at all
     import triton
     from triton.experimental import gluon
@@ -317,19 +319,13 @@ if gluon is not None:
             gl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    # kernels has the same lookup, but it imports this module, and modules import without cycles
-    return torch.cuda.get_device_capability(index)
-
-
 def unavailable(x: torch.Tensor, scales_dtype: torch.dtype, bits: int, group: int, n: int, k: int) -> str | None:
     """None when :func:`mma_mm` can take this product, else why not."""
     if gluon is None:
         return "Triton's Gluon is not installed"
     if x.device.type != "cuda":
         return "not a CUDA device"
-    if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) < MIN_CAPABILITY:
+    if cuda_capability(x.device) < MIN_CAPABILITY:
         return "the tensor cores' bf16 mma needs sm_80 or later"
     if bits != 4:
         return f"{bits}-bit weights (the kernel reads 4-bit codes)"
