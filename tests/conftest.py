@@ -45,6 +45,12 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (where one is longer, the shorter's length);
+    None where they are the same."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A random RGB image: distinct content per seed, so vision outputs differ."""
     pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)

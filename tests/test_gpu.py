@@ -11,7 +11,7 @@ from edgeinfer import tile_cache
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.testing.checkpoints_gemma4 import make_gemma4
-from tests.conftest import noise_image
+from tests.conftest import first_divergence, noise_image
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,10 +26,6 @@ def tokens(path, **config):
     engine = Engine.load(path, config=EngineConfig(num_blocks=512, max_batch_size=4, **config))
     seqs = [engine.submit(q, images, FORCED) for q, images in REQUESTS]
     return [r.token_ids for r in engine.run_until_done(seqs)], engine
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "llava", "qwen3_vl", "internvl", "gemma3", "gemma4"])

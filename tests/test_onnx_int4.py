@@ -27,7 +27,7 @@ from edgeinfer.backends.onnx.quantize import (
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.errors import EngineBuildError
 from edgeinfer.models.loader import load_model
-from tests.conftest import noise_image
+from tests.conftest import first_divergence, noise_image
 
 pytest.importorskip("onnx_ir", reason="onnxruntime's MatMulNBitsQuantizer imports onnx_ir (pip install onnx-ir)")
 
@@ -47,10 +47,6 @@ def config(**overrides) -> EngineConfig:
 
 def tokens(engine: Engine) -> list[list[int]]:
     return [engine.generate(q, images, FORCED).token_ids for q, images in QUESTIONS]
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def load_dequantized(decoder, graph, weight_matmuls: int = WEIGHT_MATMULS) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ from edgeinfer.models.loader import load_model
 from edgeinfer.quant import kernels
 from edgeinfer.quant.packed import PackedMatrix, dequantize_with_torch, pack_product, why_not_packable
 from edgeinfer.testing.quantized import quantize_awq, quantize_compressed_tensors, quantize_gptq
-from tests.conftest import noise_image
+from tests.conftest import first_divergence, noise_image
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install 'edgeinfer[quant]')")
 
@@ -567,10 +567,6 @@ def cuda_tokens(path, *, together: bool, keep_packed: bool | None = None, **conf
         seqs = [engine.submit(q, images, STEPS) for q, images in REQUESTS]
         return [r.token_ids for r in engine.run_until_done(seqs)], engine
     return [engine.generate(q, images, STEPS).token_ids for q, images in REQUESTS], engine
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 @needs_cuda

@@ -183,26 +183,19 @@ def test_a_decode_on_staged_products_is_reported_against_packed_gemv_s(tmp_path_
     none failed the check against torch), and its tokens against the same step on ``packed_gemv``'s
     tiles are reported by first divergence. The two sum in other orders in bf16, so a random
     checkpoint's tokens may part late; the first must agree."""
-    from edgeinfer.backends.registry import torch_engines
     from edgeinfer.backends.torch import triton_decode
-    from edgeinfer.engine import Engine, EngineConfig, SamplingParams
-    from edgeinfer.models.loader import load_model
     from edgeinfer.testing.checkpoints import make_checkpoint
     from edgeinfer.testing.quantized import quantize_compressed_tensors
     from edgeinfer.tile_cache import TILE_CACHE_ENV
-    from tests.conftest import noise_image
+    from tests.conftest import first_divergence
+    from tests.test_quant_packed import cuda_tokens
 
     src = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("k256"), size="tiny-k256")
     path = quantize_compressed_tensors(src, tmp_path_factory.mktemp("w4"), bits=4, group_size=128, dtype=torch.bfloat16)
     monkeypatch.setenv(TILE_CACHE_ENV, "off")
-    requests = [("what is in the image ?", [noise_image(128, 96, seed=1)]), ("describe this picture", [])]
-    steps = SamplingParams(max_new_tokens=32, ignore_eos=True)
 
     def tokens():
-        settings = EngineConfig(num_blocks=256, max_batch_size=2, device="cuda", cuda_graphs=True, dtype="bfloat16")
-        model = load_model(path, settings.torch_dtype, "cuda")
-        engine = Engine(model, settings, torch_engines(model, settings))
-        out = [engine.generate(q, images, steps).token_ids for q, images in requests]
+        out, engine = cuda_tokens(path, together=False, dtype="bfloat16")
         return out, engine.decoder_engine.kernel_report
 
     monkeypatch.delenv(STAGED_ENV, raising=False)
@@ -217,6 +210,6 @@ def test_a_decode_on_staged_products_is_reported_against_packed_gemv_s(tmp_path_
     assert all(not plain_report["products"][p]["config"].startswith("staged/") for p in products)
     assert all(report["products"][p]["config"].startswith("staged/") for p in products), report["products"]
     assert report["fused_replays"] > 0 and not [p for p, r in report["products"].items() if "wrong_outputs" in r]
-    positions = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(plain, on_staged)]
+    positions = [first_divergence(x, y) for x, y in zip(plain, on_staged)]
     print(f"first divergence staged vs packed_gemv per request (None = identical): {positions}")
     assert all(p is None or p > 0 for p in positions)
