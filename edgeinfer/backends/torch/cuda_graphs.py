@@ -319,7 +319,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
                 "dependent_launch": dependent_launch(self.device), "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
-                "step": self._fused.step_report}
+                "step": self._fused.step_report, "read_ahead": self._fused.read_ahead_report}
 
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and
