@@ -381,7 +381,10 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
     # --- sleep ----------------------------------------------------------------------------------
     def release_captures(self) -> int:
         """Drop every graph and the memory pool they share, remembering their keys for
-        ``recapture``; the compiled layers, tile choices and sampler buffers stay."""
+        ``recapture``; the compiled layers, tile choices and sampler buffers stay. The fused step's
+        read-ahead ranges go too: they are the weights' addresses, and the weights' storage goes."""
+        if self._fused is not None:
+            self._fused.read_ahead = None
         self._released = [("decode", key, g.embeds.dtype) for key, g in self._graphs.items()]
         self._released += [("prefill", key, g.embeds.dtype) for key, g in self._prefills.items()]  # oldest first
         self._released += [("burst", key, None) for key in self._bursts]
@@ -390,7 +393,10 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return len(self._released)
 
     def recapture(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
-        """Capture the graphs ``release_captures`` dropped over ``k_pool``/``v_pool``; returns how many."""
+        """Capture the graphs ``release_captures`` dropped over ``k_pool``/``v_pool``; returns how many.
+        The fused step's read-ahead is planned again first, over the weights' new storage."""
+        if self._fused is not None:
+            self._fused.plan_read_ahead()
         released, self._released = self._released, []
         captured = 0
         for kind, key, dtype in released:
