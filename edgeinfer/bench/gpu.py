@@ -349,6 +349,8 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
                                      for n, t in (*decoder.named_parameters(), *decoder.named_buffers())
                                      if n != "embed"),
             "kv_bytes_per_token": engine.kv.bytes_per_block // engine.config.block_size,
+            # whether the fused step read weights ahead into L2: such a run is not projected to a Jetson
+            "read_ahead": bool(getattr(engine.decoder_engine, "reads_ahead", False)),
             "diagnostics": _diagnostics(engine)}
 
 
@@ -434,8 +436,7 @@ class GpuReport:
 
     def read_ahead(self) -> list[str]:
         """Our engines whose fused step read weights ahead into L2 (``EDGEINFER_L2_READ_AHEAD=1``)."""
-        return [label for label, result in self.results.items()
-                if (((result.get("diagnostics") or {}).get("kernels") or {}).get("read_ahead") or {}).get("on")]
+        return [label for label, result in self.results.items() if result.get("read_ahead")]
 
     def jetson(self) -> list[dict[str, Any]]:
         """The projection of every engine but those that read ahead into L2: a share reached so rests

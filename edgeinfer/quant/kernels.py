@@ -280,7 +280,7 @@ if triton is not None:
         the interpreter runs no inline assembly."""
         lanes = (programs * LANES).to(tl.int64)
         lane = program * LANES + tl.arange(0, LANES).to(tl.int64)
-        dealt = (program * 0).to(tl.int64)  # requests of the ranges before this one
+        dealt = tl.full([], 0, tl.int64)  # requests of the ranges before this one
         for r in tl.static_range(R):
             at = tl.load(RANGES + 2 * r)
             nbytes = tl.load(RANGES + 2 * r + 1)

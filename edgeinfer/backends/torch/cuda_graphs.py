@@ -321,6 +321,11 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
                 "step": self._fused.step_report, "read_ahead": self._fused.read_ahead_report}
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the fused step reads the layers' weights ahead into L2 (``EDGEINFER_L2_READ_AHEAD=1``)."""
+        return self._fused is not None and self._fused.read_ahead is not None
+
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and
         whether the fused step's tiles are chosen (a benchmark reads the changes per request)."""

@@ -899,7 +899,7 @@ class FusedDecode:
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
         # Per layer: the byte ranges its attention asks the L2 cache for (:meth:`plan_read_ahead`); None: off
         self.read_ahead: list[torch.Tensor] | None = None
-        self.read_ahead_report: dict = {"on": False}
+        self._read_ahead_plan: tuple[int, list[list[tuple[int, int]]]] | None = None  # the budget, each layer's ranges
 
     @staticmethod
     def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
@@ -923,7 +923,7 @@ class FusedDecode:
         device = self.decoder.norm.weight.device
         budget = read_ahead_bytes(device)
         if not budget:
-            self.read_ahead, self.read_ahead_report = None, {"on": False}
+            self.read_ahead = self._read_ahead_plan = None
             return
         layers = self.decoder.layers
         planned = []
@@ -935,10 +935,17 @@ class FusedDecode:
         width = max(map(len, planned))  # one kernel for every layer: short lists padded with empty ranges
         self.read_ahead = [torch.tensor([v for r in ranges + [(0, 0)] * (width - len(ranges)) for v in r],
                                         dtype=torch.int64, device=device) for ranges in planned]
-        per_layer = [sum(n for _, n in ranges) for ranges in planned]
-        self.read_ahead_report = {"on": True, "budget_mb": round(budget / 1e6, 2), "ranges": width,
-                                  "mb_per_layer": round(max(per_layer) / 1e6, 2),
-                                  "l2_mb": round(torch.cuda.get_device_properties(device).L2_cache_size / 1e6, 2)}
+        self._read_ahead_plan = budget, planned
+
+    @property
+    def read_ahead_report(self) -> dict:
+        """Whether the step reads ahead now, and what a layer asks for: the budget, the ranges a
+        layer's kernel takes, and the most bytes a layer asks for."""
+        if self.read_ahead is None or self._read_ahead_plan is None:
+            return {"on": False}
+        budget, planned = self._read_ahead_plan
+        return {"on": True, "budget_mb": round(budget / 1e6, 2), "ranges": max(map(len, planned)),
+                "mb_per_layer": round(max(sum(n for _, n in ranges) for ranges in planned) / 1e6, 2)}
 
     def _products(self) -> dict[str, tuple[list[torch.Tensor], dict]]:
         """Each product's weights over all layers, and what it fuses (for timing)."""
