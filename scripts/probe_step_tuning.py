@@ -10,16 +10,11 @@ With ``--staged`` (and ``EDGEINFER_STAGED_PRODUCTS=1``, so that the tuner times 
 products' tiles alone, :func:`edgeinfer.quant.staged.candidates`) the two that alternate are the
 present descent over every tile and the same descent over the tiles without the staged ones, each
 from the fastest alone of its own set: the step with the staged products against without, and
-``median_us`` pools each one's ends as timed again. With ``--read-ahead`` (and
-``EDGEINFER_L2_READ_AHEAD=1``, so that the engine plans the layers' read-ahead into L2) the two
-are the present descent with the read-ahead and without it, from the same tiles chosen alone:
-the step with the attention asking L2 for the layer's later weights against without.
+``median_us`` pools each one's ends as timed again.
 
     python scripts/probe_step_tuning.py --model DIR --runs 3 --out probe.json
     EDGEINFER_STAGED_PRODUCTS=1 EDGEINFER_TILE_CACHE=off \
         python scripts/probe_step_tuning.py --model DIR --staged --runs 2 --out probe.json
-    EDGEINFER_L2_READ_AHEAD=1 EDGEINFER_TILE_CACHE=off \
-        python scripts/probe_step_tuning.py --model DIR --read-ahead --runs 2 --out probe.json
 
 The model is a checkpoint the fused step runs (the H200 runs use the 4-bit checkpoint that
 ``edgeinfer bench gpu --weights w4a16-h8`` writes into its cache). One JSON object on stdout.
@@ -42,7 +37,6 @@ from edgeinfer.backends.torch import step_tuning, triton_decode
 from edgeinfer.bench.raw import print_and_save
 from edgeinfer.engine import Engine, EngineConfig
 from edgeinfer.progress import NoSteps
-from edgeinfer.quant.kernels import READ_AHEAD_ENV
 from edgeinfer.quant import staged
 from edgeinfer.quant.staged import StagedGemvConfig
 
@@ -82,56 +76,37 @@ def main() -> None:
                         help="the revision whose descent runs beside this one's (default: the first-change descent)")
     parser.add_argument("--staged", action="store_true",
                         help="the present descent over every tile against over the tiles without the staged ones")
-    parser.add_argument("--read-ahead", action="store_true",
-                        help="the present descent with the layers' read-ahead into L2 against without it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.staged and not staged.enabled():
         parser.error(f"--staged needs {staged.STAGED_ENV}=1: the staged tiles are timed only with it")
-    if args.staged and args.read_ahead:
-        parser.error("--staged and --read-ahead each compare two variants: give one")
-    if args.read_ahead and os.environ.get(READ_AHEAD_ENV) != "1":
-        parser.error(f"--read-ahead needs {READ_AHEAD_ENV}=1: the engine plans the read-ahead only with it")
     config = EngineConfig(dtype="bfloat16", device="cuda", max_batch_size=1, block_size=16, kv_budget_mb=1024,
                           max_context=4096, cuda_graphs=True, prefix_cache=False, step_tuning_s=0.0)
     engine = Engine.load(args.model, config=config)
     fused = engine.decoder_engine._fused
-    planned = fused.read_ahead  # the layers' ranges as the engine planned them at load (None: no read-ahead)
-    if args.read_ahead and planned is None:
-        sys.exit(f"this GPU does not read ahead into L2 (before Hopper, or no Triton): {fused.read_ahead_report}")
     ranked = fused._tune_alone(NoSteps())
-    # label -> (descent, each product's tiles fastest first, the layers' read-ahead)
-    if args.read_ahead:
-        variants = {"without read-ahead": (step_tuning.descend, ranked, None),
-                    "read ahead": (step_tuning.descend, ranked, planned)}
-    elif args.staged:
-        variants = {"every tile": (step_tuning.descend, ranked, planned),
+    if args.staged:  # label -> (descent, each product's tiles fastest first)
+        variants = {"every tile": (step_tuning.descend, ranked),
                     "without staged": (step_tuning.descend, {name: [t for t in tiles if not isinstance(t, StagedGemvConfig)]
-                                                             for name, tiles in ranked.items()}, planned)}
+                                                             for name, tiles in ranked.items()})}
     else:
-        variants = {"steepest, timed again": (step_tuning.descend, ranked, planned),
-                    f"as at {args.before}": (descend_at(args.before), ranked, planned)}
-    reads = {label: ahead for label, (_, _, ahead) in variants.items()}
-    starts = {label: {name: tiles[0] for name, tiles in tiles_of.items()} for label, (_, tiles_of, _) in variants.items()}
+        variants = {"steepest, timed again": (step_tuning.descend, ranked),
+                    f"as at {args.before}": (descend_at(args.before), ranked)}
+    starts = {label: {name: tiles[0] for name, tiles in tiles_of.items()} for label, (_, tiles_of) in variants.items()}
     names_of = {label: {k: triton_decode._config_name(v) for k, v in start.items()} for label, start in starts.items()}
     out = {"model": str(args.model), "gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(),
-           "read_ahead": fused.read_ahead_report, "alone": names_of, "runs": []}
-
-    def key_of(label: str, names: dict[str, str]) -> tuple:  # a set of tiles, and whether the step read ahead
-        return reads[label] is not None, names_key(names)
-
-    # every distinct set of tiles a run started or ended on (with or without the read-ahead)
-    ends = {key_of(label, names_of[label]): (start, reads[label]) for label, start in starts.items()}
+           "alone": names_of, "runs": []}
+    # every distinct set of tiles a run started or ended on, by names
+    ends = {names_key(names_of[label]): start for label, start in starts.items()}
     kept = step_tuning.descend
     try:
         for run in range(args.runs):
-            for label, (fn, tiles_of, ahead) in variants.items():
+            for label, (fn, tiles_of) in variants.items():
                 fused.configs = dict(starts[label])
-                fused.read_ahead = ahead
                 triton_decode.descend = fn
                 fused._tune_in_step(tiles_of, args.budget, NoSteps())
                 names = {k: triton_decode._config_name(v) for k, v in fused.configs.items()}
-                ends.setdefault(key_of(label, names), (dict(fused.configs), ahead))
+                ends.setdefault(names_key(names), dict(fused.configs))
                 out["runs"].append({"descent": label, "run": run, "report": fused.step_report, "ends": names})
                 print(json.dumps(out["runs"][-1]), flush=True)
     finally:
@@ -140,18 +115,17 @@ def main() -> None:
     step = fused._scratch_step(step_tuning.STEP_TUNING_CONTEXT)
     times: dict[tuple, list[float]] = {key: [] for key in ends}
     for _ in range(args.retime):
-        for key, (configs, ahead) in ends.items():
-            fused.configs, fused.read_ahead = dict(configs), ahead
+        for key, configs in ends.items():
+            fused.configs = dict(configs)
             times[key].append(step_tuning.step_time_us(step))
-    alone_keys = {key_of(label, names) for label, names in names_of.items()}
-    out["retimed"] = [{"ends": dict(key[1]), "read_ahead": key[0], "alone": key in alone_keys,
-                       "us": [round(t, 1) for t in ts], "median_us": round(statistics.median(ts), 1)}
-                      for key, ts in times.items()]
+    alone_keys = {names_key(names) for names in names_of.values()}
+    out["retimed"] = [{"ends": dict(key), "alone": key in alone_keys, "us": [round(t, 1) for t in ts],
+                       "median_us": round(statistics.median(ts), 1)} for key, ts in times.items()]
     for r in out["runs"]:
-        r["retimed_median_us"] = round(statistics.median(times[key_of(r["descent"], r["ends"])]), 1)
+        r["retimed_median_us"] = round(statistics.median(times[names_key(r["ends"])]), 1)
     # each descent's ends, every timing of them pooled (an end reached twice counts twice)
     pooled = {label: statistics.median([t for r in out["runs"] if r["descent"] == label
-                                        for t in times[key_of(label, r["ends"])]]) for label in variants}
+                                        for t in times[names_key(r["ends"])]]) for label in variants}
     out["median_us"] = {label: round(us, 1) for label, us in pooled.items()}
     first, second = pooled.values()
     out["second_over_first"] = round(second / first, 4)

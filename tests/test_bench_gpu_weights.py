@@ -304,27 +304,6 @@ def test_each_format_has_its_own_roofline_and_projection():
     assert {r["source"] for r in data["jetson"]["rows"]} == {b.source for b in BOARDS}
 
 
-def test_a_run_that_read_ahead_into_l2_is_not_projected_to_a_jetson():
-    """A share of the roofline reached by reading weights ahead into L2 rests on sm_90's bulk prefetch
-    and a large L2: that engine gets no Jetson rows, and the table and raw file say why; the others
-    are projected as before."""
-    spec = GpuBenchSpec(Path("/m/qwen2-vl-2b"), batch_sizes=(1,), new_tokens=10, kinds=("ours",),
-                        weights=("bf16", "w4a16"))
-    report = GpuReport(spec, probes=[Probe("gemv", 4 * 10**9, 1.0)], environment={"gpu": "NVIDIA H200"})
-    report.results["ours"] = _result("ours", "bf16", 4.5, 10**9)
-    report.results["ours-w4a16"] = {**_result("ours", "w4a16", 0.75, 10**9 // 4), "read_ahead": True}
-    assert report.read_ahead() == ["ours-w4a16"]
-    assert {r["engine"] for r in report.jetson()} == {"ours"}
-    assert "ours-w4a16" in report.rooflines()  # its own share is still measured and reported
-    text = markdown(report)
-    assert "| Jetson AGX Orin 64 GB | 204.8 | ours | 102 |" in text
-    assert "Not projected: ours-w4a16: its step read weights ahead into the L2 cache" in text
-    with LoadTracker() as tracker:
-        data, _ = to_raw(report, tracker, max_load=1.5, allow_noisy=True)
-    assert set(data["jetson"]["not_projected"]) == {"ours-w4a16"}
-    assert all(r["engine"] == "ours" for r in data["jetson"]["rows"])
-
-
 def test_the_roofline_takes_the_decode_rate_in_the_call_where_every_run_has_it():
     """A one-token call that ran 0.05 s long makes decode only 9 tokens in 0.45 s (20 tok/s) where the
     full call's own span is 9 in 0.5 s (18 tok/s): the share follows the call's own span, and decode

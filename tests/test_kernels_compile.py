@@ -157,17 +157,10 @@ def test_dense_gemv_compiles_for_every_prologue():
             IEEE=False, XB=2048 if prologue == 1 else 16, GLU=glu), stages=2).values())
 
 
-# The attention's read-ahead (kernels.read_ahead_l2): off, as every GPU before Hopper runs it, and on
-# with the four products' ranges of a 4-bit layer (codes, scales: eight), as FusedDecode plans it
-NO_READ_AHEAD = dict(AHEAD_RANGES=0, AHEAD_LANES=32 * triton_decode.ATTENTION_WARPS,
-                     AHEAD_CHUNK=kernels.READ_AHEAD_CHUNK)
-READ_AHEAD = {**NO_READ_AHEAD, "AHEAD_RANGES": 8}
-
-
 def test_paged_attention_compiles_split_and_whole():
     """Split (the last split merges: atomics, a loop over the partials in chunks) and unsplit."""
     types = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
-             **pointers("i64", "TABLES", "CTX", "VALID", "AHEAD"), **pointers("fp32", "OPART", "MPART", "LPART"),
+             **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
              "ARRIVALS": "*i32",
              **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks", "stride_out"), "i32"),
              "scale": "fp32", "eps": "fp32"}
@@ -175,39 +168,7 @@ def test_paged_attention_compiles_split_and_whole():
         assert all(compiled(triton_decode._attention_kernel, types, dict(
             KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
             TILE=triton_decode.ATTENTION_TILE, SPLITS=splits, MC=16, WRITE_POOL=write_pool, IEEE=False,
-            QK_NORM=qk_norm, **NO_READ_AHEAD), stages=2).values())
-
-
-def test_the_attention_s_read_ahead_is_one_bulk_prefetch_a_thread_and_a_range():
-    """With ranges to read ahead, the Hopper binary of the attention holds the bulk L2 prefetch
-    (``cp.async.bulk.prefetch.L2``), once in the PTX for every range, in each of the two places a
-    program asks (a split past the row's context before it returns, a used one after its first
-    tile's loads); without, none. The kernel compiles for Orin only without it: the wrapper asks
-    for none there (kernels.read_ahead_bytes)."""
-    types = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
-             **pointers("i64", "TABLES", "CTX", "VALID", "AHEAD"), **pointers("fp32", "OPART", "MPART", "LPART"),
-             "ARRIVALS": "*i32",
-             **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks", "stride_out"), "i32"),
-             "scale": "fp32", "eps": "fp32"}
-    names = triton_decode._attention_kernel.arg_names
-    ptx = {}
-    for label, ahead in (("off", NO_READ_AHEAD), ("on", READ_AHEAD)):
-        given = dict(KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
-                     TILE=triton_decode.ATTENTION_TILE, SPLITS=16, MC=16, WRITE_POOL=True, IEEE=False,
-                     QK_NORM=False, PDL=True, **ahead)
-        source = ASTSource(triton_decode._attention_kernel, {n: types.get(n, "constexpr") for n in names},
-                           {(names.index(k),): v for k, v in given.items()})
-        kernel = triton.compile(source, target=TARGETS["sm_90 (Hopper)"],
-                                options={"num_warps": triton_decode.ATTENTION_WARPS, "num_stages": 2,
-                                         "launch_pdl": True})
-        ptx[label] = kernel.asm["ptx"]
-        assert kernel.asm["cubin"]
-    assert "cp.async.bulk.prefetch.L2" not in ptx["off"]
-    assert ptx["on"].count("cp.async.bulk.prefetch.L2.global") == 2 * READ_AHEAD["AHEAD_RANGES"]
-    assert all(compiled(triton_decode._attention_kernel, types, dict(
-        KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
-        TILE=triton_decode.ATTENTION_TILE, SPLITS=16, MC=16, WRITE_POOL=True, IEEE=False, QK_NORM=False,
-        **NO_READ_AHEAD), stages=2, targets={"sm_87 (Orin)": TARGETS["sm_87 (Orin)"]}).values())
+            QK_NORM=qk_norm), stages=2).values())
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -412,13 +373,13 @@ def test_the_decode_kernels_build_for_jetson_thor():
             BM=16, BN=64, BK=128, SPLIT_K=True, BITS=4, GS=128, HAS_Z=True, IEEE=False, W_A=w_a, ASM=True),
             targets=thor).values())
     attention = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
-                 **pointers("i64", "TABLES", "CTX", "VALID", "AHEAD"), **pointers("fp32", "OPART", "MPART", "LPART"),
+                 **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
                  "ARRIVALS": "*i32", **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks",
                                                       "stride_out"), "i32"), "scale": "fp32", "eps": "fp32"}
     assert all(compiled(triton_decode._attention_kernel, attention, dict(
         KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
-        TILE=triton_decode.ATTENTION_TILE, SPLITS=32, MC=16, WRITE_POOL=True, IEEE=False, QK_NORM=False,
-        **READ_AHEAD), stages=2, targets=thor).values())
+        TILE=triton_decode.ATTENTION_TILE, SPLITS=32, MC=16, WRITE_POOL=True, IEEE=False, QK_NORM=False),
+        stages=2, targets=thor).values())
     from edgeinfer.quant import tensor_core
 
     if tensor_core.gluon is not None:  # the 4-bit tensor-core product (Gluon's mma_v2: mma.sync, which Thor has)

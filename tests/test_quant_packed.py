@@ -584,61 +584,6 @@ def test_packed_products_on_cuda_in_fp32_give_the_dense_tokens(quantized, kind, 
     assert packed == dense
 
 
-def test_read_ahead_ranges_are_the_tensors_storage_in_order_cut_at_the_budget():
-    """The ranges the attention asks L2 for: each tensor's bytes in the order given, starting on 16
-    bytes and a multiple of 16 long (a view's first bytes before 16 and its last past the last 16
-    left out), a tensor that is not contiguous skipped, and the last range cut where the budget ends."""
-    codes = torch.zeros(64, 48, dtype=torch.int32)  # 12,288 bytes
-    scales = torch.zeros(64, 3, dtype=torch.bfloat16)  # 384
-    view = torch.zeros(1000, dtype=torch.uint8)[3:203]  # 200 bytes from 3 past an aligned start
-    strided = torch.zeros(64, 64)[:, ::2]
-    got = kernels.read_ahead_ranges([codes, strided, scales, view], budget=1 << 20)
-    base = view.data_ptr() - 3
-    assert got == [(codes.data_ptr(), 12288), (scales.data_ptr(), 384), (base + 16, 176)]
-    assert all(at % 16 == 0 and n % 16 == 0 for at, n in got)
-    assert kernels.read_ahead_ranges([codes, scales], budget=12288 + 100) == [(codes.data_ptr(), 12288),
-                                                                            (scales.data_ptr(), 96)]
-    assert kernels.read_ahead_ranges([codes, scales], budget=8000) == [(codes.data_ptr(), 8000 // 16 * 16)]
-    assert kernels.read_ahead_ranges([codes], budget=0) == []
-
-
-def test_the_read_ahead_is_off_on_the_cpu_and_unless_asked(monkeypatch):
-    monkeypatch.setenv(kernels.READ_AHEAD_ENV, "1")
-    assert kernels.read_ahead_bytes(torch.device("cpu")) == 0
-    if torch.cuda.is_available() and not INTERPRET:
-        monkeypatch.delenv(kernels.READ_AHEAD_ENV)
-        assert kernels.read_ahead_bytes(torch.device("cuda")) == 0
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("together", [False, True], ids=["batch1_fused", "batched"])
-def test_reading_ahead_into_l2_leaves_the_tokens_as_they_were(quantized, together, monkeypatch):
-    """The attention's read-ahead asks the L2 cache for the layer's later weights and changes no
-    arithmetic: in float32 the tokens with it are those without. Where the GPU reads ahead (Hopper
-    and later), the kernel report says so and how many bytes a layer asks for: every weight of this
-    tiny checkpoint's products after the attention, and the next layer's q|k|v."""
-    path = quantized("w4_g32_asym")
-    monkeypatch.setenv(kernels.READ_AHEAD_ENV, "0")
-    off, _ = cuda_tokens(path, together=together)
-    monkeypatch.setenv(kernels.READ_AHEAD_ENV, "1")
-    on, engine = cuda_tokens(path, together=together)
-    if kernels.read_ahead_bytes(torch.device("cuda")) and kernels.triton is not None:
-        report = engine.decoder_engine.kernel_report
-        assert report["fused"] and report["read_ahead"]["on"], report
-        layer, nxt = engine.model.decoder.layers[:2]
-        read = sum(w.nbytes // 16 * 16 for w in (layer.o_t, layer.gate_up_t, layer.down_t, nxt.qkv_t))
-        assert abs(report["read_ahead"]["mb_per_layer"] - read / 1e6) <= 0.006, (report, read)  # rounded to 0.01
-        if not together:  # a sleep gives the weights new storage: the wake plans the ranges again over it
-            engine.sleep(1)
-            engine.wake_up()
-            fused = engine.decoder_engine._fused
-            assert fused.read_ahead is not None
-            assert int(fused.read_ahead[0][0]) == layer.o_t.codes.data_ptr()  # o's codes come first
-            assert [engine.generate(q, images, STEPS).token_ids for q, images in REQUESTS] == off
-    assert on == off
-
-
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("together", [False, True], ids=["batch1_fused", "batched"])

@@ -47,7 +47,7 @@ from typing import Any
 
 from edgeinfer.bench import raw
 from edgeinfer.bench.common import bench_image, environment, peak_memory_mb, sync
-from edgeinfer.bench.jetson import BOARDS, NOT_PROJECTED_READ_AHEAD, projection, projection_label
+from edgeinfer.bench.jetson import BOARDS, projection, projection_label
 from edgeinfer.bench.quiet import (
     QUIET_LOAD,
     LoadTracker,
@@ -349,8 +349,6 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
                                      for n, t in (*decoder.named_parameters(), *decoder.named_buffers())
                                      if n != "embed"),
             "kv_bytes_per_token": engine.kv.bytes_per_block // engine.config.block_size,
-            # whether the fused step read weights ahead into L2: such a run is not projected to a Jetson
-            "read_ahead": bool(getattr(engine.decoder_engine, "reads_ahead", False)),
             "diagnostics": _diagnostics(engine)}
 
 
@@ -434,15 +432,8 @@ class GpuReport:
         """Ours on the checkpoint as it is (the raw file's ``roofline``, as before)."""
         return self.rooflines().get(OURS, {})
 
-    def read_ahead(self) -> list[str]:
-        """Our engines whose fused step read weights ahead into L2 (``EDGEINFER_L2_READ_AHEAD=1``)."""
-        return [label for label, result in self.results.items() if result.get("read_ahead")]
-
     def jetson(self) -> list[dict[str, Any]]:
-        """The projection of every engine but those that read ahead into L2: a share reached so rests
-        on a large L2 cache and sm_90's bulk prefetch, which no Orin has (4 MB of L2, sm_87)."""
-        skipped = set(self.read_ahead())
-        return projection({label: rows for label, rows in self.rooflines().items() if label not in skipped})
+        return projection(self.rooflines())
 
 
 def run(spec: GpuBenchSpec, log: Callable[[str], None] = print,
@@ -499,8 +490,7 @@ def to_raw(report: GpuReport, tracker: LoadTracker, max_load: float, allow_noisy
                         "note": f"transformers runs the {report.spec.dense} checkpoint only; ours runs every format",
                         "over_dense": compare_weights(summaries)},
             "rooflines": report.rooflines(),
-            "jetson": {"label": projection_label(report.environment.get("gpu")), "rows": report.jetson(),
-                       "not_projected": {label: NOT_PROJECTED_READ_AHEAD for label in report.read_ahead()}}}
+            "jetson": {"label": projection_label(report.environment.get("gpu")), "rows": report.jetson()}}
     head = raw.header("gpu", report.spec.to_json(), report.environment or environment("cpu"))
     problems = raw.comparison_problems(report.errors, report.same_prompt()) + raw.incomplete(pending)
     return raw.with_verdict({**head, **body}, verdict, allow_noisy, problems), verdict
@@ -598,9 +588,8 @@ def _roofline_table(report: GpuReport, batches: list[int]) -> list[str]:
 
 def _jetson_table(report: GpuReport, batches: list[int]) -> list[str]:
     rows = report.jetson()
-    skipped = [f"{label}: {NOT_PROJECTED_READ_AHEAD}." for label in report.read_ahead()]
     if not rows:
-        return ["Not projected to a Jetson: " + " ".join(skipped), ""] if skipped else []
+        return []
     lines = [(f"Jetson decode (tok/s), {projection_label(report.environment.get('gpu'))}: share of roofline × "
               "the board's bandwidth / bytes a step reads per token. A board's achievable share is usually lower."),
              "",
@@ -611,8 +600,7 @@ def _jetson_table(report: GpuReport, batches: list[int]) -> list[str]:
             f"{row['tok_s'][b]:,.0f}" if math.isfinite(row["tok_s"].get(b, math.nan)) else "–"
             for b in batches) + " |")
     sources = "; ".join(f"{b.name}: {b.source}" for b in BOARDS)
-    return lines + ["", f"Board bandwidths: {sources}.", ""] + (["Not projected: " + " ".join(skipped), ""]
-                                                                 if skipped else [])
+    return lines + ["", f"Board bandwidths: {sources}.", ""]
 
 
 def raw_stem(spec: GpuBenchSpec) -> str:

@@ -34,11 +34,6 @@ BOARDS = (
 )
 
 
-# Why a run that read weights ahead into L2 is not projected (edgeinfer.quant.kernels.read_ahead_bytes)
-NOT_PROJECTED_READ_AHEAD = ("its step read weights ahead into the L2 cache, which needs sm_90's bulk prefetch and an "
-                            "L2 that holds a layer; an Orin has neither (sm_87, 4 MB)")
-
-
 def projection_label(gpu: str | None) -> str:
     """What every projected figure says it is."""
     return f"projected from the {gpu or 'measuring GPU'}'s measured share of its byte roofline, not measured on the board"

@@ -66,12 +66,6 @@ COMPILE_AHEAD_ENV = "EDGEINFER_COMPILE_AHEAD"
 # "1": the tuners also time the staged products' tiles (quant/staged.py at one row, the tensor-core
 # kernel's ``STAGED`` for a few): right on an H200, not yet measured in whole decode, so off by default
 STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
-# "1": each layer's attention asks the L2 cache for the weights the layer's later products (and the
-# next layer's q|k|v) read, while the small kernels leave the memory idle (:func:`read_ahead_bytes`);
-# not yet measured in whole decode, so off by default
-READ_AHEAD_ENV = "EDGEINFER_L2_READ_AHEAD"
-READ_AHEAD_CHUNK = 16384  # bytes one bulk prefetch asks for
-READ_AHEAD_SHARE = 0.6  # of the L2 cache, the most a layer reads ahead: the rest holds what the step reads meanwhile
 
 MAX_DOT_ROWS = 64  # rows past this take dequantize + GEMM: the tile of weight is then reused enough
 
@@ -142,38 +136,6 @@ def dependent_launch(device: torch.device) -> bool:
     if os.environ.get(DEPENDENT_LAUNCH_ENV, "1") == "0":
         return False
     return cuda_capability(device)[0] >= 9
-
-
-def read_ahead_bytes(device: torch.device) -> int:
-    """Bytes of weights a layer may ask the L2 cache for before its products read them: 0 where
-    the read-ahead is off (``$EDGEINFER_L2_READ_AHEAD`` is not ``1``), on the CPU or in the
-    interpreter, and before Hopper (the bulk prefetch is sm_90's; an Orin's 4 MB of L2 holds too
-    little of a layer to matter); else :data:`READ_AHEAD_SHARE` of the device's L2 cache."""
-    if device.type != "cuda" or interpreting() or triton is None:
-        return 0
-    if os.environ.get(READ_AHEAD_ENV) != "1" or cuda_capability(device)[0] < 9:
-        return 0
-    return int(torch.cuda.get_device_properties(device).L2_cache_size * READ_AHEAD_SHARE)
-
-
-def read_ahead_ranges(tensors: Iterable[torch.Tensor], budget: int) -> list[tuple[int, int]]:
-    """The ``(address, bytes)`` ranges of the tensors' storage, in the order given, up to ``budget``
-    bytes in all (the last range cut short there): each starts on 16 bytes and holds a multiple of
-    16, as the bulk prefetch takes them (a tensor's few bytes past that are read as before). A
-    tensor that is not contiguous, or smaller than 16 bytes, is left out."""
-    ranges = []
-    for t in tensors:
-        if budget < 16:
-            break
-        if not t.is_contiguous():
-            continue
-        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        first = -(-start // 16) * 16
-        nbytes = min((end - first) // 16 * 16, budget // 16 * 16)
-        if nbytes > 0:
-            ranges.append((first, nbytes))
-            budget -= nbytes
-    return ranges
 
 
 COMPILING = "compiling the tiles' kernels"  # the progress phase of compile_ahead
@@ -266,34 +228,6 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def read_ahead_l2(RANGES, R: tl.constexpr, program, programs, LANES: tl.constexpr, CHUNK: tl.constexpr):
-        """Asks the L2 cache for ``R`` byte ranges (``RANGES``: ``R`` pairs of int64, an address and a
-        byte count, both multiples of 16; :func:`read_ahead_ranges`), ``CHUNK`` bytes a request
-        (``cp.async.bulk.prefetch.L2``, sm_90 and later). This is program ``program`` of
-        ``programs``, ``LANES`` threads each: the ranges' requests are dealt to all their threads in
-        turn, across the ranges, so no program asks for much more than another. Nothing is loaded
-        into registers and nothing waits: the kernel goes on at once (a warp's requests take a few
-        hundred instructions: the request takes its address from a register the warp shares, one
-        thread after another), and the bytes arrive while it and the next kernels run. GPU only:
-        the interpreter runs no inline assembly."""
-        lanes = (programs * LANES).to(tl.int64)
-        lane = program * LANES + tl.arange(0, LANES).to(tl.int64)
-        dealt = tl.full([], 0, tl.int64)  # requests of the ranges before this one
-        for r in tl.static_range(R):
-            at = tl.load(RANGES + 2 * r)
-            nbytes = tl.load(RANGES + 2 * r + 1)
-            chunks = tl.cdiv(nbytes, CHUNK)
-            c = (lane + lanes - dealt % lanes) % lanes  # this range's request ``c`` goes to lane dealt + c
-            for turn in range(0, tl.cdiv(chunks, lanes)):
-                cc = c + turn * lanes
-                size = tl.maximum(tl.minimum(nbytes - cc * CHUNK, CHUNK), 0).to(tl.int32)
-                tl.inline_asm_elementwise(
-                    "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.b32 $0, 0;\n\t}",
-                    "=r,l,r", [at + cc * CHUNK, size], dtype=tl.int32, is_pure=False, pack=1)
-            dealt += chunks
 
     @triton.jit
     def load_words(Q, rn, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):

@@ -319,12 +319,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
                 "dependent_launch": dependent_launch(self.device), "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
-                "step": self._fused.step_report, "read_ahead": self._fused.read_ahead_report}
-
-    @property
-    def reads_ahead(self) -> bool:
-        """Whether the fused step reads the layers' weights ahead into L2 (``EDGEINFER_L2_READ_AHEAD=1``)."""
-        return self._fused is not None and self._fused.read_ahead is not None
+                "step": self._fused.step_report}
 
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and
@@ -386,10 +381,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
     # --- sleep ----------------------------------------------------------------------------------
     def release_captures(self) -> int:
         """Drop every graph and the memory pool they share, remembering their keys for
-        ``recapture``; the compiled layers, tile choices and sampler buffers stay. The fused step's
-        read-ahead ranges go too: they are the weights' addresses, and the weights' storage goes."""
-        if self._fused is not None:
-            self._fused.read_ahead = None
+        ``recapture``; the compiled layers, tile choices and sampler buffers stay."""
         self._released = [("decode", key, g.embeds.dtype) for key, g in self._graphs.items()]
         self._released += [("prefill", key, g.embeds.dtype) for key, g in self._prefills.items()]  # oldest first
         self._released += [("burst", key, None) for key in self._bursts]
@@ -398,10 +390,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return len(self._released)
 
     def recapture(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
-        """Capture the graphs ``release_captures`` dropped over ``k_pool``/``v_pool``; returns how many.
-        The fused step's read-ahead is planned again first, over the weights' new storage."""
-        if self._fused is not None:
-            self._fused.plan_read_ahead()
+        """Capture the graphs ``release_captures`` dropped over ``k_pool``/``v_pool``; returns how many."""
         released, self._released = self._released, []
         captured = 0
         for kind, key, dtype in released:

@@ -61,9 +61,8 @@ from edgeinfer.backends.torch.step_tuning import (
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant import staged
-from edgeinfer.quant.kernels import (READ_AHEAD_CHUNK, SplitWorkspace, cannot_build, checked_outputs, checked_tiles,
-                                     compile_ahead, dependent_launch, dequantized_rows, graph_time_us, interpreting,
-                                     launch, read_ahead_bytes, read_ahead_ranges)
+from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, checked_outputs, checked_tiles, compile_ahead,
+                                     dependent_launch, dequantized_rows, graph_time_us, interpreting, launch)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv
 from edgeinfer.tile_cache import TileCache, device_identity
@@ -86,7 +85,6 @@ try:  # the import decides whether this path exists at all
         group_params,
         load_where,
         params_from,
-        read_ahead_l2,
         split_total,
     )
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
@@ -413,14 +411,11 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART, ARRIVALS,
-                          OUT, QW, KW, AHEAD, stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, stride_out,
-                          scale, eps,
+                          OUT, QW, KW, stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, stride_out, scale, eps,
                           KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                           HDP: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
                           SPLITS: tl.constexpr, GM: tl.constexpr, MC: tl.constexpr, WRITE_POOL: tl.constexpr,
-                          IEEE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
-                          AHEAD_RANGES: tl.constexpr = 0, AHEAD_LANES: tl.constexpr = 128,
-                          AHEAD_CHUNK: tl.constexpr = 16384):
+                          IEEE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
         """One (row, KV head, split): the group's query heads against positions
         [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls.
         With ``QK_NORM`` each head of q and of the new k is RMSNorm'd (weights ``QW``/``KW``)
@@ -436,11 +431,7 @@ if triton is not None:
         output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV head,
         :func:`arrived_last`); the last of the group's used splits to arrive merges them
         (:func:`_merge_splits`), writes the heads' outputs and sets the count back to zero: no
-        second kernel, and no launch between the attention and the product after it.
-
-        With ``AHEAD_RANGES`` every program, used or not, first asks the L2 cache for its share of
-        those byte ranges of ``AHEAD`` (:func:`~edgeinfer.quant.kernels.read_ahead_l2`): the
-        weights the layer's products after it read, which then come from L2."""
+        second kernel, and no launch between the attention and the product after it."""
         HALF: tl.constexpr = HD // 2
         dt = KP.dtype.element_ty
         m = tl.program_id(0)
@@ -450,11 +441,7 @@ if triton is not None:
         # The splits that hold a position of the row's past or its new token (at position ctx): the
         # grid is sized by the table's width, the work and the merge by the row's own context.
         used = tl.minimum(ctx // CHUNK + 1, SPLITS)
-        program = (m * KVH + kvh) * SPLITS + s
-        programs = tl.num_programs(0) * KVH * SPLITS
         if s >= used:
-            if AHEAD_RANGES > 0:
-                read_ahead_l2(AHEAD, AHEAD_RANGES, program, programs, AHEAD_LANES, AHEAD_CHUNK)
             return
         rg = tl.arange(0, GP)
         rd = tl.arange(0, HDP)
@@ -464,8 +451,6 @@ if triton is not None:
         rt = tl.arange(0, TILE)
         k, v = _past_tile(KP, VP, TABLES + m * stride_tab, start + rt, end, kvh, rd, d_ok, stride_kb, stride_ks,
                           BS, HD)
-        if AHEAD_RANGES > 0:  # after the first tile's loads: the program's own bytes are asked for first
-            read_ahead_l2(AHEAD, AHEAD_RANGES, program, programs, AHEAD_LANES, AHEAD_CHUNK)
         await_inputs(PDL)
         partner = tl.where(rd < HALF, rd + HALF, rd - HALF)
         sign = tl.where(rd < HALF, -1.0, 1.0)
@@ -767,7 +752,7 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
                     kv_heads: int, head_dim: int, valid: torch.Tensor | None = None,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                    workspace: SplitWorkspace | None = None, read_ahead: torch.Tensor | None = None) -> torch.Tensor:
+                    workspace: SplitWorkspace | None = None) -> torch.Tensor:
     """Attention of one new token per row over its past in the pool and itself.
 
     ``qkv`` [M, (heads + 2 kv_heads) · head_dim] straight from the product (RoPE not yet
@@ -778,9 +763,7 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     instead. ``qk_norm`` (q weight [head_dim], k weight [head_dim], eps): each head of q and
     of the new k is RMSNorm'd before RoPE (Qwen3). Where the context is split, the splits
     count their arrivals in ``workspace`` (one count a row and KV head, grown outside captures
-    only; a fresh one per call otherwise). ``read_ahead``: int64 (address, bytes) pairs the
-    kernel asks the L2 cache for (:func:`~edgeinfer.quant.kernels.read_ahead_ranges`; GPU only).
-    Returns [M, heads · head_dim].
+    only; a fresh one per call otherwise). Returns [M, heads · head_dim].
     """
     if (valid is None) == (new_kv is None):
         raise ValueError("pass exactly one of valid (write the pool) and new_kv (return K/V)")
@@ -806,14 +789,12 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
     _attention_kernel[(m, kv_heads, splits)](
         qkv, cos, sin, k_pool, v_pool, tables, context_lens, valid if valid is not None else context_lens,
         k_out, v_out, parts_o, parts_m, parts_l, arrivals, out, q_weight, k_weight,
-        read_ahead if read_ahead is not None else context_lens,
         qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), out.stride(0),
         head_dim ** -0.5, eps, KVH=kv_heads, G=groups, GP=max(16, gm), HD=head_dim, HDP=hdp, BS=block_size,
         CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, GM=gm,
         MC=max(1, min(_pow2(splits), MERGE_VALUES // (gm * hdp))),
         WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **_launch(qkv.device),
-        AHEAD_RANGES=0 if read_ahead is None else read_ahead.numel() // 2, AHEAD_LANES=32 * ATTENTION_WARPS,
-        AHEAD_CHUNK=READ_AHEAD_CHUNK, num_warps=ATTENTION_WARPS, num_stages=2)
+        num_warps=ATTENTION_WARPS, num_stages=2)
     return out
 
 
@@ -897,9 +878,6 @@ class FusedDecode:
         # Partial sums and arrival counts of split packed products and of the attention's splits, one
         # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
-        # Per layer: the byte ranges its attention asks the L2 cache for (:meth:`plan_read_ahead`); None: off
-        self.read_ahead: list[torch.Tensor] | None = None
-        self._read_ahead_plan: tuple[int, list[list[tuple[int, int]]]] | None = None  # the budget, each layer's ranges
 
     @staticmethod
     def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
@@ -910,42 +888,6 @@ class FusedDecode:
         if not w.is_contiguous():
             raise ValueError("the fused decode step needs weights stored [out, in] row-major")
         return w
-
-    def plan_read_ahead(self) -> None:
-        """Where the device allows it (:func:`~edgeinfer.quant.kernels.read_ahead_bytes`), give each
-        layer's attention the weights the layer reads after it, in the order it reads them: o,
-        gate|up and down, then the next layer's q|k|v, up to the byte budget. At batch 1 the
-        attention and the small products before the MLP wait on latency, not on bytes, for about a
-        third of a layer's time; asked for then, the MLP's weights are in L2 when its products read
-        them. Bytes past the budget are read as before (a bf16 layer of a 2B model, over 90 MB, has
-        its o and the first part of gate|up read ahead). Called after the weights take their final
-        layout, outside any capture."""
-        device = self.decoder.norm.weight.device
-        budget = read_ahead_bytes(device)
-        if not budget:
-            self.read_ahead = self._read_ahead_plan = None
-            return
-        layers = self.decoder.layers
-        planned = []
-        for i, layer in enumerate(layers):
-            weights = [layer.o_t, layer.gate_up_t, layer.down_t] + ([layers[i + 1].qkv_t] if i + 1 < len(layers) else [])
-            tensors = [t for w in map(self.weight, weights)
-                       for t in ((w.codes, w.scales, w.zeros) if isinstance(w, PackedMatrix) else (w,)) if t is not None]
-            planned.append(read_ahead_ranges(tensors, budget))
-        width = max(map(len, planned))  # one kernel for every layer: short lists padded with empty ranges
-        self.read_ahead = [torch.tensor([v for r in ranges + [(0, 0)] * (width - len(ranges)) for v in r],
-                                        dtype=torch.int64, device=device) for ranges in planned]
-        self._read_ahead_plan = budget, planned
-
-    @property
-    def read_ahead_report(self) -> dict:
-        """Whether the step reads ahead now, and what a layer asks for: the budget, the ranges a
-        layer's kernel takes, and the most bytes a layer asks for."""
-        if self.read_ahead is None or self._read_ahead_plan is None:
-            return {"on": False}
-        budget, planned = self._read_ahead_plan
-        return {"on": True, "budget_mb": round(budget / 1e6, 2), "ranges": max(map(len, planned)),
-                "mb_per_layer": round(max(sum(n for _, n in ranges) for ranges in planned) / 1e6, 2)}
 
     def _products(self) -> dict[str, tuple[list[torch.Tensor], dict]]:
         """Each product's weights over all layers, and what it fuses (for timing)."""
@@ -972,7 +914,6 @@ class FusedDecode:
         products on the same GPU and kernels are taken instead, where that process's step tuning
         had at least ``step_budget_s``; tiles chosen here are stored there. ``steps`` hears of
         every timing, a phase alone and one in the step."""
-        self.plan_read_ahead()
         ident = device_identity(self.decoder.norm.weight.device) if cache is not None else None
         key = self.tiles_key() if ident is not None else None
         if key is not None:
@@ -990,8 +931,7 @@ class FusedDecode:
     def tiles_key(self) -> dict:
         """What the tiles were timed for: each product's shape, weight format and what it fuses, the
         layers the step runs (the step's attention is timed with them), and whether the staged
-        kernel's tiles were among the candidates (:func:`staged.enabled`) and whether the layers read
-        ahead (:meth:`plan_read_ahead`: the step's timings differ with it)."""
+        kernel's tiles were among the candidates (:func:`staged.enabled`)."""
         cfg = self.cfg
         products = {}
         for name, (weights, kw) in self._products().items():
@@ -1003,7 +943,7 @@ class FusedDecode:
                               "glu": bool(kw.get("glu"))}
         return {"products": products, "dtype": str(self.decoder.norm.weight.dtype), "layers": cfg.num_layers,
                 "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                "qk_norm": cfg.qk_norm, "staged": staged.enabled(), "read_ahead": self.read_ahead is not None}
+                "qk_norm": cfg.qk_norm, "staged": staged.enabled()}
 
     def kept(self, step_budget_s: float) -> dict:
         """The tiles and their timings as :meth:`restore` takes them back."""
@@ -1171,8 +1111,7 @@ class FusedDecode:
                                    new_kv=None if valid is not None else (new_k[i], new_v[i]),
                                    qk_norm=None if layer.q_norm is None else
                                    (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps),
-                                   workspace=self.workspace,
-                                   read_ahead=None if self.read_ahead is None else self.read_ahead[i])
+                                   workspace=self.workspace)
             x = after(layer, x, attn)
         return head(x), new_k, new_v
 
