@@ -15,7 +15,13 @@ side kernel. Every variant is then timed as the tuner times a step (two steps a 
 1,024 positions), all variants in turns, ``--rounds`` times; medians. Last, the step's outputs
 with and without the side kernel are compared (they must be equal: it only reads).
 
+Before that, each product alone is timed cold (the 28 layers' weights in turn, from memory) and
+hot (the first layer's weights 28 times, from L2): what the weights in L2 are worth at most, at
+each of ``--rows`` (more than one row: the layers' plain product beside cuBLAS on the weights
+dequantized to bf16). ``--no-step`` stops there.
+
     python scripts/probe_side_prefetch.py --model DIR --rounds 7 --out probe.json
+    python scripts/probe_side_prefetch.py --model DIR --rounds 5 --no-step --rows 1,4,16
 """
 
 from __future__ import annotations
@@ -128,32 +134,41 @@ class SidePrefetch:
         self.fused._qkv_gemv, self.fused._head_gemv = self.qkv, self.head
 
 
-def products_cold_and_hot(fused, rounds: int) -> dict:
-    """What a product's weights in L2 would be worth at most: each product alone with the engine's
-    tile, over every layer's weights in turn (from memory, as the step reads them) and over the
-    first layer's weights as many times (from L2 after the first: each fits), in turns; medians
-    of ``rounds`` timings, µs a call."""
+def products_cold_and_hot(fused, rounds: int, rows: int = 1) -> dict:
+    """What a product's weights in L2 would be worth at most: each product alone, over every
+    layer's weights in turn (from memory, as the step reads them) and over the first layer's
+    weights as many times (from L2 after the first: each fits), in turns; medians of ``rounds``
+    timings, µs a call. One row: the batch-1 step's kernel with the engine's tile and what it
+    fuses. More rows: the plain product as the layers call it (``PackedMatrix.matmul``, its tile
+    timed on first use), and beside it cuBLAS on the dequantized bf16 weights (``dense_cold``,
+    ``dense_hot``: the bf16 engine's product, 2 bytes a weight)."""
     dtype, device = fused.decoder.norm.weight.dtype, fused.decoder.norm.weight.device
     out = {}
     for name, (weights, kw) in fused._products().items():
         if name == "lm_head":
             continue
         n, k = weights[0].shape
-        kw = dict(kw)
-        if kw.pop("residual", False):
-            kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
-        x = torch.randn(1, k, dtype=dtype, device=device)
-        o = torch.empty(1, triton_decode._outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
-        tile = fused.configs[name]
-        calls = {"cold": [lambda w=w: fused._product(x, w, tile, out=o, **kw) for w in weights],
-                 "hot": [lambda: fused._product(x, weights[0], tile, out=o, **kw)] * len(weights)}
+        x = torch.randn(rows, k, dtype=dtype, device=device)
+        if rows == 1:
+            kw = dict(kw)
+            if kw.pop("residual", False):
+                kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
+            o = torch.empty(1, triton_decode._outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
+            tile = fused.configs[name]
+            calls = {"cold": [lambda w=w: fused._product(x, w, tile, out=o, **kw) for w in weights],
+                     "hot": [lambda: fused._product(x, weights[0], tile, out=o, **kw)] * len(weights)}
+        else:
+            dense = [w.dequantize(dtype) for w in weights]
+            calls = {"cold": [lambda w=w: w.matmul(x) for w in weights],
+                     "hot": [lambda: weights[0].matmul(x)] * len(weights),
+                     "dense_cold": [lambda w=w: torch.mm(x, w.t()) for w in dense],
+                     "dense_hot": [lambda: torch.mm(x, dense[0].t())] * len(weights)}
         times = {label: [] for label in calls}
         for _ in range(rounds):
             for label, fns in calls.items():
                 times[label].append(graph_time_us(fns))
         out[name] = {label: round(statistics.median(ts), 2) for label, ts in times.items()}
-        out[name]["mb"] = round(weights[0].nbytes / 1e6 if hasattr(weights[0], "codes") else
-                                weights[0].numel() * weights[0].element_size() / 1e6, 2)
+        out[name]["mb"] = round(weights[0].nbytes / 1e6, 2)
     return out
 
 
@@ -163,13 +178,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-step", action="store_true", help="only the products alone, cold and hot")
+    parser.add_argument("--rows", default="1", help="rows of the products timed cold and hot, comma-separated")
     args = parser.parse_args()
     load_before = os.getloadavg()
     config = EngineConfig(dtype="bfloat16", device="cuda", max_batch_size=1, block_size=16, kv_budget_mb=1024,
                           max_context=4096, cuda_graphs=True, prefix_cache=False, step_tuning_s=8.0)
     engine = Engine.load(args.model, config=config)
     fused = engine.decoder_engine._fused
-    products = products_cold_and_hot(fused, args.rounds)
+    products = {rows: products_cold_and_hot(fused, args.rounds, int(rows)) for rows in args.rows.split(",")}
     print(products, flush=True)
     if args.no_step:
         print_and_save({"gpu": torch.cuda.get_device_name(), "load_before": load_before, "products": products,
