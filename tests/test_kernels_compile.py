@@ -439,7 +439,7 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
         chunks = k // staged.CHUNK // split
         early = max(1, chunks // 2) if half else chunks
         given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, EARLY=early, GS=128,
-                     XB=min(kernels.pow2(k), 2048), HAS_Z=zeros, BF16=True, PDL=target.arch >= 90, **fused)
+                     XB=min(kernels.pow2(k), 2048), HAS_Z=zeros, BF16=True, PDL=target.arch >= 90, MB=1, **fused)
         source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
                                 {(names.index(a),): v for a, v in given.items()},
                                 {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
@@ -458,3 +458,52 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
             x_loads = [i for i, op in enumerate(body) if "LDG.E.128" in op]
             assert x_loads and min(x_loads) < copies[2 * early], case
         assert kernel.metadata.shared == staged.shared_bytes(k, warps, split), case
+
+
+@pytest.mark.parametrize("product", ["gate_up", "down", "qkv"])
+def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(product):
+    """``staged.staged_mm`` (the staged kernel with ``MB`` rows of x, a plain product) compiles for
+    Hopper and Orin, whole and split, with and without zero points. Every copy of the words goes
+    out before the first wait (on Hopper before the wait for the kernels before it too), one wait a
+    chunk. Up to 8 rows a chunk takes one MMA of 8 columns for the codes and one for the bias (or
+    -Σx with zero points; 16·warps rows by 128 columns: 8 ``HMMA`` each a warp); 16 rows take twice as many, on the same
+    words, taken apart once. It stays within the shared memory :func:`staged.shared_bytes` counts
+    (x does not go through shared memory here)."""
+    from edgeinfer.quant import staged
+
+    if staged.gluon is None:
+        pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    n, k = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536)}[product]
+    fn = staged._staged_gemv_kernel
+    names = fn.arg_names
+    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G"), "i32"), "eps": "fp32"}
+    aligned = ("X", "W", "S", "Z", "BIAS", "RES", "NORM_W", "Y", "PARTS", "ARRIVALS", "N", "K", "KW")
+    chunks_whole = k // staged.CHUNK
+    split = next(s for s in range(1, 11) if chunks_whole % s == 0 and chunks_whole // s <= staged.MAX_CHUNKS)
+    for (label, target), warps, zeros in itertools.product(TARGETS.items(), (1, 2), (False, True)):
+        chunks = chunks_whole // split
+        mmas = {}
+        for rows in (4, 16):
+            given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
+                         PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=zeros, BF16=True,
+                         PDL=target.arch >= 90, MB=rows)
+            source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
+                                    {(names.index(a),): v for a, v in given.items()},
+                                    {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+            kernel = triton.compile(source, target=target,
+                                    options={"num_warps": warps, "launch_pdl": target.arch >= 90})
+            case = (label, product, warps, split, zeros, rows)
+            body = instructions(disassembled(kernel.asm["cubin"]))
+            copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
+            waits = [i for i, op in enumerate(body) if "DEPBAR.LE" in op]
+            assert len(copies) == 2 * chunks and max(copies) < min(waits) and len(waits) == chunks, case
+            ptx = kernel.asm["ptx"]
+            if target.arch >= 90:
+                assert ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.cg.shared.global") == 2 * chunks, case
+            mmas[rows] = sum("HMMA" in op for op in body)
+            assert kernel.metadata.shared <= staged.shared_bytes(k, warps, split), case
+        per_chunk = 8 * 2  # the codes, and the bias (or -Σx with zero points): 8 k-steps of 16 each
+        assert mmas[4] == per_chunk * chunks and mmas[16] == 2 * mmas[4], (label, product, warps, zeros, mmas)

@@ -213,3 +213,45 @@ def test_a_decode_on_staged_products_is_reported_against_packed_gemv_s(tmp_path_
     positions = [first_divergence(x, y) for x, y in zip(plain, on_staged)]
     print(f"first divergence staged vs packed_gemv per request (None = identical): {positions}")
     assert all(p is None or p > 0 for p in positions)
+
+
+def test_several_rows_are_refused_outside_two_to_sixteen_before_anything_launches():
+    w = packed(64, 1536)
+    for rows in (1, 17):
+        with pytest.raises(ValueError, match=f"staged_mm reads 2 to 16 rows, got {rows}"):
+            staged.staged_mm(torch.randn(rows, 1536, dtype=torch.bfloat16), w, StagedGemvConfig(1))
+    with pytest.raises(ValueError, match="cannot take this product: .*(not a CUDA device|Gluon is not installed)"):
+        staged.staged_mm(torch.randn(4, 1536, dtype=torch.bfloat16), w, StagedGemvConfig(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"the staged kernel cannot run here: {_gpu_skip()}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
+def test_several_rows_are_torch_s_product_within_the_tuner_s_check(dtype, zeros):
+    """``staged_mm`` at 2 to 16 rows (one MMA of 8 columns, or two), whole and split, gives torch's
+    product of the dequantized weight within the tuner's check (``kernels.divergence``, at both
+    ends of N and between, every row of x: a row of x paired with another's column, a chunk's x
+    from another chunk or a code from the wrong nibble moves whole outputs), for a q|k|v-like and a
+    down-like product (70 chunks, split); every split product leaves its arrival counts at zero."""
+    from edgeinfer.quant.kernels import checked_outputs, checked_tiles, reference_outputs
+
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    space = SplitWorkspace(dev)
+    for n, k in ((512, 1536), (256, 8960)):
+        groups = k // 128
+        w = packed(n, k, dtype=dtype, device="cuda")
+        if zeros:
+            w = PackedMatrix(w.codes, w.scales, torch.randint(0, 16, (n, groups), device=dev).to(dtype), 4, 128, (n, k))
+        tiles = [StagedGemvConfig(nw, s) for nw in (1, 2, 4) for s in (1, 2, 3, 5, 7, 10)
+                 if groups % s == 0 and unfit(w, dtype, False, StagedGemvConfig(nw, s)) is None][:4]
+        assert tiles
+        outputs = checked_outputs(n)
+        for rows in (2, 7, 8, 9, 16):
+            x = torch.randn(rows, k, device=dev, dtype=dtype)
+            want = reference_outputs(x, w.codes, w.scales, w.zeros, w.layout, outputs)
+            right, wrong = checked_tiles(tiles, lambda t: staged.staged_mm(x, w, t, workspace=space), want, outputs)
+            assert right == tiles and wrong == {}, (n, k, rows, wrong)
+    torch.cuda.synchronize()
+    assert int(space.arrivals.abs().sum()) == 0, "a split product left an arrival count behind"

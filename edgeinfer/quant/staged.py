@@ -30,6 +30,12 @@ them differently:
   rows are 8 outputs' gate rows and then their up rows, so a lane holds an output's gate and up
   sums and writes SiLU(gate)·up.
 
+:func:`staged_mm` runs the same kernel for 2 to 16 rows of x, a plain product: x's rows are the
+B operand's 8 columns (two MMAs for 16 rows), so a chunk's words are taken apart once for all rows,
+where the few-row kernels now take 0.81× the time of cuBLAS's bf16 products at 16 rows for a
+quarter of the bytes (docs/quantization.md). It is built and compiled for sm_90 and sm_87, and
+**not yet run on a GPU**: nothing calls it but its GPU test and ``scripts/probe_staged_rows.py``.
+
 Scope: 4-bit codes, bf16 or fp16 activations with scales (and zero points) of the same dtype,
 groups of a multiple of 128 columns (or one a row), K a multiple of 128 and rows a multiple of
 the tile's; :func:`unfit` says why a product or tile falls outside, and ``packed_gemv`` serves it.
@@ -183,6 +189,42 @@ def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, b
     return None if warmup else y
 
 
+MAX_ROWS = 16  # rows of x staged_mm takes: two MMAs of 8 columns a chunk
+
+
+def staged_mm(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, out: torch.Tensor | None = None,
+              workspace: SplitWorkspace | None = None, warmup: bool = False) -> torch.Tensor | None:
+    """``x @ W.T`` for 2 to :data:`MAX_ROWS` rows ``x`` [M, K] and a packed 4-bit ``W``: the words staged
+    as :func:`staged_gemv` stages them, taken apart once a chunk for all rows (x's rows are the MMA's
+    B columns, 8 an MMA). Raises ValueError where :func:`unfit` names a reason. ``warmup`` as in
+    :func:`staged_gemv`."""
+    m = x.shape[0]
+    if not 1 < m <= MAX_ROWS:
+        raise ValueError(f"staged_mm reads 2 to {MAX_ROWS} rows, got {m}")
+    reason = unavailable(x.device) if not warmup else ("Triton's Gluon is not installed" if gluon is None else None)
+    reason = reason or unfit(w, x.dtype, False, config)
+    if reason is not None:
+        raise ValueError(f"staged_mm cannot take this product: {reason}")
+    n, k = w.shape
+    layout = w.layout
+    chunks = k // CHUNK // config.split
+    tiles = n // (16 * config.warps)
+    x = x.contiguous()
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    rows = 8 if m <= 8 else 16
+    parts, arrivals = (workspace or SplitWorkspace(x.device)).take(config.split * rows * n, tiles) \
+        if config.split > 1 else (y, y)
+    codes = w.codes
+    pdl = dependent_launch(x.device)
+    launch(_staged_gemv_kernel, (tiles, config.split), warmup,
+           x, codes, w.scales, w.zeros if w.zeros is not None else w.scales, codes, codes, codes, y, parts, arrivals,
+           n, k, k // 8, layout.groups, 0.0,
+           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split, EARLY=chunks, GS=layout.group_constexpr,
+           XB=min(pow2(k), 2048), PROLOGUE=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=w.zeros is not None,
+           GLU=False, BF16=x.dtype == torch.bfloat16, PDL=pdl, MB=m, launch_pdl=pdl, num_warps=config.warps)
+    return None if warmup else y
+
+
 if gluon is not None:
     # a CTA's barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9; a copy into shared memory:
     # ``async_copy_global_to_shared`` in 3.6, ``async_load`` in 3.9 (as edgeinfer.quant.tensor_core)
@@ -256,6 +298,32 @@ if gluon is not None:
         return gl.broadcast(xr[:, None], gl.full([128, 8], 0.0, x.dtype, B))[0]
 
     @gluon.jit
+    def b_rows(x, B: gl.constexpr):
+        """A chunk's x of 8 rows [8, 128] (as stored) as the MMA's B operand [128, 8] in the A operand's
+        column order: row r of x is column r."""
+        xr = gl.permute(gl.reshape(x, [8, 4, 4, 2, 4]), [0, 2, 1, 4, 3])  # as b_operand, a row at a time
+        return gl.convert_layout(gl.permute(gl.reshape(xr, [8, 128]), [1, 0]), B)
+
+    @gluon.jit
+    def _chunk_sums(a, less, b, scale, zero, MAGIC: gl.constexpr, HAS_Z: gl.constexpr, mma: gl.constexpr):
+        """A chunk's scaled sums [BN, 8] of A (codes as 2^m + q) by B: the bias and the zero point taken
+        off by a second MMA (``less``: the constant ``-(2^m + 2^(b-1))``, or -1 for ``-Σx`` with zero
+        points), then the chunk's scale."""
+        d = mma_v2(a, b, gl.zeros([a.shape[0], 8], gl.float32, mma))
+        if HAS_Z:
+            minus_sum = mma_v2(less, b, gl.zeros([a.shape[0], 8], gl.float32, mma))
+            return scale[:, None] * (d + (MAGIC + zero)[:, None] * minus_sum)
+        return scale[:, None] * mma_v2(less, b, d)
+
+    @gluon.jit
+    def _store_rows(acc, h, rows, Y, N, MB: gl.constexpr, mma: gl.constexpr):
+        """Columns of ``acc`` [BN, 8] as rows 8h .. 8h+7 of Y [MB, N], at weight rows ``rows`` (rows past
+        MB left alone)."""
+        m = h * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        ok = (m[None, :] < MB) & (rows[:, None] >= 0)
+        gl.store(Y + m[None, :] * N + rows[:, None], acc.to(Y.dtype.element_ty), mask=ok)
+
+    @gluon.jit
     def _weight_rows(tile, r, N, BN: gl.constexpr, GLU: gl.constexpr):
         """The weight rows of a tile's rows ``r``: ``tile·BN + r``; with ``GLU`` each 16 rows are the
         gate rows of 8 outputs and then their up rows (rows g and g + 8 are one lane's)."""
@@ -285,18 +353,82 @@ if gluon is not None:
             gl.store(Y + rows, v)
 
     @gluon.jit
+    def _rows_epilogue(X, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, less, scales, zeros, rows,
+                       Y, PARTS, ARRIVALS, tile, split, N, K, c0, GPS: gl.constexpr, NW: gl.constexpr,
+                       SPLIT: gl.constexpr, MB: gl.constexpr, MP: gl.constexpr, MAGIC: gl.constexpr,
+                       HAS_Z: gl.constexpr, BF16: gl.constexpr, mma: gl.constexpr):
+        """The chunks' MMAs and the rows' outputs of :func:`_staged_gemv_kernel` for ``MB`` > 1 rows of x."""
+        BN: gl.constexpr = 16 * NW
+        lx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
+                                            order=[1, 0])
+        xm = gl.arange(0, 8, layout=gl.SliceLayout(1, lx))
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, lx))
+        x_at = X + xm[:, None] * K + c0 * 128 + xk[None, :]  # rows 0-7; rows 8-15 at 8·K past them
+        lo_ok = (xm[:, None] < MB) & (xk[None, :] < 128)
+        hi_ok = (xm[:, None] + 8 < MB) & (xk[None, :] < 128)
+        lo_next = gl.load(x_at, mask=lo_ok, other=0.0)
+        hi_next = lo_next
+        if MP == 16:
+            hi_next = gl.load(x_at + 8 * K, mask=hi_ok, other=0.0)
+        acc0 = gl.zeros([BN, 8], gl.float32, mma)
+        acc1 = gl.zeros([BN, 8], gl.float32, mma)
+        for i in gl.static_range(GPS):
+            lo, hi = lo_next, hi_next
+            if i + 1 < GPS:  # the next chunk's x asked for before this chunk's MMAs
+                lo_next = gl.load(x_at + (i + 1) * 128, mask=lo_ok, other=0.0)
+                if MP == 16:
+                    hi_next = gl.load(x_at + 8 * K + (i + 1) * 128, mask=hi_ok, other=0.0)
+            async_copy.wait_group(GPS - 1 - i)  # this thread's copies up to chunk i have landed
+            _cta_barrier()  # and every other thread's
+            a = a_operand(w_smem[i].load(lw), la, BN, BF16)
+            zero = zeros[i] if HAS_Z else 0.0
+            acc0 += _chunk_sums(a, less, b_rows(lo, lb), scales[i], zero, MAGIC, HAS_Z, mma)
+            if MP == 16:
+                acc1 += _chunk_sums(a, less, b_rows(hi, lb), scales[i], zero, MAGIC, HAS_Z, mma)
+        if SPLIT == 1:
+            _store_rows(acc0, 0, rows, Y, N, MB, mma)
+            if MP == 16:
+                _store_rows(acc1, 1, rows, Y, N, MB, mma)
+        else:  # partials at [split, row of x, weight row]; the last split to arrive adds them in split order
+            m8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+            at = PARTS + (split * MP + m8)[None, :] * N + rows[:, None]
+            gl.store(at, acc0)
+            if MP == 16:
+                gl.store(at + 8 * N, acc1)
+            _cta_barrier()  # every thread's partials are written before the count says so
+            if gl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == SPLIT - 1:
+                total0 = gl.zeros_like(acc0)
+                total1 = gl.zeros_like(acc1)
+                for j in gl.static_range(SPLIT):
+                    first = PARTS + (j * MP + m8)[None, :] * N + rows[:, None]
+                    total0 += gl.load(first, cache_modifier=".cg")
+                    if MP == 16:
+                        total1 += gl.load(first + 8 * N, cache_modifier=".cg")
+                _store_rows(total0, 0, rows, Y, N, MB, mma)
+                if MP == 16:
+                    _store_rows(total1, 1, rows, Y, N, MB, mma)
+                gl.atomic_xchg(ARRIVALS + tile, 0)
+
+    @gluon.jit
     def _staged_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, KW, G, eps,
                             GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
                             EARLY: gl.constexpr, GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
                             HAS_RES: gl.constexpr, HAS_Z: gl.constexpr, GLU: gl.constexpr, BF16: gl.constexpr,
-                            PDL: gl.constexpr):
+                            PDL: gl.constexpr, MB: gl.constexpr = 1):
         """Y = f(X)·W (+ bias) (+ residual) for 16·NW weight rows (:func:`_weight_rows`) over chunks
         [split·GPS, (split + 1)·GPS) of 128 columns; ``KW`` = K / 8 words a row (an argument of its
         own, so that a launch sees it a multiple of 16 where it is: a lane's four words are then one
         16-byte copy); scales and zero points ``[N, G]``, groups of ``GS`` columns; XP = GPS rounded
         up to a power of two (x's buffer); the first ``EARLY`` chunks' copies go out before x is
-        read, the others after x's loads."""
+        read, the others after x's loads.
+
+        ``MB`` > 1 (:func:`staged_mm`): X is [MB, K], up to 16 rows, and Y [MB, N] the plain product
+        (no prologue, bias, residual nor ``GLU``): the rows are the B operand's columns, 8 an MMA, so
+        a chunk's words are taken apart once for all of them; each chunk's x comes from memory (L2:
+        every program reads it) one chunk ahead of its MMAs, not through shared memory; partial sums
+        at [split, row of x, weight row]."""
         BN: gl.constexpr = 16 * NW
+        MP: gl.constexpr = 8 if MB <= 8 else 16  # x's rows as the MMAs take them
         MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
         dt: gl.constexpr = Y.dtype.element_ty
         mma: gl.constexpr = mma_layout(NW)
@@ -342,6 +474,27 @@ if gluon is not None:
                 xv = gl.load(X + rk, mask=rk < K, other=0.0).to(gl.float32)
                 ss += xv * xv
             rstd = 1.0 / gl.sqrt(gl.sum(ss, axis=0) / K + eps)
+        less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
+        if HAS_Z:
+            less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
+        if MB > 1:
+            _rows_epilogue(X, w_smem, lw, la, lb, less, scales, zeros, rows, Y, PARTS, ARRIVALS, tile, split, N, K,
+                           c0, GPS, NW, SPLIT, MB, MP, MAGIC, HAS_Z, BF16, mma)
+        else:
+            _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
+                     bias, rows, rstd, tile, split, N, c0, GPS, XP, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,
+                     GLU, BF16, MAGIC, mma)
+
+    @gluon.jit
+    def _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw: gl.constexpr, la: gl.constexpr,
+                 lb: gl.constexpr, lv: gl.constexpr, less, scales, zeros, bias, rows, rstd, tile, split, N, c0,
+                 GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
+                 PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
+                 GLU: gl.constexpr, BF16: gl.constexpr, MAGIC: gl.constexpr, mma: gl.constexpr):
+        """The rest of :func:`_staged_gemv_kernel` for one row of x: x through shared memory, the later
+        chunks' copies, the MMAs and the row's epilogue."""
+        BN: gl.constexpr = 16 * NW
+        dt: gl.constexpr = Y.dtype.element_ty
         # f(x) of the split's chunks, rounded as the eager layer rounds, into shared memory once; unrolled,
         # so that every chunk's x is asked for at once (a loop waits for each chunk's in turn)
         x_smem = gl.allocate_shared_memory(dt, [XP, 128], _plain(1))
@@ -357,19 +510,13 @@ if gluon is not None:
             _async_load(w_smem[i], words_at + i * 16)
             async_copy.commit_group()
         acc = gl.zeros([BN, 8], gl.float32, mma)
-        less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
-        if HAS_Z:
-            less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
         for i in gl.static_range(GPS):
             async_copy.wait_group(GPS - 1 - i)  # this thread's copies up to chunk i have landed
             _cta_barrier()  # and every other thread's, and x in shared memory
             b = b_operand(x_smem.index(i).load(x_layout(NW)), lb)
-            d = mma_v2(a_operand(w_smem[i].load(lw), la, BN, BF16), b, gl.zeros([BN, 8], gl.float32, mma))
-            if HAS_Z:
-                minus_sum = mma_v2(less, b, gl.zeros([BN, 8], gl.float32, mma))
-                acc += scales[i][:, None] * (d + (MAGIC + zeros[i])[:, None] * minus_sum)
-            else:
-                acc += scales[i][:, None] * mma_v2(less, b, d)
+            zero = zeros[i] if HAS_Z else 0.0
+            acc += _chunk_sums(a_operand(w_smem[i].load(lw), la, BN, BF16), less, b, scales[i], zero, MAGIC, HAS_Z,
+                               mma)
         n8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         y = gl.sum(gl.where(n8[None, :] == 0, acc, 0.0), axis=1)  # the 8 columns hold the same sums
         if SPLIT == 1:

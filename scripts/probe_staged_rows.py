@@ -1,0 +1,99 @@
+"""Diagnostic probe (not a benchmark): the staged product at 2 to 16 rows (``staged.staged_mm``)
+against the few-row product the layers use now (``kernels.packed_mm`` with the tile its tuner
+chooses), on random 4-bit weights of Qwen2-VL-2B's shapes, bf16, groups of 128.
+
+Each staged tile is first checked against torch as the tuner checks its tiles
+(``kernels.checked_tiles``); a wrong one is reported and not timed. Each product is timed as the
+tuner times it: over copies of the weight that do not fit L2 together (``kernels.cold_copies``),
+replayed from one CUDA graph, µs a call. Every timing ``--rounds`` times, in turns; medians.
+
+    OUT=probe.json python scripts/probe_staged_rows.py --rows 4,8,16 --rounds 3 --shapes gate_up,down
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from edgeinfer.quant import kernels, staged
+from edgeinfer.quant.kernels import SplitWorkspace, checked_outputs, checked_tiles, cold_copies, graph_time_us
+from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.quant.staged import StagedGemvConfig, unfit
+from edgeinfer.testing.products import random_packed
+
+SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+
+
+def staged_tiles(w) -> list[StagedGemvConfig]:
+    """Every tile that fits: 1, 2 and 4 warps, each at the three fewest splits that fit."""
+    chunks = w.shape[1] // staged.CHUNK
+    tiles = []
+    for warps in staged.WARPS:
+        fits = [StagedGemvConfig(warps, s) for s in range(1, chunks // 2 + 1)
+                if chunks % s == 0 and unfit(w, torch.bfloat16, False, StagedGemvConfig(warps, s)) is None]
+        tiles += fits[:3]
+    return tiles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="4,8,16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--out", type=Path, default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    space = SplitWorkspace(dev)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    out = {"gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(), "products": {}}
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        w = random_packed(n, k, 4, 128, dev)
+        copies = [w] + [PackedMatrix(w.codes.clone(), w.scales.clone(), None, 4, 128, (n, k))
+                        for _ in range(cold_copies(w.nbytes, l2) - 1)]
+        tiles = staged_tiles(w)
+        outputs = checked_outputs(n)
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+            want = kernels.reference_outputs(x, w.codes, w.scales, None, w.layout, outputs)
+            refused = {}
+
+            def product(t):
+                try:
+                    return staged.staged_mm(x, w, t, workspace=space)
+                except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel
+                    refused[str(t)] = f"{type(e).__name__}: {str(e)[:300]}"
+                    return None
+
+            right, wrong = checked_tiles(tiles, product, want, outputs)
+            mm_tile = kernels.tuned_config(x, w.codes, w.scales, None, w.layout)
+            calls = {"packed_mm " + kernels._tile_name(mm_tile): [lambda c=c: c.matmul(x) for c in copies]}
+            calls |= {f"staged {t.warps}w split{t.split}": [lambda c=c, t=t: staged.staged_mm(x, c, t, workspace=space)
+                                                         for c in copies] for t in right}
+            times = {label: [] for label in calls}
+            for _ in range(args.rounds):
+                for label, fns in calls.items():
+                    times[label].append(graph_time_us(fns))
+            us = {label: round(statistics.median(ts), 2) for label, ts in times.items()}
+            best = min((label for label in us if label.startswith("staged")), key=us.get, default=None)
+            mm = next(iter(us))
+            row = {"mb": round(w.nbytes / 1e6, 2), "us": us, "packed_mm": mm, "best_staged": best,
+                   "staged_over_packed_mm": round(us[best] / us[mm], 3) if best else None,
+                   "wrong": {str(t): why for t, why in wrong.items()}, "refused": refused}
+            out["products"].setdefault(name, {})[rows] = row
+            print(name, rows, mm, us[mm], best, us.get(best), flush=True)
+    out["load_after"] = os.getloadavg()
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
