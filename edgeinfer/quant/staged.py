@@ -353,7 +353,7 @@ if gluon is not None:
             gl.store(Y + rows, v)
 
     @gluon.jit
-    def _rows_epilogue(X, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, less, scales, zeros, rows,
+    def _several_rows(X, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, less, scales, zeros, rows,
                        Y, PARTS, ARRIVALS, tile, split, N, K, c0, GPS: gl.constexpr, NW: gl.constexpr,
                        SPLIT: gl.constexpr, MB: gl.constexpr, MP: gl.constexpr, MAGIC: gl.constexpr,
                        HAS_Z: gl.constexpr, BF16: gl.constexpr, mma: gl.constexpr):
@@ -478,7 +478,7 @@ if gluon is not None:
         if HAS_Z:
             less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
         if MB > 1:
-            _rows_epilogue(X, w_smem, lw, la, lb, less, scales, zeros, rows, Y, PARTS, ARRIVALS, tile, split, N, K,
+            _several_rows(X, w_smem, lw, la, lb, less, scales, zeros, rows, Y, PARTS, ARRIVALS, tile, split, N, K,
                            c0, GPS, NW, SPLIT, MB, MP, MAGIC, HAS_Z, BF16, mma)
         else:
             _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
