@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgeinfer.backends.torch import step_tuning, triton_decode
+from edgeinfer.backends.torch import step_tuning
 from edgeinfer.bench.raw import print_and_save
 from edgeinfer.engine import Engine, EngineConfig
 from edgeinfer.quant.kernels import graph_time_us
@@ -142,22 +142,17 @@ def products_cold_and_hot(fused, rounds: int, rows: int = 1) -> dict:
     fuses. More rows: the plain product as the layers call it (``PackedMatrix.matmul``, its tile
     timed on first use), and beside it cuBLAS on the dequantized bf16 weights (``dense_cold``,
     ``dense_hot``: the bf16 engine's product, 2 bytes a weight)."""
-    dtype, device = fused.decoder.norm.weight.dtype, fused.decoder.norm.weight.device
+    dtype = fused.decoder.norm.weight.dtype
     out = {}
-    for name, (weights, kw) in fused._products().items():
+    for name, (weights, x, kw, outs) in fused.timed_products().items():
         if name == "lm_head":
             continue
-        n, k = weights[0].shape
-        x = torch.randn(rows, k, dtype=dtype, device=device)
-        if rows == 1:
-            kw = dict(kw)
-            if kw.pop("residual", False):
-                kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
-            o = torch.empty(1, triton_decode._outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
-            tile = fused.configs[name]
+        if rows == 1:  # the step's kernel, with what it fuses, as the tuner times it
+            tile, o = fused.configs[name], outs[0]
             calls = {"cold": [lambda w=w: fused._product(x, w, tile, out=o, **kw) for w in weights],
                      "hot": [lambda: fused._product(x, weights[0], tile, out=o, **kw)] * len(weights)}
         else:
+            x = torch.randn(rows, x.shape[1], dtype=dtype, device=x.device)
             dense = [w.dequantize(dtype) for w in weights]
             calls = {"cold": [lambda w=w: w.matmul(x) for w in weights],
                      "hot": [lambda: weights[0].matmul(x)] * len(weights),

@@ -23,21 +23,9 @@ import torch
 from edgeinfer.quant import kernels, staged
 from edgeinfer.quant.kernels import SplitWorkspace, checked_outputs, checked_tiles, cold_copies, graph_time_us
 from edgeinfer.quant.packed import PackedMatrix
-from edgeinfer.quant.staged import StagedGemvConfig, unfit
 from edgeinfer.testing.products import random_packed
 
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
-
-
-def staged_tiles(w) -> list[StagedGemvConfig]:
-    """Every tile that fits: 1, 2 and 4 warps, each at the three fewest splits that fit."""
-    chunks = w.shape[1] // staged.CHUNK
-    tiles = []
-    for warps in staged.WARPS:
-        fits = [StagedGemvConfig(warps, s) for s in range(1, chunks // 2 + 1)
-                if chunks % s == 0 and unfit(w, torch.bfloat16, False, StagedGemvConfig(warps, s)) is None]
-        tiles += fits[:3]
-    return tiles
 
 
 def main() -> None:
@@ -57,7 +45,7 @@ def main() -> None:
         w = random_packed(n, k, 4, 128, dev)
         copies = [w] + [PackedMatrix(w.codes.clone(), w.scales.clone(), None, 4, 128, (n, k))
                         for _ in range(cold_copies(w.nbytes, l2) - 1)]
-        tiles = staged_tiles(w)
+        tiles = staged.tiles_that_fit(w, torch.bfloat16, False)  # what the batch-1 tuner would time
         outputs = checked_outputs(n)
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)

@@ -406,6 +406,25 @@ def test_a_compile_that_fails_as_it_finishes_leaves_the_launches_to_compile(monk
     assert report.compiles == 1 and kernels._async_compile_mode.get() is None
 
 
+def staged_binary(given: dict, target: GPUTarget, warps: int):
+    """The staged kernel (``staged._staged_gemv_kernel``) compiled for ``target`` with the constexprs
+    ``given`` (``PDL`` from the target), bf16, as a launch specializes its pointers and sizes."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from edgeinfer.quant import staged
+
+    fn = staged._staged_gemv_kernel
+    names = fn.arg_names
+    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G"), "i32"), "eps": "fp32"}
+    aligned = ("X", "W", "S", "Z", "BIAS", "RES", "NORM_W", "Y", "PARTS", "ARRIVALS", "N", "K", "KW")
+    given = {**given, "PDL": target.arch >= 90}
+    source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
+                            {(names.index(a),): v for a, v in given.items()},
+                            {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    return triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": target.arch >= 90})
+
+
 @pytest.mark.parametrize("product", ["gate_up", "down", "qkv"])
 def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
     """The staged batch-1 product (Gluon, ``edgeinfer.quant.staged``) compiles for Hopper and Orin
@@ -420,16 +439,10 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
 
     if staged.gluon is None:
         pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     n, k, fused = {"gate_up": (17920, 1536, dict(PROLOGUE=True, GLU=True, HAS_BIAS=False, HAS_RES=False)),
                    "down": (1536, 8960, dict(PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=True)),
                    "qkv": (2048, 1536, dict(PROLOGUE=True, GLU=False, HAS_BIAS=True, HAS_RES=False))}[product]
-    fn = staged._staged_gemv_kernel
-    names = fn.arg_names
-    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
-             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G"), "i32"), "eps": "fp32"}
-    aligned = ("X", "W", "S", "Z", "BIAS", "RES", "NORM_W", "Y", "PARTS", "ARRIVALS", "N", "K", "KW")
     tiles = [(c.warps, c.split) for c in (staged.StagedGemvConfig(nw, s) for nw in (1, 4) for s in range(1, 11))
              if (k // staged.CHUNK) % c.split == 0 and k // staged.CHUNK // c.split <= staged.MAX_CHUNKS
              and staged.shared_bytes(k, c.warps, c.split) <= staged.MAX_SHARED][:4]
@@ -439,11 +452,8 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
         chunks = k // staged.CHUNK // split
         early = max(1, chunks // 2) if half else chunks
         given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, EARLY=early, GS=128,
-                     XB=min(kernels.pow2(k), 2048), HAS_Z=zeros, BF16=True, PDL=target.arch >= 90, MB=1, **fused)
-        source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
-                                {(names.index(a),): v for a, v in given.items()},
-                                {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-        kernel = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": target.arch >= 90})
+                     XB=min(kernels.pow2(k), 2048), HAS_Z=zeros, BF16=True, MB=1, **fused)
+        kernel = staged_binary(given, target, warps)
         case = (label, product, warps, split, zeros, early)
         body = instructions(disassembled(kernel.asm["cubin"]))
         copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
@@ -473,14 +483,8 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
 
     if staged.gluon is None:
         pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     n, k = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536)}[product]
-    fn = staged._staged_gemv_kernel
-    names = fn.arg_names
-    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
-             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G"), "i32"), "eps": "fp32"}
-    aligned = ("X", "W", "S", "Z", "BIAS", "RES", "NORM_W", "Y", "PARTS", "ARRIVALS", "N", "K", "KW")
     chunks_whole = k // staged.CHUNK
     split = next(s for s in range(1, 11) if chunks_whole % s == 0 and chunks_whole // s <= staged.MAX_CHUNKS)
     for (label, target), warps, zeros in itertools.product(TARGETS.items(), (1, 2), (False, True)):
@@ -488,13 +492,8 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
         mmas = {}
         for rows in (4, 16):
             given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
-                         PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=zeros, BF16=True,
-                         PDL=target.arch >= 90, MB=rows)
-            source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
-                                    {(names.index(a),): v for a, v in given.items()},
-                                    {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-            kernel = triton.compile(source, target=target,
-                                    options={"num_warps": warps, "launch_pdl": target.arch >= 90})
+                         PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=zeros, BF16=True, MB=rows)
+            kernel = staged_binary(given, target, warps)
             case = (label, product, warps, split, zeros, rows)
             body = instructions(disassembled(kernel.asm["cubin"]))
             copies = [i for i, op in enumerate(body) if "LDGSTS" in op]

@@ -134,12 +134,9 @@ def unfit(w: PackedMatrix, dtype: torch.dtype, glu: bool, config: StagedGemvConf
     return None
 
 
-def candidates(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
-    """The tiles the tuner times for ``w`` at batch 1: none unless :func:`enabled` and the device can
-    run the kernel; else, for each warp count, the :data:`SPLITS_A_TILE` fewest splits that fit with
-    at least two chunks a program."""
-    if not enabled() or unavailable(w.codes.device) is not None:
-        return []
+def tiles_that_fit(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
+    """For each warp count, the :data:`SPLITS_A_TILE` fewest splits that fit ``w`` (:func:`unfit`) with at
+    least two chunks a program."""
     chunks = w.shape[1] // CHUNK
     tiles = []
     for warps in WARPS:
@@ -147,6 +144,14 @@ def candidates(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGem
                 if chunks % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(warps, s)) is None]
         tiles += fits[:SPLITS_A_TILE]
     return tiles
+
+
+def candidates(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
+    """The tiles the tuner times for ``w`` at batch 1: none unless :func:`enabled` and the device can
+    run the kernel; else :func:`tiles_that_fit`."""
+    if not enabled() or unavailable(w.codes.device) is not None:
+        return []
+    return tiles_that_fit(w, dtype, glu)
 
 
 def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, bias: torch.Tensor | None = None,
@@ -159,33 +164,12 @@ def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, b
     ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     if x.shape[0] != 1:
         raise ValueError(f"staged_gemv reads one row, got {x.shape[0]}")
-    # a compile alone (warmup) may target a GPU this machine does not have: it needs Gluon only
-    reason = unavailable(x.device) if not warmup else ("Triton's Gluon is not installed" if gluon is None else None)
-    reason = reason or unfit(w, x.dtype, glu, config)
-    if reason is not None:
-        raise ValueError(f"staged_gemv cannot take this product: {reason}")
     if glu and residual is not None:
         raise ValueError("glu writes SiLU(gate)·up and takes no residual")
-    n, k = w.shape
-    layout = w.layout
-    chunks = k // CHUNK // config.split
-    outputs = n // 2 if glu else n
-    tiles = n // (16 * config.warps)
-    x = x.contiguous()
-    y = out if out is not None else torch.empty(1, outputs, dtype=x.dtype, device=x.device)
-    parts, arrivals = (workspace or SplitWorkspace(x.device)).take(config.split * n, tiles) \
-        if config.split > 1 else (y, y)
-    codes = w.codes
-    pdl = dependent_launch(x.device)
-    launch(_staged_gemv_kernel, (tiles, config.split), warmup,
-           x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
-           bias if bias is not None else codes, residual if residual is not None else codes,
-           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps,
-           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split,
-           EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
-           XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
-           HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
-           PDL=pdl, launch_pdl=pdl, num_warps=config.warps)
+    n = w.shape[0]
+    y = out if out is not None else torch.empty(1, n // 2 if glu else n, dtype=x.dtype, device=x.device)
+    _launch("staged_gemv", x, w, config, y, workspace, warmup, bias=bias, residual=residual,
+            norm_weight=norm_weight, eps=eps, glu=glu)
     return None if warmup else y
 
 
@@ -201,28 +185,43 @@ def staged_mm(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, out
     m = x.shape[0]
     if not 1 < m <= MAX_ROWS:
         raise ValueError(f"staged_mm reads 2 to {MAX_ROWS} rows, got {m}")
+    y = out if out is not None else torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
+    _launch("staged_mm", x, w, config, y, workspace, warmup)
+    return None if warmup else y
+
+
+def _launch(caller: str, x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, y: torch.Tensor,
+            workspace: SplitWorkspace | None, warmup: bool, *, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            glu: bool = False) -> None:
+    """:func:`_staged_gemv_kernel` on ``x``'s rows (one: what the step fuses; more: the plain product)
+    into ``y``, once :func:`unavailable` and :func:`unfit` have found nothing against it (else
+    ValueError, ``caller`` named). A compile alone (``warmup``) may target a GPU this machine does
+    not have: it needs Gluon only."""
     reason = unavailable(x.device) if not warmup else ("Triton's Gluon is not installed" if gluon is None else None)
-    reason = reason or unfit(w, x.dtype, False, config)
+    reason = reason or unfit(w, x.dtype, glu, config)
     if reason is not None:
-        raise ValueError(f"staged_mm cannot take this product: {reason}")
+        raise ValueError(f"{caller} cannot take this product: {reason}")
+    m = x.shape[0]
     n, k = w.shape
     layout = w.layout
     chunks = k // CHUNK // config.split
     tiles = n // (16 * config.warps)
     x = x.contiguous()
-    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    rows = 8 if m <= 8 else 16
-    parts, arrivals = (workspace or SplitWorkspace(x.device)).take(config.split * rows * n, tiles) \
+    x_rows = 1 if m == 1 else 8 if m <= 8 else 16  # partial sums a weight row, as the kernel keeps them
+    parts, arrivals = (workspace or SplitWorkspace(x.device)).take(config.split * x_rows * n, tiles) \
         if config.split > 1 else (y, y)
     codes = w.codes
     pdl = dependent_launch(x.device)
     launch(_staged_gemv_kernel, (tiles, config.split), warmup,
-           x, codes, w.scales, w.zeros if w.zeros is not None else w.scales, codes, codes, codes, y, parts, arrivals,
-           n, k, k // 8, layout.groups, 0.0,
-           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split, EARLY=chunks, GS=layout.group_constexpr,
-           XB=min(pow2(k), 2048), PROLOGUE=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=w.zeros is not None,
-           GLU=False, BF16=x.dtype == torch.bfloat16, PDL=pdl, MB=m, launch_pdl=pdl, num_warps=config.warps)
-    return None if warmup else y
+           x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
+           bias if bias is not None else codes, residual if residual is not None else codes,
+           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps,
+           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split,
+           EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
+           XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
+           HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
+           PDL=pdl, MB=m, launch_pdl=pdl, num_warps=config.warps)
 
 
 if gluon is not None:
@@ -316,12 +315,14 @@ if gluon is not None:
         return scale[:, None] * mma_v2(less, b, d)
 
     @gluon.jit
-    def _store_rows(acc, h, rows, Y, N, MB: gl.constexpr, mma: gl.constexpr):
-        """Columns of ``acc`` [BN, 8] as rows 8h .. 8h+7 of Y [MB, N], at weight rows ``rows`` (rows past
-        MB left alone)."""
-        m = h * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-        ok = (m[None, :] < MB) & (rows[:, None] >= 0)
-        gl.store(Y + m[None, :] * N + rows[:, None], acc.to(Y.dtype.element_ty), mask=ok)
+    def _store_rows(acc0, acc1, rows, Y, N, MB: gl.constexpr, MP: gl.constexpr, mma: gl.constexpr):
+        """Columns of ``acc0`` [BN, 8] as rows 0 .. 7 of Y [MB, N] and, where ``MP`` is 16, those of ``acc1``
+        as rows 8 .. 15, at weight rows ``rows`` (rows past MB left alone)."""
+        m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        at = Y + m[None, :] * N + rows[:, None]
+        gl.store(at, acc0.to(Y.dtype.element_ty), mask=(m[None, :] < MB) & (rows[:, None] >= 0))
+        if MP == 16:
+            gl.store(at + 8 * N, acc1.to(Y.dtype.element_ty), mask=(m[None, :] + 8 < MB) & (rows[:, None] >= 0))
 
     @gluon.jit
     def _weight_rows(tile, r, N, BN: gl.constexpr, GLU: gl.constexpr):
@@ -386,17 +387,12 @@ if gluon is not None:
             if MP == 16:
                 acc1 += _chunk_sums(a, less, b_rows(hi, lb), scales[i], zero, MAGIC, HAS_Z, mma)
         if SPLIT == 1:
-            _store_rows(acc0, 0, rows, Y, N, MB, mma)
-            if MP == 16:
-                _store_rows(acc1, 1, rows, Y, N, MB, mma)
+            _store_rows(acc0, acc1, rows, Y, N, MB, MP, mma)
         else:  # partials at [split, row of x, weight row]; the last split to arrive adds them in split order
-            m8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-            at = PARTS + (split * MP + m8)[None, :] * N + rows[:, None]
-            gl.store(at, acc0)
-            if MP == 16:
-                gl.store(at + 8 * N, acc1)
+            _store_rows(acc0, acc1, rows, PARTS + split * MP * N, N, MP, MP, mma)
             _cta_barrier()  # every thread's partials are written before the count says so
             if gl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == SPLIT - 1:
+                m8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
                 total0 = gl.zeros_like(acc0)
                 total1 = gl.zeros_like(acc1)
                 for j in gl.static_range(SPLIT):
@@ -404,9 +400,7 @@ if gluon is not None:
                     total0 += gl.load(first, cache_modifier=".cg")
                     if MP == 16:
                         total1 += gl.load(first + 8 * N, cache_modifier=".cg")
-                _store_rows(total0, 0, rows, Y, N, MB, mma)
-                if MP == 16:
-                    _store_rows(total1, 1, rows, Y, N, MB, mma)
+                _store_rows(total0, total1, rows, Y, N, MB, MP, mma)
                 gl.atomic_xchg(ARRIVALS + tile, 0)
 
     @gluon.jit

@@ -973,6 +973,21 @@ class FusedDecode:
         self.tiles_source = "cache"
         return True
 
+    def timed_products(self) -> dict[str, tuple[list, torch.Tensor, dict, list[torch.Tensor]]]:
+        """Per product, what a product is timed alone on, as a step calls it: every layer's weight, a
+        random row x, what it fuses (a random residual where it adds one) and an output per layer."""
+        dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
+        timed = {}
+        for name, (weights, kw) in self._products().items():
+            n, k = weights[0].shape
+            kw = dict(kw)
+            if kw.pop("residual", False):
+                kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
+            outs = [torch.empty(1, _outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
+                    for _ in weights]
+            timed[name] = weights, torch.randn(1, k, dtype=dtype, device=device), kw, outs
+        return timed
+
     def _tune_alone(self, steps: Steps) -> dict[str, list[Tile]]:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
         (as a step does: from memory, not from the L2 cache), and keep the fastest; cuBLAS is timed
@@ -982,15 +997,7 @@ class FusedDecode:
         Returns each product's candidates, fastest first."""
         dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         ranked = {}
-        timed = {}  # per product: its weights, x, what it fuses and its outputs, as a step calls it
-        for name, (weights, kw) in self._products().items():
-            n, k = weights[0].shape
-            kw = dict(kw)
-            if kw.pop("residual", False):
-                kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
-            outs = [torch.empty(1, _outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
-                    for _ in weights]
-            timed[name] = weights, torch.randn(1, k, dtype=dtype, device=device), kw, outs
+        timed = self.timed_products()
         if device.type == "cuda":  # every candidate compiled on threads first: the timings then compile nothing
             ahead = compile_ahead((lambda c=c, w=ws[0], x=x, kw=kw, o=outs[0]: self._product(x, w, c, out=o, warmup=True, **kw)
                            for ws, x, kw, outs in timed.values() for c in _candidates(ws[0], dtype, kw.get("glu", False))),
