@@ -19,7 +19,8 @@ import os
 import torch
 
 from edgeinfer.backends.torch import triton_decode as td
-from edgeinfer.quant.kernels import SplitWorkspace, graph_time_us
+from edgeinfer.quant.kernels import graph_time_us
+from edgeinfer.quant.launching import SplitWorkspace
 
 L, H, KVH, HD, BS = 28, 12, 2, 128, 16
 

@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from edgeinfer.backends.torch import triton_decode as td
-from edgeinfer.quant import kernels
+from edgeinfer.quant import launching
 from edgeinfer.quant.packed import PackedMatrix
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, CONTEXT, BLOCK = 1536, 8960, 12, 2, 128, 28, 1019, 16
@@ -68,7 +68,7 @@ class Layers:
         self.sin = torch.cat((angle.sin(), angle.sin()), -1).to(torch.bfloat16)
         self.norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
         self.x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        self.workspace = kernels.SplitWorkspace(torch.device("cuda"))
+        self.workspace = launching.SplitWorkspace(torch.device("cuda"))
         self.inputs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
                        for name, (_, k) in SHAPES.items()}
         self.qkv = torch.randn(1, SHAPES["qkv"][0], device="cuda", dtype=torch.bfloat16)
@@ -132,7 +132,7 @@ def parts(layers: Layers, replays: int) -> dict:
     for name in (*SHAPES, "attention"):
         row = {}
         for mode, env in (("plain", "0"), ("dependent", "1")):
-            os.environ[kernels.DEPENDENT_LAUNCH_ENV] = env
+            os.environ[launching.DEPENDENT_LAUNCH_ENV] = env
             row[f"{mode}_us"] = round(per_call_us(layers.part(name), replays), 2)
         if name != "attention":
             nbytes = td._nbytes(layers.weights[0][name])
@@ -143,7 +143,7 @@ def parts(layers: Layers, replays: int) -> dict:
 
 
 def sweep(layers: Layers, replays: int) -> dict:
-    os.environ[kernels.DEPENDENT_LAUNCH_ENV] = "1"
+    os.environ[launching.DEPENDENT_LAUNCH_ENV] = "1"
     out = {}
     for name, tiles in sweep_tiles(layers.fmt).items():
         row = {}
@@ -157,7 +157,7 @@ def sweep(layers: Layers, replays: int) -> dict:
 
 
 def attention_chunks(layers: Layers, replays: int) -> dict:
-    os.environ[kernels.DEPENDENT_LAUNCH_ENV] = "1"
+    os.environ[launching.DEPENDENT_LAUNCH_ENV] = "1"
     out, default = {}, td.ATTENTION_CHUNK
     try:
         for chunk in ATTENTION_CHUNKS:
@@ -214,7 +214,7 @@ def main() -> None:
         outs = {}
         for _ in range(args.rounds):
             for mode, env in (("plain", "0"), ("dependent", "1")):
-                os.environ[kernels.DEPENDENT_LAUNCH_ENV] = env
+                os.environ[launching.DEPENDENT_LAUNCH_ENV] = env
                 times, outs[mode] = replay_us(layers, args.replays)
                 runs[mode].extend(times)
         plain, dependent = statistics.median(runs["plain"]), statistics.median(runs["dependent"])
@@ -237,7 +237,7 @@ def main() -> None:
             tiles = {name: t for name in best for t in (TILES[fmt][name], *sweep_tiles(fmt)[name])
                      if td._config_name(t) == best[name]}
             layers.tiles = tiles
-            os.environ[kernels.DEPENDENT_LAUNCH_ENV] = "1"
+            os.environ[launching.DEPENDENT_LAUNCH_ENV] = "1"
             row["best_tiles"] = best
             row["best_tiles_dependent_us"] = round(statistics.median(replay_us(layers, args.replays)[0]), 1)
             print(fmt, "best tiles", best, row["best_tiles_dependent_us"], flush=True)

@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from edgeinfer.backends.torch import triton_decode as td
-from edgeinfer.quant import kernels
+from edgeinfer.quant import kernels, launching
 from edgeinfer.quant.packed import PackedMatrix
 # the A operand from a chunk's words, x as the B operand, and their layouts: written for this probe,
 # now the staged kernel's (edgeinfer.quant.staged), which reuses this arithmetic
@@ -115,7 +115,7 @@ def mma_gemv_kernel(X, W, S, Y, PARTS, ARRIVALS, N, KW, G, GPS: gl.constexpr, NW
             gl.atomic_xchg(ARRIVALS + tile, 0)
 
 
-def mma_gemv(x, w: PackedMatrix, nw: int, split: int, hoist: bool, workspace: kernels.SplitWorkspace,
+def mma_gemv(x, w: PackedMatrix, nw: int, split: int, hoist: bool, workspace: launching.SplitWorkspace,
              warmup=False):
     n, k = w.shape
     groups = k // GS
@@ -143,7 +143,7 @@ def product(name):
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
     want = x.float() @ kernels.dequantize_with_torch(ws[0].codes, ws[0].scales, None, ws[0].layout,
                                                       torch.bfloat16).float().T
-    space = kernels.SplitWorkspace(DEV)
+    space = launching.SplitWorkspace(DEV)
     ours = [(nw, s, h) for nw in WARPS for s in splits for h in (False, True) if n % (16 * nw) == 0]
     warm = [lambda c=c: td.packed_gemv(x, ws[0], c, workspace=space, warmup=True) for c in td.PACKED_GEMV_CANDIDATES]
     warm += [lambda nw=nw, s=s, h=h: mma_gemv(x, ws[0], nw, s, h, space, warmup=True) for nw, s, h in ours]

@@ -66,7 +66,7 @@ def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split
     """The tensor-core kernel compiled for sm_``arch`` as :func:`tensor_core.mma_mm` launches it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from edgeinfer.quant import kernels, tensor_core
+    from edgeinfer.quant import launching, tensor_core
 
     fn = tensor_core._mma_mm_kernel
     names = fn.arg_names
@@ -75,7 +75,7 @@ def tensor_core_kernel(arch: int, bn: int, bk: int, ahead: int, rows: int, split
     per_split = -(-(k // bk) // split) * bk
     given = dict(BN=bn, BM=8 if rows <= 8 else 16, BK=bk, GS=128, HAS_Z=False, SPLIT_K=split > 1, WARPS=4,
                  LW=tensor_core.word_layout(bn, bk, 4, wide), BF16=True, MAGIC=128.0, AHEAD=ahead, X_SHARED=x_shared,
-                 X_STEPS=kernels.pow2(per_split // bk) if x_shared else 1, WIDE=wide)
+                 X_STEPS=launching.pow2(per_split // bk) if x_shared else 1, WIDE=wide)
     aligned = ("X", "Q", "S", "Z", "Y", "PARTS", "ARRIVALS", "N", "K", "stride_x", "stride_y", "per_split")
     source = GluonASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                             {(names.index(a),): v for a, v in given.items()},

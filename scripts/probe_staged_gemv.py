@@ -38,7 +38,7 @@ import torch
 import triton
 
 from edgeinfer.quant import staged
-from edgeinfer.quant.kernels import pow2
+from edgeinfer.quant.launching import SplitWorkspace, pow2
 
 LAYERS, GS = 28, 128
 PRODUCTS = {"gate_up": (17920, 1536, "norm+glu"), "down": (1536, 8960, "residual"),
@@ -72,7 +72,7 @@ def product(which):
     ws = [random_packed(n, k, 4, GS, dev) for _ in range(LAYERS)]
     x, kw = fused_inputs(kind, n, k, dev)
     glu = kw.get("glu", False)
-    space = kernels.SplitWorkspace(dev)
+    space = SplitWorkspace(dev)
     ours = staged_tiles(ws[0], glu)
     # each also with half its chunks copied before x is read and the rest after (``early``): whether x,
     # written by the kernel before, waits behind a whole program's copies
@@ -136,7 +136,7 @@ def sass_report():
     fn = staged._staged_gemv_kernel
     names = fn.arg_names
     types = {**{a: "*bf16" for a in ("X", "S", "Z", "BIAS", "RES", "NORM_W", "Y")}, "W": "*i32",
-             "PARTS": "*fp32", "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G"), "i32"), "eps": "fp32"}
+             "PARTS": "*fp32", "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G", "M"), "i32"), "eps": "fp32"}
     aligned = ("X", "W", "S", "Z", "BIAS", "RES", "NORM_W", "Y", "PARTS", "ARRIVALS", "N", "K", "KW")
     print(f"triton {triton.__version__}; 4-bit, bf16, groups of 128, symmetric; fused as the decode step calls "
           "each product")
@@ -153,7 +153,7 @@ def sass_report():
                     gps = chunks // split
                     given = dict(GPS=gps, XP=pow2(gps), NW=nw, SPLIT=split, EARLY=gps, GS=GS, XB=min(pow2(k), 2048),
                                  PROLOGUE="norm" in kind, HAS_BIAS="bias" in kind, HAS_RES="residual" in kind,
-                                 HAS_Z=False, GLU=glu, BF16=True, PDL=arch >= 90)
+                                 HAS_Z=False, GLU=glu, BF16=True, PDL=arch >= 90, M=1, MP=1)
                     source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
                                             {(names.index(a),): v for a, v in given.items()},
                                             {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from edgeinfer.quant import kernels, staged
-from edgeinfer.quant.kernels import SplitWorkspace, checked_outputs, checked_tiles, cold_copies, graph_time_us
+from edgeinfer.quant.kernels import checked_outputs, checked_tiles, cold_copies, graph_time_us
+from edgeinfer.quant.launching import SplitWorkspace
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.testing.products import random_packed
 

@@ -22,7 +22,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from edgeinfer.backends.torch import triton_decode  # noqa: E402
-from edgeinfer.quant import kernels  # noqa: E402
+from edgeinfer.quant import kernels, launching  # noqa: E402
+from edgeinfer.quant.launching import PackedGeometry  # noqa: E402
 from edgeinfer.testing.triton_compile import disassembled, instructions, loops, opcodes, resources  # noqa: E402
 
 TARGETS = {"sm_90 (Hopper)": GPUTarget("cuda", 90, 32), "sm_87 (Orin)": GPUTarget("cuda", 87, 32)}
@@ -140,7 +141,7 @@ def test_dequantize_compiles(bits):
     types = {**pointers("bf16", "S", "Z", "W"), "Q": "*i32", **dict.fromkeys(("N", "K", "G"), "i32")}
     for has_z in (False, True):
         assert all(compiled(kernels._dequantize_kernel, types, dict(
-            BN=32, BK=kernels._tile_k(kernels.PackedGeometry(64, 1536, bits, 12, 128), 128), BITS=bits, GS=128,
+            BN=32, BK=kernels._tile_k(PackedGeometry(64, 1536, bits, 12, 128), 128), BITS=bits, GS=128,
             HAS_Z=has_z, ASM=True)).values())
 
 
@@ -191,7 +192,7 @@ def test_tensor_core_product_compiles_with_the_weight_in_the_mma_registers(dtype
         given = dict(BN=bn, BM=bm, BK=bk, GS=128, HAS_Z=has_z, SPLIT_K=split_k, WARPS=warps,
                      LW=tensor_core.word_layout(bn, bk, warps), BF16=dtype == "bf16",
                      MAGIC=128.0 if dtype == "bf16" else 1024.0, AHEAD=ahead, X_SHARED=x_shared,
-                     X_STEPS=kernels.pow2(per_split // bk) if x_shared else 1)
+                     X_STEPS=launching.pow2(per_split // bk) if x_shared else 1)
         for label, target in TARGETS.items():
             kernel = compiled_gluon(tensor_core._mma_mm_kernel, dtype, given, target, warps)
             # whole: no shared memory but x's; split: the arrival count handed to every thread, nothing else
@@ -222,7 +223,7 @@ def test_a_lanes_words_side_by_side_load_sixteen_bytes_at_once():
         for wide in (False, True):
             given = dict(BN=128, BM=bm, BK=128, GS=128, HAS_Z=False, SPLIT_K=split_k, WARPS=4,
                          LW=tensor_core.word_layout(128, 128, 4, wide), BF16=True, MAGIC=128.0, AHEAD=2,
-                         X_SHARED=x_shared, X_STEPS=kernels.pow2((768 if split_k else 1536) // 128) if x_shared else 1,
+                         X_SHARED=x_shared, X_STEPS=launching.pow2((768 if split_k else 1536) // 128) if x_shared else 1,
                          WIDE=wide)
             kernel = compiled_gluon(tensor_core._mma_mm_kernel, "bf16", given, target, 4)
             assert x_bytes <= kernel.metadata.shared <= x_bytes + (16 if split_k else 0), (label, wide)
@@ -250,14 +251,14 @@ def test_the_staged_tensor_core_product_asks_for_every_step_s_words_first():
         pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
     for (n, k), rows, has_z, (label, target) in itertools.product(((17920, 1536), (1536, 8960)), (8, 16),
                                                                   (False, True), TARGETS.items()):
-        layout = kernels.PackedGeometry(n, k, 4, k // 128, 128)
+        layout = PackedGeometry(n, k, 4, k // 128, 128)
         tiles = kernels.staged_mma_candidates(layout, rows)
         assert tiles, (n, k, rows)
         for c in tiles[::2]:  # 64 and 128 outputs, each at its fewest splits
             steps = k // c.bk // c.split
             given = dict(BN=c.bn, BM=rows, BK=c.bk, GS=128, HAS_Z=has_z, SPLIT_K=c.split > 1, WARPS=4,
                          LW=tensor_core.word_layout(c.bn, c.bk, 4, True), BF16=True, MAGIC=128.0, AHEAD=1,
-                         X_SHARED=True, X_STEPS=kernels.pow2(steps), WIDE=True, STAGED=True, STEPS=steps)
+                         X_SHARED=True, X_STEPS=launching.pow2(steps), WIDE=True, STAGED=True, STEPS=steps)
             kernel = compiled_gluon(tensor_core._mma_mm_kernel, "bf16", given, target, 4)
             body = instructions(disassembled(kernel.asm["cubin"]))
             copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
@@ -416,7 +417,7 @@ def staged_binary(given: dict, target: GPUTarget, warps: int):
     fn = staged._staged_gemv_kernel
     names = fn.arg_names
     types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
-             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G"), "i32"), "eps": "fp32"}
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "KW", "G", "M"), "i32"), "eps": "fp32"}
     aligned = ("X", "W", "S", "Z", "BIAS", "RES", "NORM_W", "Y", "PARTS", "ARRIVALS", "N", "K", "KW")
     given = {**given, "PDL": target.arch >= 90}
     source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},
@@ -451,8 +452,8 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
             TARGETS.items(), tiles, ((False, False), (True, False), (False, True))):
         chunks = k // staged.CHUNK // split
         early = max(1, chunks // 2) if half else chunks
-        given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, EARLY=early, GS=128,
-                     XB=min(kernels.pow2(k), 2048), HAS_Z=zeros, BF16=True, MB=1, **fused)
+        given = dict(GPS=chunks, XP=launching.pow2(chunks), NW=warps, SPLIT=split, EARLY=early, GS=128,
+                     XB=min(launching.pow2(k), 2048), HAS_Z=zeros, BF16=True, M=1, MP=1, **fused)  # a launch takes 1 as a constant
         kernel = staged_binary(given, target, warps)
         case = (label, product, warps, split, zeros, early)
         body = instructions(disassembled(kernel.asm["cubin"]))
@@ -472,7 +473,7 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
 
 @pytest.mark.parametrize("product", ["gate_up", "down", "qkv"])
 def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(product):
-    """``staged.staged_mm`` (the staged kernel with ``MB`` rows of x, a plain product) compiles for
+    """``staged.staged_mm`` (the staged kernel with M rows of x, up to ``MP``: a plain product) compiles for
     Hopper and Orin, whole and split, with and without zero points. Every copy of the words goes
     out before the first wait (on Hopper before the wait for the kernels before it too), one wait a
     chunk. Up to 8 rows a chunk takes one MMA of 8 columns for the codes and one for the bias (or
@@ -490,9 +491,9 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
     for (label, target), warps, zeros in itertools.product(TARGETS.items(), (1, 2), (False, True)):
         chunks = chunks_whole // split
         mmas = {}
-        for rows in (4, 16):
-            given = dict(GPS=chunks, XP=kernels.pow2(chunks), NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
-                         PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=zeros, BF16=True, MB=rows)
+        for rows in (8, 16):  # any count of rows up to MP, an argument
+            given = dict(GPS=chunks, XP=launching.pow2(chunks), NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
+                         PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=zeros, BF16=True, MP=rows)
             kernel = staged_binary(given, target, warps)
             case = (label, product, warps, split, zeros, rows)
             body = instructions(disassembled(kernel.asm["cubin"]))
@@ -505,4 +506,4 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
             mmas[rows] = sum("HMMA" in op for op in body)
             assert kernel.metadata.shared <= staged.shared_bytes(k, warps, split), case
         per_chunk = 8 * 2  # the codes, and the bias (or -Σx with zero points): 8 k-steps of 16 each
-        assert mmas[4] == per_chunk * chunks and mmas[16] == 2 * mmas[4], (label, product, warps, zeros, mmas)
+        assert mmas[8] == per_chunk * chunks and mmas[16] == 2 * mmas[8], (label, product, warps, zeros, mmas)

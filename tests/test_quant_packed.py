@@ -18,7 +18,8 @@ from edgeinfer.backends.registry import torch_engines
 from edgeinfer.backends.torch.triton_decode import PackedGemvConfig
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
 from edgeinfer.models.loader import load_model
-from edgeinfer.quant import kernels
+from edgeinfer.quant import kernels, launching
+from edgeinfer.quant.launching import PackedGeometry
 from edgeinfer.quant.packed import PackedMatrix, dequantize_with_torch, pack_product, why_not_packable
 from edgeinfer.testing.quantized import quantize_awq, quantize_compressed_tensors, quantize_gptq
 from tests.conftest import first_divergence, noise_image
@@ -291,8 +292,8 @@ def test_the_tensor_core_tiles_timed_at_16_rows_are_the_shared_ones_and_two_regi
     """At 8 rows the tuner times the register tiles; at 16 the x-shared tiles and the two register
     tiles that measured fastest there (:data:`kernels.ROW16_REGISTER_TILES`), each where the row
     has the steps its split needs; staged tiles only with their switch."""
-    monkeypatch.delenv(kernels.STAGED_ENV, raising=False)
-    gate_up, short = kernels.PackedGeometry(17920, 1536, 4, 12, 128), kernels.PackedGeometry(256, 256, 4, 2, 128)
+    monkeypatch.delenv(launching.STAGED_ENV, raising=False)
+    gate_up, short = PackedGeometry(17920, 1536, 4, 12, 128), PackedGeometry(256, 256, 4, 2, 128)
     eight, sixteen = kernels.mma_candidates(gate_up, 8), kernels.mma_candidates(gate_up, 16)
     assert eight and not any(c.x_shared or c.wide for c in eight)
     assert [c for c in sixteen if not c.x_shared] == list(kernels.ROW16_REGISTER_TILES)
@@ -300,6 +301,66 @@ def test_the_tensor_core_tiles_timed_at_16_rows_are_the_shared_ones_and_two_regi
     assert kernels.ROW16_REGISTER_TILES[0].wide and kernels.ROW16_REGISTER_TILES[0].split == 4
     # 4 steps of 64 columns: split 4 fits, split 8 does not
     assert [c for c in kernels.mma_candidates(short, 16) if not c.x_shared] == [kernels.ROW16_REGISTER_TILES[0]]
+
+
+def test_a_tile_comes_back_from_the_tile_cache_as_the_kernel_s_own_tile():
+    """The few-row tuner keeps the staged kernel's tiles and its own in one cache kind: each entry
+    names its kernel, so a staged tile is not read back as a tensor-core one (or refused as none)."""
+    from edgeinfer.quant.staged import StagedGemvConfig
+
+    for tile in (StagedGemvConfig(2, 10), kernels.MmConfig(64, 128, 4, stages=4, mma=True, wide=True),
+                 kernels.MmConfig(32, 128, 8, w_a=True)):
+        assert kernels._kept_config(kernels._cache_fields(tile)) == tile
+    assert kernels._cache_fields(StagedGemvConfig(4, 1))["kernel"] == kernels.STAGED_KERNEL
+    assert kernels._kept_config({"kernel": kernels.STAGED_KERNEL, "bn": 64}) is None  # a field it does not have
+    assert kernels._tile_name(StagedGemvConfig(1, 10)) == "staged 1w/split10"
+
+
+def test_the_staged_tiles_are_timed_for_two_to_sixteen_rows_unless_switched_off(monkeypatch):
+    """With ``$EDGEINFER_STAGED_ROWS=0``, off a GPU, at one row (the fused step's own tuner) or past
+    16 rows (two MMAs of 8 columns), the few-row tuner times no staged tile."""
+    w = random_packed(256, 1536, 128)
+    args = (w.codes, w.scales, None, w.layout)
+    monkeypatch.setenv(launching.STAGED_ROWS_ENV, "0")
+    assert not launching.staged_rows_enabled()
+    assert kernels.staged_rows_candidates(torch.randn(16, 1536, dtype=torch.bfloat16), *args) == []
+    monkeypatch.delenv(launching.STAGED_ROWS_ENV)
+    assert launching.staged_rows_enabled()
+    for rows in (1, 17):
+        assert kernels.staged_rows_candidates(torch.randn(rows, 1536, dtype=torch.bfloat16), *args) == []
+    assert kernels.staged_rows_candidates(torch.randn(8, 1536, dtype=torch.bfloat16), *args) == []  # a CPU tensor
+
+
+@needs_cuda
+def test_a_few_row_product_runs_on_the_staged_tile_it_is_given_and_falls_back_where_it_cannot(monkeypatch):
+    """``packed_mm`` with a staged tile gives torch's product at 2 to 16 rows; a weight the tile cannot
+    copy (codes not 16-byte aligned) takes the dot kernel's tile instead of failing; and the tuner
+    times the staged tiles beside its own, checks them, and keeps a right one."""
+    from edgeinfer.quant import staged
+    from edgeinfer.quant.staged import StagedGemvConfig
+
+    if (why := staged.unavailable(torch.device("cuda"))) is not None:
+        pytest.skip(f"the staged kernel cannot run here: {why}")
+    monkeypatch.delenv(launching.STAGED_ROWS_ENV, raising=False)
+    monkeypatch.setenv(tile_cache.TILE_CACHE_ENV, "off")
+    w = random_packed(512, 1536, 128, device="cuda")
+    outputs = kernels.checked_outputs(512)
+    for rows in (2, 16):
+        x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
+        want = kernels.reference_outputs(x, w.codes, w.scales, None, w.layout, outputs)
+        tiles = kernels.staged_rows_candidates(x, w.codes, w.scales, None, w.layout)
+        assert tiles and all(isinstance(t, StagedGemvConfig) for t in tiles)
+        got = kernels.packed_mm(x, w.codes, w.scales, None, w.layout, tiles[-1])
+        assert kernels.divergence(got[:, outputs.cuda()], want, outputs) is None
+        shifted = torch.empty(w.codes.numel() + 1, dtype=torch.int32, device="cuda")[1:].view_as(w.codes)
+        shifted.copy_(w.codes)  # 4 bytes past a 16-byte boundary
+        assert staged.unfit(launching.PackedParts(shifted, w.scales, None, w.layout), x.dtype, False, tiles[-1])
+        got = kernels.packed_mm(x, shifted, w.scales, None, w.layout, tiles[-1])
+        assert kernels.divergence(got[:, outputs.cuda()], want, outputs) is None
+        got = kernels.packed_mm(x, w.codes, w.scales, None, w.layout)  # tuned, the staged tiles among the timed
+        assert kernels.divergence(got[:, outputs.cuda()], want, outputs) is None
+    chosen = [c for c in kernels.tuned_choices() if (c["n"], c["k"]) == (512, 1536)]
+    assert {c["row_tile"] for c in chosen} >= {8, 16} and not any("wrong_outputs" in c for c in chosen)
 
 
 def test_tuning_copies_a_weight_until_the_copies_fill_three_l2_caches_and_no_further():
@@ -463,7 +524,8 @@ def test_a_tile_with_wrong_outputs_is_never_chosen_and_none_right_falls_back_to_
     [choice] = [c for c in kernels.tuned_choices() if (c["n"], c["k"]) == (512, 2048)]
     assert list(choice["wrong_outputs"]) == [kernels._tile_name(t) for t in wrong_tiles]
 
-    wrong_tiles.update(kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout, 8))
+    wrong_tiles.update(kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout, 8)
+                       + kernels.staged_rows_candidates(x, *args))
     kernels._TUNED.clear()
     kernels._WRONG.clear()
     with pytest.warns(UserWarning, match="gave wrong outputs on this GPU"):
@@ -495,10 +557,12 @@ def test_the_tuner_times_every_tile_from_a_graph_and_keeps_a_correct_one(monkeyp
     before = torch.cuda.memory_allocated()
     chosen = kernels.tuned_config(x, codes, scales, None, packed.layout)
     assert torch.cuda.memory_allocated() <= before + 2 ** 20  # the copies are gone (the split workspace may grow)
-    assert chosen in kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout, 8)
+    staged_tiles = kernels.staged_rows_candidates(x, codes, scales, None, packed.layout)
+    assert chosen in kernels.mm_candidates(packed.layout) + kernels.mma_candidates(packed.layout, 8) + staged_tiles
     assert kernels.tuned_config(x, codes, scales, None, packed.layout) is chosen  # kept, not timed again
     [choice] = [c for c in kernels.tuned_choices() if (c["n"], c["k"], c["row_tile"]) == (n, k, 8)]
-    assert choice["kernel"] == ("tensor_core" if chosen.mma else "dot") and choice["source"] == "timed"
+    kind = kernels.STAGED_KERNEL if chosen in staged_tiles else "tensor_core" if chosen.mma else "dot"
+    assert choice["kernel"] == kind and choice["source"] == "timed"
     want = kernels.packed_mm(x, codes, scales, None, packed.layout, kernels.MmConfig(32, 128, 1)).float()
     got = kernels.packed_mm(x, codes, scales, None, packed.layout).float()
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from edgeinfer.quant import staged
-from edgeinfer.quant.kernels import STAGED_ENV, SplitWorkspace, compile_ahead
+from edgeinfer.quant.kernels import compile_ahead
+from edgeinfer.quant.launching import STAGED_ENV, PackedGeometry, SplitWorkspace
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, unfit
 from edgeinfer.testing.products import random_packed
@@ -99,8 +100,8 @@ def test_the_tensor_core_kernel_s_staged_tiles_are_timed_only_where_turned_on(mo
     steps, at least two, within ``STAGED_BYTES`` of shared memory."""
     from edgeinfer.quant import kernels
 
-    gate_up = kernels.PackedGeometry(17920, 1536, 4, 12, 128)
-    down = kernels.PackedGeometry(1536, 8960, 4, 70, 128)
+    gate_up = PackedGeometry(17920, 1536, 4, 12, 128)
+    down = PackedGeometry(1536, 8960, 4, 70, 128)
     monkeypatch.delenv(STAGED_ENV, raising=False)
     assert not any(c.staged for rows in (8, 16) for c in kernels.mma_candidates(gate_up, rows))
     monkeypatch.setenv(STAGED_ENV, "1")
@@ -116,7 +117,7 @@ def test_the_tensor_core_kernel_s_staged_tiles_are_timed_only_where_turned_on(mo
             assert kernels.staged_bytes(layout.k, c.bn, c.bk, c.split, rows) <= kernels.STAGED_BYTES
     assert kernels._tile_name(tiles[0]).endswith("/x-shared/wide/staged")
     # groups shorter than a step of 128 columns: none
-    assert kernels.staged_mma_candidates(kernels.PackedGeometry(256, 1024, 4, 16, 64), 16) == []
+    assert kernels.staged_mma_candidates(PackedGeometry(256, 1024, 4, 16, 64), 16) == []
 
 
 def _gpu_skip() -> str | None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.models.decoder import RMSNorm, rotate_half
-from edgeinfer.quant.kernels import SplitWorkspace
+from edgeinfer.quant.launching import SplitWorkspace
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -262,7 +262,7 @@ def _behind_a_late_copy(fn, src: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.skipif(_dependent_launch_skip() is not None, reason=str(_dependent_launch_skip()))
 def test_dependent_kernels_wait_for_their_inputs():
-    from edgeinfer.quant.kernels import dependent_launch
+    from edgeinfer.quant.launching import dependent_launch
     from edgeinfer.quant.packed import PackedMatrix
 
     assert dependent_launch(torch.device(DEVICE))

@@ -40,7 +40,10 @@ import torch
 from edgeinfer import tile_cache
 from edgeinfer.device import cuda_capability
 from edgeinfer.progress import NoSteps, Steps
-from edgeinfer.quant import tensor_core
+from edgeinfer.quant import staged, tensor_core
+from edgeinfer.quant.launching import (PackedGeometry, PackedParts, SplitWorkspace, gdc_launch_dependents, gdc_wait,
+                                       interpreting, launch, pow2, staged_enabled, staged_rows_enabled)
+from edgeinfer.quant.staged import StagedGemvConfig
 
 try:  # the import decides whether these kernels exist at all
     import triton
@@ -48,32 +51,15 @@ try:  # the import decides whether these kernels exist at all
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = None
 
-try:  # grid dependency control (Triton 3.4 and later)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton, or none
-    gdc_launch_dependents = gdc_wait = None
-
 try:  # compiles handed to a pool of threads (Triton 3.4 and later; 3.6 and 3.9 tested)
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime._async_compile import active_mode as _async_compile_mode
 except ImportError:  # pragma: no cover - older Triton, or none
     AsyncCompileMode = _async_compile_mode = None
 
-# Set to 0 to launch every kernel after the one before it has finished, as a plain stream does.
-DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
 # Set to 0 to compile each candidate tile at its first launch, one after another (compile_ahead off).
 COMPILE_AHEAD_ENV = "EDGEINFER_COMPILE_AHEAD"
-# "1": the tuners also time the staged products' tiles (quant/staged.py at one row, the tensor-core
-# kernel's ``STAGED`` for a few): right on an H200, not yet measured in whole decode, so off by default
-STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
-
 MAX_DOT_ROWS = 64  # rows past this take dequantize + GEMM: the tile of weight is then reused enough
-
-
-def interpreting() -> bool:
-    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): the kernels run in numpy, for checks
-    (and without inline assembly)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def usable(device: torch.device) -> bool:
@@ -115,27 +101,6 @@ def _cannot_build_for(capability: tuple[int, int]) -> str | None:
         verdict = next((line.strip() for line in lines if "fatal" in line), lines[0])
         return f"{type(e).__name__}: {verdict}"[:300]
     return None
-
-
-def staged_enabled() -> bool:
-    """Whether the tuners time the staged products' tiles (``$EDGEINFER_STAGED_PRODUCTS=1``)."""
-    return os.environ.get(STAGED_ENV) == "1"
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch as programmatic dependents of the kernel before them.
-
-    A decode step at batch 1 is a chain of short kernels, each of which waits for the one
-    before it to finish and then for its first weights to arrive from memory. Launched as a
-    dependent (Hopper and later), a kernel starts while the one before it finishes, reads its
-    first tile of weights (which no kernel writes) and only then waits, in
-    :func:`await_inputs`, for the results of the kernels before it. ``$EDGEINFER_DEPENDENT_LAUNCH=0``
-    turns this off."""
-    if device.type != "cuda" or interpreting() or gdc_wait is None:
-        return False
-    if os.environ.get(DEPENDENT_LAUNCH_ENV, "1") == "0":
-        return False
-    return cuda_capability(device)[0] >= 9
 
 
 COMPILING = "compiling the tiles' kernels"  # the progress phase of compile_ahead
@@ -200,14 +165,6 @@ class _ReportingPool(ThreadPoolExecutor):
         future = super().submit(fn, *args, **kwargs)
         future.add_done_callback(lambda _: self._done())
         return future
-
-
-def launch(kernel, grid: tuple[int, ...], warmup: bool, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``; with ``warmup`` only its compile (nothing runs), under the
-    key the launch would look up (:func:`compile_ahead`)."""
-    if warmup:
-        return kernel.warmup(*args, grid=grid, **kwargs)
-    return kernel[grid](*args, **kwargs)
 
 
 if triton is not None:
@@ -527,17 +484,6 @@ if triton is not None:
 
 
 @dataclass(frozen=True, slots=True)
-class PackedGeometry:
-    """What the kernels need to know of a packed weight besides its tensors."""
-
-    n: int
-    k: int
-    bits: int
-    groups: int
-    group_constexpr: int  # the group size as the kernels read it (a power of two ≥ K for one group)
-
-
-@dataclass(frozen=True, slots=True)
 class MmConfig:
     bn: int
     bk: int
@@ -551,40 +497,10 @@ class MmConfig:
     staged: bool = False  # that kernel with every step's words copied into shared memory at once (``STAGED``)
 
 
-class SplitWorkspace:
-    """The partial sums and arrival counts of split kernels (products, the decode step's attention),
-    for one stream of kernels: kernels that run one after another share it (every kernel leaves
-    its counts at zero). It grows outside captures only, and keeps the buffers it outgrew: a graph
-    captured before keeps reading them."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.parts = torch.empty(0, dtype=torch.float32, device=device)
-        self.arrivals = torch.zeros(0, dtype=torch.int32, device=device)
-        self._outgrown: list[torch.Tensor] = []
-
-    def take(self, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing and (parts > self.parts.numel() or tiles > self.arrivals.numel()):
-            raise RuntimeError("a split product's workspace must be sized before a capture")
-        if parts > self.parts.numel():
-            self._outgrown.append(self.parts)
-            self.parts = torch.empty(parts, dtype=torch.float32, device=self.device)
-        if tiles > self.arrivals.numel():
-            self._outgrown.append(self.arrivals)
-            self.arrivals = torch.zeros(tiles, dtype=torch.int32, device=self.device)
-        return self.parts, self.arrivals
-
-
 @functools.cache
 def _workspace(device: torch.device) -> SplitWorkspace:
     """The split products' workspace of :func:`packed_mm` on ``device`` (one stream of kernels)."""
     return SplitWorkspace(device)
-
-
-def pow2(n: int) -> int:
-    """The least power of two ≥ ``n``."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @functools.cache
@@ -660,6 +576,15 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
               if row_tile == 16 and fits(bk, split) and x_shared_bytes(layout.k, bk, split, row_tile) <= X_SHARED_BYTES]
     row16 = [c for c in ROW16_REGISTER_TILES if row_tile == 16 and fits(c.bk, c.split)]
     return registers + shared + row16 + (staged_mma_candidates(layout, row_tile) if staged_enabled() else [])
+
+
+def staged_rows_candidates(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> list[StagedGemvConfig]:
+    """The staged kernel's tiles (:func:`staged.staged_mm`) that :func:`tuned_config` times for ``x``'s
+    2 to 16 rows, unless ``$EDGEINFER_STAGED_ROWS=0``, where the kernel can run here and take this
+    product (4-bit, bf16 or fp16, groups of 128 columns or more; :func:`staged.unfit`)."""
+    if not staged_rows_enabled() or not 1 < x.shape[0] <= staged.MAX_ROWS or staged.unavailable(x.device) is not None:
+        return []
+    return staged.tiles_that_fit(PackedParts(codes, scales, zeros, layout), x.dtype, False)
 
 
 def staged_mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
@@ -806,14 +731,14 @@ def cold_copies(nbytes: int, l2_bytes: int) -> int:
 # graph, each call on weights the L2 cache does not hold. Timing single calls with events
 # (``triton.testing.do_bench``) picked tiles up to 2.4× slower than the best on an H200: a few-µs
 # kernel is lost in the events' own cost.
-_TUNED: dict[tuple, MmConfig] = {}
+_TUNED: dict[tuple, MmConfig | StagedGemvConfig | None] = {}
 _REFUSED: dict[tuple, str] = {}  # why the tensor-core kernel failed to compile or run, by the same key
-_WRONG: dict[tuple, dict[MmConfig, str]] = {}  # tiles whose outputs were not torch's, and where, by the same key
+_WRONG: dict[tuple, dict[MmConfig | StagedGemvConfig, str]] = {}  # tiles whose outputs were not torch's, and where, by the same key
 _FROM_CACHE: set[tuple] = set()  # choices an earlier process made (:mod:`edgeinfer.tile_cache`), by the same key
 PACKED_TILES = "packed-mm"  # the tile cache's kind for these choices
 
 
-def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig | None:
+def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig | StagedGemvConfig | None:
     """The fastest of :func:`mm_candidates` (and, where it can run, :func:`mma_candidates`) for ``x``'s
     row tile on this device, each timed over :func:`cold_copies` copies of the weight replayed from
     a CUDA graph (the copies live for the timing only: three times the L2 cache at most).
@@ -831,15 +756,17 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         return mm_config(layout, x.shape[0], x.device)
     cache, ident = tile_cache.default(), tile_cache.device_identity(x.device)
     cache_key = {**asdict(layout), "row_tile": bm, "zeros": zeros is not None, "dtype": str(x.dtype),
-                 "staged": staged_enabled()}  # whether the staged tiles were candidates
+                 "staged": staged_enabled(),  # whether the staged tiles were candidates
+                 "staged_rows": staged_rows_enabled()}
     kept = _kept_config(cache.get(PACKED_TILES, cache_key, ident))
     if kept is not None:
         _TUNED[key] = kept
         _FROM_CACHE.add(key)
         return kept
-    candidates = mm_candidates(layout)
+    candidates: list[MmConfig | StagedGemvConfig] = mm_candidates(layout)
     if tensor_core.unavailable(x, scales.dtype, layout.bits, layout.group_constexpr, layout.n, layout.k) is None:
         candidates += mma_candidates(layout, bm)
+    candidates += staged_rows_candidates(x, codes, scales, zeros, layout)
     compile_ahead(lambda cfg=cfg: packed_mm(x, codes, scales, zeros, layout, cfg, warmup=True) for cfg in candidates)
     candidates = _right_tiles(key, candidates, x, codes, scales, zeros, layout)
     if not candidates:
@@ -858,11 +785,11 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         try:
             times[cfg] = graph_time_us([lambda w=w, cfg=cfg: packed_mm(x, *w, layout, cfg) for w in weights])
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
-            if not cfg.mma:
+            if not _gluon(cfg):
                 raise
             _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
     _TUNED[key] = min(times, key=times.get)
-    cache.put(PACKED_TILES, cache_key, asdict(_TUNED[key]), ident)
+    cache.put(PACKED_TILES, cache_key, _cache_fields(_TUNED[key]), ident)
     return _TUNED[key]
 
 
@@ -878,7 +805,7 @@ def _right_tiles(key: tuple, candidates: list[MmConfig], x: torch.Tensor, codes,
         try:
             return packed_mm(check, codes, scales, zeros, layout, cfg)
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
-            if not cfg.mma:
+            if not _gluon(cfg):
                 raise
             _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
             return None
@@ -907,16 +834,35 @@ def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.T
     return right, wrong
 
 
-def _tile_name(cfg: MmConfig) -> str:
+def _gluon(cfg: MmConfig | StagedGemvConfig) -> bool:
+    """Whether ``cfg`` is a tile of a Gluon kernel (the tensor-core or the staged one)."""
+    return isinstance(cfg, StagedGemvConfig) or cfg.mma
+
+
+def _tile_name(cfg: MmConfig | StagedGemvConfig) -> str:
+    if isinstance(cfg, StagedGemvConfig):
+        return f"staged {cfg.warps}w/split{cfg.split}"
     kind = "tensor-core" if cfg.mma else "dot"
     return (f"{kind} {cfg.bn}x{cfg.bk}/split{cfg.split}/{cfg.warps}w/{cfg.stages}s" + ("/wa" if cfg.w_a else "")
             + ("/x-shared" if cfg.x_shared else "") + ("/wide" if cfg.wide else "") + ("/staged" if cfg.staged else ""))
 
 
-def _kept_config(fields: dict | None) -> MmConfig | None:
+STAGED_KERNEL = "staged"  # a tile cache entry's ``kernel`` where it names a tile of the staged kernel
+
+
+def _cache_fields(cfg: MmConfig | StagedGemvConfig) -> dict:
+    """``cfg`` as the tile cache keeps it: its fields, and the staged kernel's name for its tiles."""
+    return asdict(cfg) | ({"kernel": STAGED_KERNEL} if isinstance(cfg, StagedGemvConfig) else {})
+
+
+def _kept_config(fields: dict | None) -> MmConfig | StagedGemvConfig | None:
     """The tile a tile cache's entry names, or None where it names none this code can run."""
+    if fields is None:
+        return None
+    fields = dict(fields)
+    tile = StagedGemvConfig if fields.pop("kernel", None) == STAGED_KERNEL else MmConfig
     try:
-        return MmConfig(**fields) if fields is not None else None
+        return tile(**fields)
     except TypeError:
         return None
 
@@ -934,6 +880,11 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     cfg = config or tuned_config(x, codes, scales, zeros, layout)
     if cfg is None:  # no tile gave torch's outputs here (tuned_config warned)
         return None if warmup else x @ dequantize_with_torch(codes, scales, zeros, layout, x.dtype).t()
+    if isinstance(cfg, StagedGemvConfig):
+        parts = PackedParts(codes, scales, zeros, layout)
+        if staged.unfit(parts, x.dtype, False, cfg) is None:  # else codes this tile cannot copy (unaligned, say)
+            return staged.staged_mm(x, parts, cfg, workspace=_workspace(x.device), warmup=warmup)
+        cfg = mm_config(layout, m, x.device)
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
                                   split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),
@@ -975,6 +926,8 @@ def tuned_choices() -> list[dict]:
                   "dtype": str(dtype), "source": "cache" if key in _FROM_CACHE else "timed"}
         if cfg is None:
             choice["kernel"] = "torch"
+        elif isinstance(cfg, StagedGemvConfig):
+            choice.update(warps=cfg.warps, split=cfg.split, kernel=STAGED_KERNEL)
         else:
             choice.update(bn=cfg.bn, bk=cfg.bk, split=cfg.split, weight_first=cfg.w_a, x_shared=cfg.x_shared,
                           wide=cfg.wide, staged=cfg.staged, kernel="tensor_core" if cfg.mma else "dot")

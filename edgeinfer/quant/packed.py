@@ -18,6 +18,7 @@ from torch import nn
 
 from edgeinfer.quant import kernels
 from edgeinfer.quant.kernels import dequantize_with_torch
+from edgeinfer.quant.launching import PackedGeometry, pow2
 from edgeinfer.quant.weights import PackedLayout as StoredLayout
 from edgeinfer.quant.weights import QuantizedWeight
 
@@ -39,11 +40,11 @@ class PackedMatrix(nn.Module):
         self.shape = shape
 
     @property
-    def layout(self) -> kernels.PackedGeometry:
+    def layout(self) -> PackedGeometry:
         n, k = self.shape
         one_group = self.group_size >= k
-        return kernels.PackedGeometry(n, k, self.bits, self.scales.shape[1],
-                                    kernels.pow2(k) if one_group else self.group_size)
+        return PackedGeometry(n, k, self.bits, self.scales.shape[1],
+                                    pow2(k) if one_group else self.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +64,7 @@ class PackedMatrix(nn.Module):
         return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}"
 
 
-def _dequantize(codes, scales, zeros, layout: kernels.PackedGeometry, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(codes, scales, zeros, layout: PackedGeometry, dtype: torch.dtype) -> torch.Tensor:
     if kernels.usable(codes.device):
         return kernels.dequantize(codes, scales, zeros, layout, dtype)
     return dequantize_with_torch(codes, scales, zeros, layout, dtype)
@@ -82,7 +83,7 @@ def _packed_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     """``x @ W.T`` with W packed (see :class:`PackedMatrix`): the low-bit kernel for a few rows,
     dequantize + GEMM for a prompt's many."""
     k = x.shape[-1]
-    layout = kernels.PackedGeometry(codes.shape[0], k, bits, groups, group_size)
+    layout = PackedGeometry(codes.shape[0], k, bits, groups, group_size)
     rows = x.reshape(-1, k)
     if rows.shape[0] <= kernels.MAX_DOT_ROWS and kernels.usable(x.device):
         y = kernels.packed_mm(rows, codes, scales, zeros, layout)

@@ -48,8 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.device import cuda_capability
-from edgeinfer.quant.kernels import SplitWorkspace, dependent_launch, launch, pow2, staged_enabled
-from edgeinfer.quant.packed import PackedMatrix
+from edgeinfer.quant.launching import PackedWeight, SplitWorkspace, dependent_launch, launch, pow2, staged_enabled
 
 try:  # the import decides whether this kernel exists at all
     from triton.experimental import gluon
@@ -101,19 +100,19 @@ def shared_bytes(k: int, warps: int, split: int, itemsize: int = 2) -> int:
     return chunks * 16 * warps * CHUNK // 2 + pow2(chunks) * CHUNK * itemsize
 
 
-def unfit(w: PackedMatrix, dtype: torch.dtype, glu: bool, config: StagedGemvConfig) -> str | None:
+def unfit(w: PackedWeight, dtype: torch.dtype, glu: bool, config: StagedGemvConfig) -> str | None:
     """None where ``config`` can multiply ``w`` for ``dtype`` activations (``glu``: rows gate | up),
     else why not."""
-    n, k = w.shape
     layout = w.layout
-    if w.bits != 4:
-        return f"{w.bits}-bit codes (the kernel reads 4-bit codes)"
+    n, k = layout.n, layout.k
+    if layout.bits != 4:
+        return f"{layout.bits}-bit codes (the kernel reads 4-bit codes)"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"{dtype} activations (the kernel multiplies in bf16 or fp16)"
     if w.scales.dtype != dtype or (w.zeros is not None and w.zeros.dtype != dtype):
         return f"{w.scales.dtype} scales with {dtype} activations (the kernel takes them in one dtype)"
     if k % CHUNK or layout.group_constexpr % CHUNK:
-        return f"groups of {w.group_size} over {k} columns (chunks of {CHUNK} must each lie in one group)"
+        return f"groups of {layout.group_constexpr} over {k} columns (chunks of {CHUNK} must each lie in one group)"
     if not w.codes.is_contiguous() or w.codes.data_ptr() % 16:
         return "codes not contiguous and 16-byte aligned (the copies are 16 bytes)"
     chunks = k // CHUNK
@@ -134,10 +133,10 @@ def unfit(w: PackedMatrix, dtype: torch.dtype, glu: bool, config: StagedGemvConf
     return None
 
 
-def tiles_that_fit(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
+def tiles_that_fit(w: PackedWeight, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
     """For each warp count, the :data:`SPLITS_A_TILE` fewest splits that fit ``w`` (:func:`unfit`) with at
     least two chunks a program."""
-    chunks = w.shape[1] // CHUNK
+    chunks = w.layout.k // CHUNK
     tiles = []
     for warps in WARPS:
         fits = [StagedGemvConfig(warps, s) for s in range(1, chunks // 2 + 1)
@@ -146,7 +145,7 @@ def tiles_that_fit(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[Stage
     return tiles
 
 
-def candidates(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
+def candidates(w: PackedWeight, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
     """The tiles the tuner times for ``w`` at batch 1: none unless :func:`enabled` and the device can
     run the kernel; else :func:`tiles_that_fit`."""
     if not enabled() or unavailable(w.codes.device) is not None:
@@ -154,7 +153,7 @@ def candidates(w: PackedMatrix, dtype: torch.dtype, glu: bool) -> list[StagedGem
     return tiles_that_fit(w, dtype, glu)
 
 
-def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, bias: torch.Tensor | None = None,
+def staged_gemv(x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, *, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 glu: bool = False, out: torch.Tensor | None = None, workspace: SplitWorkspace | None = None,
                 warmup: bool = False) -> torch.Tensor | None:
@@ -166,7 +165,7 @@ def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, b
         raise ValueError(f"staged_gemv reads one row, got {x.shape[0]}")
     if glu and residual is not None:
         raise ValueError("glu writes SiLU(gate)·up and takes no residual")
-    n = w.shape[0]
+    n = w.layout.n
     y = out if out is not None else torch.empty(1, n // 2 if glu else n, dtype=x.dtype, device=x.device)
     _launch("staged_gemv", x, w, config, y, workspace, warmup, bias=bias, residual=residual,
             norm_weight=norm_weight, eps=eps, glu=glu)
@@ -176,7 +175,7 @@ def staged_gemv(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, b
 MAX_ROWS = 16  # rows of x staged_mm takes: two MMAs of 8 columns a chunk
 
 
-def staged_mm(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, out: torch.Tensor | None = None,
+def staged_mm(x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, *, out: torch.Tensor | None = None,
               workspace: SplitWorkspace | None = None, warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for 2 to :data:`MAX_ROWS` rows ``x`` [M, K] and a packed 4-bit ``W``: the words staged
     as :func:`staged_gemv` stages them, taken apart once a chunk for all rows (x's rows are the MMA's
@@ -185,12 +184,12 @@ def staged_mm(x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, *, out
     m = x.shape[0]
     if not 1 < m <= MAX_ROWS:
         raise ValueError(f"staged_mm reads 2 to {MAX_ROWS} rows, got {m}")
-    y = out if out is not None else torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(m, w.layout.n, dtype=x.dtype, device=x.device)
     _launch("staged_mm", x, w, config, y, workspace, warmup)
     return None if warmup else y
 
 
-def _launch(caller: str, x: torch.Tensor, w: PackedMatrix, config: StagedGemvConfig, y: torch.Tensor,
+def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, y: torch.Tensor,
             workspace: SplitWorkspace | None, warmup: bool, *, bias: torch.Tensor | None = None,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             glu: bool = False) -> None:
@@ -203,12 +202,12 @@ def _launch(caller: str, x: torch.Tensor, w: PackedMatrix, config: StagedGemvCon
     if reason is not None:
         raise ValueError(f"{caller} cannot take this product: {reason}")
     m = x.shape[0]
-    n, k = w.shape
     layout = w.layout
+    n, k = layout.n, layout.k
     chunks = k // CHUNK // config.split
     tiles = n // (16 * config.warps)
     x = x.contiguous()
-    x_rows = 1 if m == 1 else 8 if m <= 8 else 16  # partial sums a weight row, as the kernel keeps them
+    x_rows = 1 if m == 1 else 8 if m <= 8 else 16  # x's rows as the MMAs take them: partial sums a weight row
     parts, arrivals = (workspace or SplitWorkspace(x.device)).take(config.split * x_rows * n, tiles) \
         if config.split > 1 else (y, y)
     codes = w.codes
@@ -216,12 +215,12 @@ def _launch(caller: str, x: torch.Tensor, w: PackedMatrix, config: StagedGemvCon
     launch(_staged_gemv_kernel, (tiles, config.split), warmup,
            x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
            bias if bias is not None else codes, residual if residual is not None else codes,
-           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps,
+           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps, m,
            GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split,
            EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
            XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
            HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
-           PDL=pdl, MB=m, launch_pdl=pdl, num_warps=config.warps)
+           PDL=pdl, MP=x_rows, launch_pdl=pdl, num_warps=config.warps)
 
 
 if gluon is not None:
@@ -315,14 +314,14 @@ if gluon is not None:
         return scale[:, None] * mma_v2(less, b, d)
 
     @gluon.jit
-    def _store_rows(acc0, acc1, rows, Y, N, MB: gl.constexpr, MP: gl.constexpr, mma: gl.constexpr):
-        """Columns of ``acc0`` [BN, 8] as rows 0 .. 7 of Y [MB, N] and, where ``MP`` is 16, those of ``acc1``
-        as rows 8 .. 15, at weight rows ``rows`` (rows past MB left alone)."""
+    def _store_rows(acc0, acc1, rows, Y, N, M, MP: gl.constexpr, mma: gl.constexpr):
+        """Columns of ``acc0`` [BN, 8] as rows 0 .. 7 of Y [M, N] and, where ``MP`` is 16, those of ``acc1``
+        as rows 8 .. 15, at weight rows ``rows`` (rows past M left alone)."""
         m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         at = Y + m[None, :] * N + rows[:, None]
-        gl.store(at, acc0.to(Y.dtype.element_ty), mask=(m[None, :] < MB) & (rows[:, None] >= 0))
+        gl.store(at, acc0.to(Y.dtype.element_ty), mask=(m[None, :] < M) & (rows[:, None] >= 0))
         if MP == 16:
-            gl.store(at + 8 * N, acc1.to(Y.dtype.element_ty), mask=(m[None, :] + 8 < MB) & (rows[:, None] >= 0))
+            gl.store(at + 8 * N, acc1.to(Y.dtype.element_ty), mask=(m[None, :] + 8 < M) & (rows[:, None] >= 0))
 
     @gluon.jit
     def _weight_rows(tile, r, N, BN: gl.constexpr, GLU: gl.constexpr):
@@ -355,18 +354,19 @@ if gluon is not None:
 
     @gluon.jit
     def _several_rows(X, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, less, scales, zeros, rows,
-                       Y, PARTS, ARRIVALS, tile, split, N, K, c0, GPS: gl.constexpr, NW: gl.constexpr,
-                       SPLIT: gl.constexpr, MB: gl.constexpr, MP: gl.constexpr, MAGIC: gl.constexpr,
-                       HAS_Z: gl.constexpr, BF16: gl.constexpr, mma: gl.constexpr):
-        """The chunks' MMAs and the rows' outputs of :func:`_staged_gemv_kernel` for ``MB`` > 1 rows of x."""
+                       Y, PARTS, ARRIVALS, tile, split, N, K, M, c0, GPS: gl.constexpr, NW: gl.constexpr,
+                       SPLIT: gl.constexpr, MP: gl.constexpr, MAGIC: gl.constexpr, HAS_Z: gl.constexpr,
+                       BF16: gl.constexpr, mma: gl.constexpr):
+        """The chunks' MMAs and the rows' outputs of :func:`_staged_gemv_kernel` for M > 1 rows of x (at
+        most ``MP``)."""
         BN: gl.constexpr = 16 * NW
         lx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
                                             order=[1, 0])
         xm = gl.arange(0, 8, layout=gl.SliceLayout(1, lx))
         xk = gl.arange(0, 128, layout=gl.SliceLayout(0, lx))
         x_at = X + xm[:, None] * K + c0 * 128 + xk[None, :]  # rows 0-7; rows 8-15 at 8·K past them
-        lo_ok = (xm[:, None] < MB) & (xk[None, :] < 128)
-        hi_ok = (xm[:, None] + 8 < MB) & (xk[None, :] < 128)
+        lo_ok = (xm[:, None] < M) & (xk[None, :] < 128)
+        hi_ok = (xm[:, None] + 8 < M) & (xk[None, :] < 128)
         lo_next = gl.load(x_at, mask=lo_ok, other=0.0)
         hi_next = lo_next
         if MP == 16:
@@ -387,7 +387,7 @@ if gluon is not None:
             if MP == 16:
                 acc1 += _chunk_sums(a, less, b_rows(hi, lb), scales[i], zero, MAGIC, HAS_Z, mma)
         if SPLIT == 1:
-            _store_rows(acc0, acc1, rows, Y, N, MB, MP, mma)
+            _store_rows(acc0, acc1, rows, Y, N, M, MP, mma)
         else:  # partials at [split, row of x, weight row]; the last split to arrive adds them in split order
             _store_rows(acc0, acc1, rows, PARTS + split * MP * N, N, MP, MP, mma)
             _cta_barrier()  # every thread's partials are written before the count says so
@@ -400,15 +400,15 @@ if gluon is not None:
                     total0 += gl.load(first, cache_modifier=".cg")
                     if MP == 16:
                         total1 += gl.load(first + 8 * N, cache_modifier=".cg")
-                _store_rows(total0, total1, rows, Y, N, MB, MP, mma)
+                _store_rows(total0, total1, rows, Y, N, M, MP, mma)
                 gl.atomic_xchg(ARRIVALS + tile, 0)
 
     @gluon.jit
-    def _staged_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, KW, G, eps,
+    def _staged_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, KW, G, eps, M,
                             GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
                             EARLY: gl.constexpr, GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
                             HAS_RES: gl.constexpr, HAS_Z: gl.constexpr, GLU: gl.constexpr, BF16: gl.constexpr,
-                            PDL: gl.constexpr, MB: gl.constexpr = 1):
+                            PDL: gl.constexpr, MP: gl.constexpr = 1):
         """Y = f(X)·W (+ bias) (+ residual) for 16·NW weight rows (:func:`_weight_rows`) over chunks
         [split·GPS, (split + 1)·GPS) of 128 columns; ``KW`` = K / 8 words a row (an argument of its
         own, so that a launch sees it a multiple of 16 where it is: a lane's four words are then one
@@ -416,13 +416,13 @@ if gluon is not None:
         up to a power of two (x's buffer); the first ``EARLY`` chunks' copies go out before x is
         read, the others after x's loads.
 
-        ``MB`` > 1 (:func:`staged_mm`): X is [MB, K], up to 16 rows, and Y [MB, N] the plain product
+        ``MP`` 8 or 16 (:func:`staged_mm`): X is [M, K], 2 to ``MP`` rows, and Y [M, N] the plain product
         (no prologue, bias, residual nor ``GLU``): the rows are the B operand's columns, 8 an MMA, so
         a chunk's words are taken apart once for all of them; each chunk's x comes from memory (L2:
         every program reads it) one chunk ahead of its MMAs, not through shared memory; partial sums
-        at [split, row of x, weight row]."""
+        at [split, row of x, weight row]. M is an argument, so that every count of rows up to ``MP``
+        runs one compiled kernel (each batch size the decode captures would otherwise be a compile)."""
         BN: gl.constexpr = 16 * NW
-        MP: gl.constexpr = 8 if MB <= 8 else 16  # x's rows as the MMAs take them
         MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
         dt: gl.constexpr = Y.dtype.element_ty
         mma: gl.constexpr = mma_layout(NW)
@@ -471,9 +471,9 @@ if gluon is not None:
         less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
         if HAS_Z:
             less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
-        if MB > 1:
-            _several_rows(X, w_smem, lw, la, lb, less, scales, zeros, rows, Y, PARTS, ARRIVALS, tile, split, N, K,
-                           c0, GPS, NW, SPLIT, MB, MP, MAGIC, HAS_Z, BF16, mma)
+        if MP > 1:
+            _several_rows(X, w_smem, lw, la, lb, less, scales, zeros, rows, Y, PARTS, ARRIVALS, tile, split, N, K, M,
+                           c0, GPS, NW, SPLIT, MP, MAGIC, HAS_Z, BF16, mma)
         else:
             _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
                      bias, rows, rstd, tile, split, N, c0, GPS, XP, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,

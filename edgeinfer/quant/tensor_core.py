@@ -348,7 +348,7 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
            warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for ``x`` [M ≤ 16, K] (bf16 or fp16) and W packed 4-bit [N, K] in groups of
     ``group`` columns (a power of two ≥ ``bk``; the row's length rounded up to one for a scale a row);
-    ``workspace`` (a :class:`~edgeinfer.quant.kernels.SplitWorkspace`) holds a split product's partials.
+    ``workspace`` (a :class:`~edgeinfer.quant.launching.SplitWorkspace`) holds a split product's partials.
     ``x_shared``: each CTA puts its split's columns of x in shared memory first (``X_SHARED``).
     ``wide``: a lane reads its words of a step side by side, in one load (``WIDE``), and x is read
     (or put in shared memory) in the same permutation of the step's columns.
@@ -378,7 +378,7 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
                  WARPS=warps, LW=word_layout(bn, bk, warps, wide), BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype],
                  AHEAD=ahead, X_SHARED=x_shared, X_STEPS=triton.next_power_of_2(per_split // bk) if x_shared else 1,
                  WIDE=wide, STAGED=staged, STEPS=steps // split if staged else 1, num_warps=warps)
-    if warmup:  # the compile alone (kernels.launch; this module is below kernels)
+    if warmup:  # the compile alone (launching.launch, which this module does not import)
         _mma_mm_kernel.warmup(*args, grid=(tiles, splits), **given)
         return None
     _mma_mm_kernel[(tiles, splits)](*args, **given)

@@ -3,7 +3,7 @@
 Triton compiles on the CPU down to the GPU's binary (its wheel carries ``ptxas``), but a kernel's
 wrapper reaches the compiler through a launch, and a launch first asks the active driver for the
 device, its stream and its target. :func:`compile_only` answers those questions for a target
-given, so that a wrapper called with ``warmup=True`` (:func:`edgeinfer.quant.kernels.launch`)
+given, so that a wrapper called with ``warmup=True`` (:func:`edgeinfer.quant.launching.launch`)
 compiles what it would run there, with the arguments it would pass, and runs nothing.
 
 :func:`disassembled`, :func:`resources`, :func:`instructions` and :func:`loops` read such a binary with the tools

@@ -70,7 +70,7 @@ from edgeinfer.backends.base import BurstSampling, SamplingStep
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
 from edgeinfer.models.decoder import Decoder, DecoderLayer, layer_masks, past_reader, whole_block_slots_and_mask
-from edgeinfer.quant.kernels import dependent_launch
+from edgeinfer.quant.launching import dependent_launch
 
 
 # One compiled layer serves every (batch, width) bucket of every engine in the process; torch's

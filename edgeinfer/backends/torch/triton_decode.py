@@ -31,7 +31,7 @@ of a tile to finish adds the partial sums in a fixed order and writes the row, s
 stays one kernel and gives the same bits on every run.
 
 Each kernel reads its weights a step ahead of its arithmetic. On Hopper and later the kernels
-launch as programmatic dependents (:func:`~edgeinfer.quant.kernels.dependent_launch`): one
+launch as programmatic dependents (:func:`~edgeinfer.quant.launching.dependent_launch`): one
 starts while the kernel before it finishes, reads its first step's weights, and only then waits
 for its inputs (:func:`~edgeinfer.quant.kernels.await_inputs`).
 
@@ -61,8 +61,8 @@ from edgeinfer.backends.torch.step_tuning import (
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant import staged
-from edgeinfer.quant.kernels import (SplitWorkspace, cannot_build, checked_outputs, checked_tiles, compile_ahead,
-                                     dependent_launch, dequantized_rows, graph_time_us, interpreting, launch)
+from edgeinfer.quant.kernels import cannot_build, checked_outputs, checked_tiles, compile_ahead, dequantized_rows, graph_time_us
+from edgeinfer.quant.launching import SplitWorkspace, dependent_launch, interpreting, launch
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv
 from edgeinfer.tile_cache import TileCache, device_identity
@@ -602,7 +602,7 @@ def _norm_block(k: int, rows: int, prologue: int) -> int:
 
 def _launch(device: torch.device) -> dict[str, bool]:
     """The step's kernels' launch options: each starts as a programmatic dependent of the kernel
-    before it where the device can (:func:`~edgeinfer.quant.kernels.dependent_launch`)."""
+    before it where the device can (:func:`~edgeinfer.quant.launching.dependent_launch`)."""
     pdl = dependent_launch(device)
     return {"PDL": pdl, "launch_pdl": pdl}
 

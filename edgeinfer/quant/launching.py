@@ -1,0 +1,135 @@
+"""What every module holding a low-bit kernel shares (:mod:`~edgeinfer.quant.kernels`,
+:mod:`~edgeinfer.quant.staged`, the fused decode step): a packed weight as the kernels read it
+(:class:`PackedGeometry`, :class:`PackedWeight`), how they launch (:func:`launch`, or only compile;
+:func:`dependent_launch`, started before the kernel before has finished), the split products'
+:class:`SplitWorkspace`, and the switches that change which kernels run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from edgeinfer.device import cuda_capability
+
+try:  # grid dependency control (Triton 3.4 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton, or none
+    gdc_launch_dependents = gdc_wait = None
+
+@dataclass(frozen=True, slots=True)
+class PackedGeometry:
+    """What the kernels need to know of a packed weight besides its tensors."""
+
+    n: int
+    k: int
+    bits: int
+    groups: int
+    group_constexpr: int  # the group size as the kernels read it (a power of two ≥ K for one group)
+
+
+class PackedWeight(Protocol):
+    """A packed weight as the kernels read it: a :class:`~edgeinfer.quant.packed.PackedMatrix`, or the
+    product op's own tensors (:class:`PackedParts`)."""
+
+    @property
+    def codes(self) -> torch.Tensor: ...
+    @property
+    def scales(self) -> torch.Tensor: ...
+    @property
+    def zeros(self) -> torch.Tensor | None: ...
+    @property
+    def layout(self) -> PackedGeometry: ...
+
+
+class PackedParts(NamedTuple):
+    """A packed weight's tensors and geometry, as the product op is handed them."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    layout: PackedGeometry
+
+
+# Set to 0 to launch every kernel after the one before it has finished, as a plain stream does.
+DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
+# "1": the tuners also time the staged products' tiles at one row (quant/staged.py, fused into the
+# step) and the tensor-core kernel's ``STAGED``: right, but no faster in an H100's step, so off by default
+STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
+# "0": the few-row tuner leaves out the staged kernel's tiles for 2 to 16 rows (quant/staged.py's
+# staged_mm), which made batch-16 4-bit decode 1.03× faster on an H100 (docs/quantization.md)
+STAGED_ROWS_ENV = "EDGEINFER_STAGED_ROWS"
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): the kernels run in numpy, for checks
+    (and without inline assembly)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def staged_enabled() -> bool:
+    """Whether the tuners time the staged products' tiles (``$EDGEINFER_STAGED_PRODUCTS=1``)."""
+    return os.environ.get(STAGED_ENV) == "1"
+
+
+def staged_rows_enabled() -> bool:
+    """Whether the few-row tuner times the staged kernel's tiles for 2 to 16 rows (unless
+    ``$EDGEINFER_STAGED_ROWS=0``)."""
+    return os.environ.get(STAGED_ROWS_ENV, "1") != "0"
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as programmatic dependents of the kernel before them.
+
+    A decode step at batch 1 is a chain of short kernels, each of which waits for the one
+    before it to finish and then for its first weights to arrive from memory. Launched as a
+    dependent (Hopper and later), a kernel starts while the one before it finishes, reads its
+    first tile of weights (which no kernel writes) and only then waits, in
+    ``kernels.await_inputs``, for the results of the kernels before it. ``$EDGEINFER_DEPENDENT_LAUNCH=0``
+    turns this off."""
+    if device.type != "cuda" or interpreting() or gdc_wait is None:
+        return False
+    if os.environ.get(DEPENDENT_LAUNCH_ENV, "1") == "0":
+        return False
+    return cuda_capability(device)[0] >= 9
+
+
+def launch(kernel, grid: tuple[int, ...], warmup: bool, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``; with ``warmup`` only its compile (nothing runs), under the
+    key the launch would look up (``kernels.compile_ahead``)."""
+    if warmup:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+class SplitWorkspace:
+    """The partial sums and arrival counts of split kernels (products, the decode step's attention),
+    for one stream of kernels: kernels that run one after another share it (every kernel leaves
+    its counts at zero). It grows outside captures only, and keeps the buffers it outgrew: a graph
+    captured before keeps reading them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts = torch.empty(0, dtype=torch.float32, device=device)
+        self.arrivals = torch.zeros(0, dtype=torch.int32, device=device)
+        self._outgrown: list[torch.Tensor] = []
+
+    def take(self, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and (parts > self.parts.numel() or tiles > self.arrivals.numel()):
+            raise RuntimeError("a split product's workspace must be sized before a capture")
+        if parts > self.parts.numel():
+            self._outgrown.append(self.parts)
+            self.parts = torch.empty(parts, dtype=torch.float32, device=self.device)
+        if tiles > self.arrivals.numel():
+            self._outgrown.append(self.arrivals)
+            self.arrivals = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        return self.parts, self.arrivals
+
+
+def pow2(n: int) -> int:
+    """The least power of two ≥ ``n``."""
+    return 1 << max(0, (n - 1).bit_length())
