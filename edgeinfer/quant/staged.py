@@ -1,7 +1,7 @@
 """The batch-1 4-bit product with a program's words waiting in shared memory: :func:`staged_gemv`.
 
-Right on an H200 and faster alone for gate|up and ``down`` there, but **not yet measured in whole
-decode**, so the load-time tuner times it only where ``EDGEINFER_STAGED_PRODUCTS=1``
+Right on an H200 and faster alone for gate|up and ``down`` there, but no faster in an H100's
+step, so the load-time tuner times it only where ``EDGEINFER_STAGED_PRODUCTS=1``
 (:func:`enabled`); its tiles are then checked against torch before they are timed, as every
 tile is (``triton_decode.right_tiles``).
 
@@ -31,10 +31,11 @@ them differently:
   sums and writes SiLU(gate)·up.
 
 :func:`staged_mm` runs the same kernel for 2 to 16 rows of x, a plain product: x's rows are the
-B operand's 8 columns (two MMAs for 16 rows), so a chunk's words are taken apart once for all rows,
-where the few-row kernels now take 0.81× the time of cuBLAS's bf16 products at 16 rows for a
-quarter of the bytes (docs/quantization.md). It is built and compiled for sm_90 and sm_87, and
-**not yet run on a GPU**: nothing calls it but its GPU test and ``scripts/probe_staged_rows.py``.
+B operand's 8 columns (two MMAs for 16 rows), so a chunk's words are taken apart once for all rows.
+On an H100 it took 0.64–0.76× the time of ``kernels.packed_mm``'s tiles for Qwen2-VL-2B's
+products at 4 to 16 rows, and batch-16 4-bit decode ran 1.03× faster with it
+(docs/results/probes/h100-staged-rows). ``packed_mm``'s tuner times its tiles for 2 to 16 rows
+(``kernels.staged_rows_candidates``) unless ``EDGEINFER_STAGED_ROWS=0``.
 
 Scope: 4-bit codes, bf16 or fp16 activations with scales (and zero points) of the same dtype,
 groups of a multiple of 128 columns (or one a row), K a multiple of 128 and rows a multiple of
