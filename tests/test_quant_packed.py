@@ -316,6 +316,19 @@ def test_a_tile_comes_back_from_the_tile_cache_as_the_kernel_s_own_tile():
     assert kernels._tile_name(StagedGemvConfig(1, 10)) == "staged 1w/split10"
 
 
+@needs_kernels
+def test_a_staged_tile_kept_for_a_row_tile_of_eight_gives_one_row_the_dot_kernel_s_product():
+    """The tuner keeps one tile for 1 to 8 rows, and a staged tile takes 2 or more: at one row
+    ``packed_mm`` runs the dot kernel's tile instead of refusing the row."""
+    from edgeinfer.quant.staged import StagedGemvConfig
+
+    w = random_packed(64, 256, 128, device=DEVICE)  # bf16, a product the staged kernel takes at 2 rows
+    x = torch.randn(1, 256, device=DEVICE).bfloat16()
+    got = kernels.packed_mm(x, w.codes, w.scales, None, w.layout, StagedGemvConfig(1, 1))
+    want = kernels.packed_mm(x, w.codes, w.scales, None, w.layout, kernels.mm_config(w.layout, 1, x.device))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_the_staged_tiles_are_timed_for_two_to_sixteen_rows_unless_switched_off(monkeypatch):
     """With ``$EDGEINFER_STAGED_ROWS=0``, off a GPU, at one row (the fused step's own tuner) or past
     16 rows (two MMAs of 8 columns), the few-row tuner times no staged tile."""

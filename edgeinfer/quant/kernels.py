@@ -881,8 +881,10 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     if cfg is None:  # no tile gave torch's outputs here (tuned_config warned)
         return None if warmup else x @ dequantize_with_torch(codes, scales, zeros, layout, x.dtype).t()
     if isinstance(cfg, StagedGemvConfig):
+        # A row tile of 8 is tuned for 1 row too, and a weight's codes may not be aligned for the copies:
+        # there the dot kernel's tile runs instead
         parts = PackedParts(codes, scales, zeros, layout)
-        if staged.unfit(parts, x.dtype, False, cfg) is None:  # else codes this tile cannot copy (unaligned, say)
+        if 1 < m <= staged.MAX_ROWS and staged.unfit(parts, x.dtype, False, cfg) is None:
             return staged.staged_mm(x, parts, cfg, workspace=_workspace(x.device), warmup=warmup)
         cfg = mm_config(layout, m, x.device)
     if cfg.mma:
