@@ -316,16 +316,27 @@ def test_a_tile_comes_back_from_the_tile_cache_as_the_kernel_s_own_tile():
     assert kernels._tile_name(StagedGemvConfig(1, 10)) == "staged 1w/split10"
 
 
+def test_one_row_is_tuned_apart_from_the_few_rows_a_staged_tile_takes():
+    """A staged tile takes 2 to 16 rows, so one row has a row tile of its own: a tile tuned for 2 to 8
+    rows never serves it, and a tuning at one row never decides for 2 to 8."""
+    assert [kernels.row_tile(r) for r in (1, 2, 8, 9, 16, 17, 64)] == [1, 8, 8, 16, 16, 32, 64]
+
+
 @needs_kernels
-def test_a_staged_tile_kept_for_a_row_tile_of_eight_gives_one_row_the_dot_kernel_s_product():
-    """The tuner keeps one tile for 1 to 8 rows, and a staged tile takes 2 or more: at one row
-    ``packed_mm`` runs the dot kernel's tile instead of refusing the row."""
+def test_a_staged_tile_that_cannot_take_a_weight_gives_the_dot_kernel_s_product():
+    """A tile is tuned for a layout; a weight of that layout the staged kernel cannot take (codes not
+    16-byte aligned on a GPU; here, no GPU at all) gets the dot kernel's tile instead of an error."""
     from edgeinfer.quant.staged import StagedGemvConfig
 
-    w = random_packed(64, 256, 128, device=DEVICE)  # bf16, a product the staged kernel takes at 2 rows
-    x = torch.randn(1, 256, device=DEVICE).bfloat16()
-    got = kernels.packed_mm(x, w.codes, w.scales, None, w.layout, StagedGemvConfig(1, 1))
-    want = kernels.packed_mm(x, w.codes, w.scales, None, w.layout, kernels.mm_config(w.layout, 1, x.device))
+    w = random_packed(64, 256, 128, device=DEVICE)  # bf16, groups of 128: a layout the staged kernel takes
+    x = torch.randn(4, 256, device=DEVICE).bfloat16()
+    if DEVICE == "cuda":
+        codes = torch.empty(w.codes.numel() + 1, dtype=torch.int32, device="cuda")[1:].view_as(w.codes)
+        codes.copy_(w.codes)  # 4 bytes past a 16-byte boundary
+    else:
+        codes = w.codes
+    got = kernels.packed_mm(x, codes, w.scales, None, w.layout, StagedGemvConfig(1, 1))
+    want = kernels.packed_mm(x, w.codes, w.scales, None, w.layout, kernels.mm_config(w.layout, 4, x.device))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

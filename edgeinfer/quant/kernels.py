@@ -19,7 +19,9 @@ dequantized dense weight up to summation order and rounding.
   in registers meets a tile of x in one tensor-core dot, the scale applied to the dot where the
   tile lies in one group; split along K when N alone gives too few programs to fill the GPU.
   For 4-bit weights and up to 16 rows it also times :mod:`~edgeinfer.quant.tensor_core`'s
-  kernel (the weight rebuilt in the MMA's own registers) and keeps whichever is faster;
+  kernel (the weight rebuilt in the MMA's own registers) and, for 2 to 16 rows,
+  :mod:`~edgeinfer.quant.staged`'s (every word of a program copied into shared memory at once),
+  and keeps whichever is faster;
 * :func:`dequantize` — the whole dense weight, for prompts (a GEMM then does the rest).
 """
 
@@ -738,17 +740,23 @@ _FROM_CACHE: set[tuple] = set()  # choices an earlier process made (:mod:`edgein
 PACKED_TILES = "packed-mm"  # the tile cache's kind for these choices
 
 
+def row_tile(rows: int) -> int:
+    """The rows a tuned tile serves: 1 (a staged tile takes 2 or more), up to 8 and 16 (the tensor-core
+    kernel's row tiles), then powers of two."""
+    return 1 if rows == 1 else 8 if rows <= 8 else max(16, pow2(rows))
+
+
 def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> MmConfig | StagedGemvConfig | None:
-    """The fastest of :func:`mm_candidates` (and, where it can run, :func:`mma_candidates`) for ``x``'s
-    row tile on this device, each timed over :func:`cold_copies` copies of the weight replayed from
-    a CUDA graph (the copies live for the timing only: three times the L2 cache at most).
+    """The fastest of :func:`mm_candidates` (and, where they can run, :func:`mma_candidates` and
+    :func:`staged_rows_candidates`) for ``x``'s :func:`row_tile` on this device, each timed over
+    :func:`cold_copies` copies of the weight replayed from a CUDA graph (the copies live for the
+    timing only: three times the L2 cache at most).
 
     Each tile is first checked against torch (:func:`reference_outputs`, on random rows of x's
     shape): one that gives other outputs, as a miscompiled or misbuilt kernel would, is not timed and
     never chosen, and why is kept for the report. None where no tile is right: :func:`packed_mm` then
     multiplies by the dequantized weight, slowly but correctly (a warning says so)."""
-    rows = x.shape[0]
-    bm = 8 if rows <= 8 else max(16, pow2(rows))  # the tensor-core kernel's row tiles are 8 and 16
+    bm = row_tile(x.shape[0])
     key = (layout, bm, zeros is not None, x.dtype, x.device)
     if key in _TUNED:
         return _TUNED[key]
@@ -881,12 +889,11 @@ def packed_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros:
     if cfg is None:  # no tile gave torch's outputs here (tuned_config warned)
         return None if warmup else x @ dequantize_with_torch(codes, scales, zeros, layout, x.dtype).t()
     if isinstance(cfg, StagedGemvConfig):
-        # A row tile of 8 is tuned for 1 row too, and a weight's codes may not be aligned for the copies:
-        # there the dot kernel's tile runs instead
-        parts = PackedParts(codes, scales, zeros, layout)
-        if 1 < m <= staged.MAX_ROWS and staged.unfit(parts, x.dtype, False, cfg) is None:
-            return staged.staged_mm(x, parts, cfg, workspace=_workspace(x.device), warmup=warmup)
-        cfg = mm_config(layout, m, x.device)
+        try:
+            return staged.staged_mm(x, PackedParts(codes, scales, zeros, layout), cfg, workspace=_workspace(x.device),
+                                    warmup=warmup)
+        except staged.CannotTake:  # a weight of the tuned layout this tile cannot copy (codes not 16-byte aligned)
+            cfg = mm_config(layout, m, x.device)
     if cfg.mma:
         return tensor_core.mma_mm(x, codes, scales, zeros, layout.n, layout.group_constexpr, bn=cfg.bn, bk=cfg.bk,
                                   split=cfg.split, warps=cfg.warps, workspace=_workspace(x.device),

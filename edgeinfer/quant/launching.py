@@ -20,6 +20,7 @@ try:  # grid dependency control (Triton 3.4 and later)
 except ImportError:  # pragma: no cover - older Triton, or none
     gdc_launch_dependents = gdc_wait = None
 
+
 @dataclass(frozen=True, slots=True)
 class PackedGeometry:
     """What the kernels need to know of a packed weight besides its tensors."""

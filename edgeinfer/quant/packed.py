@@ -43,8 +43,7 @@ class PackedMatrix(nn.Module):
     def layout(self) -> PackedGeometry:
         n, k = self.shape
         one_group = self.group_size >= k
-        return PackedGeometry(n, k, self.bits, self.scales.shape[1],
-                                    pow2(k) if one_group else self.group_size)
+        return PackedGeometry(n, k, self.bits, self.scales.shape[1], pow2(k) if one_group else self.group_size)
 
     @property
     def nbytes(self) -> int:

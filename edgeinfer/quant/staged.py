@@ -160,7 +160,8 @@ def staged_gemv(x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, *, b
                 warmup: bool = False) -> torch.Tensor | None:
     """``f(x) @ W.T (+ bias) (+ residual)`` for one row ``x`` [1, K] and a packed 4-bit ``W``, as
     ``triton_decode.packed_gemv`` gives it (``f`` RMSNorm with ``norm_weight``; ``glu``: W's rows
-    gate | up, SiLU(gate)·up of N / 2 outputs). Raises ValueError where :func:`unfit` names a reason.
+    gate | up, SiLU(gate)·up of N / 2 outputs). Raises :class:`CannotTake` where :func:`unfit` names a
+    reason.
     ``warmup``: compile the kernel, run nothing, return None (``kernels.compile_ahead``)."""
     if x.shape[0] != 1:
         raise ValueError(f"staged_gemv reads one row, got {x.shape[0]}")
@@ -176,12 +177,17 @@ def staged_gemv(x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, *, b
 MAX_ROWS = 16  # rows of x staged_mm takes: two MMAs of 8 columns a chunk
 
 
+class CannotTake(ValueError):
+    """The kernel cannot take this product on this device: :func:`unavailable` or :func:`unfit` named
+    why."""
+
+
 def staged_mm(x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, *, out: torch.Tensor | None = None,
               workspace: SplitWorkspace | None = None, warmup: bool = False) -> torch.Tensor | None:
     """``x @ W.T`` for 2 to :data:`MAX_ROWS` rows ``x`` [M, K] and a packed 4-bit ``W``: the words staged
     as :func:`staged_gemv` stages them, taken apart once a chunk for all rows (x's rows are the MMA's
-    B columns, 8 an MMA). Raises ValueError where :func:`unfit` names a reason. ``warmup`` as in
-    :func:`staged_gemv`."""
+    B columns, 8 an MMA). Raises :class:`CannotTake` where :func:`unfit` names a reason. ``warmup`` as
+    in :func:`staged_gemv`."""
     m = x.shape[0]
     if not 1 < m <= MAX_ROWS:
         raise ValueError(f"staged_mm reads 2 to {MAX_ROWS} rows, got {m}")
@@ -196,12 +202,12 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
             glu: bool = False) -> None:
     """:func:`_staged_gemv_kernel` on ``x``'s rows (one: what the step fuses; more: the plain product)
     into ``y``, once :func:`unavailable` and :func:`unfit` have found nothing against it (else
-    ValueError, ``caller`` named). A compile alone (``warmup``) may target a GPU this machine does
+    :class:`CannotTake`, ``caller`` named). A compile alone (``warmup``) may target a GPU this machine does
     not have: it needs Gluon only."""
     reason = unavailable(x.device) if not warmup else ("Triton's Gluon is not installed" if gluon is None else None)
     reason = reason or unfit(w, x.dtype, glu, config)
     if reason is not None:
-        raise ValueError(f"{caller} cannot take this product: {reason}")
+        raise CannotTake(f"{caller} cannot take this product: {reason}")
     m = x.shape[0]
     layout = w.layout
     n, k = layout.n, layout.k
