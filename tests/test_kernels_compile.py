@@ -473,8 +473,9 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
 
 @pytest.mark.parametrize("product", ["gate_up", "down", "qkv"])
 def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(product):
-    """``staged.staged_mm`` (the staged kernel with M rows of x, up to ``MP``: a plain product) compiles for
-    Hopper and Orin, whole and split, with and without zero points. Every copy of the words goes
+    """``staged.staged_mm`` (the staged kernel with M rows of x, up to ``MP``) compiles for Hopper and Orin,
+    whole and split, with and without zero points, plain and with what the few-row layers fuse
+    (each row's RMSNorm, bias, SiLU·up, residual). Every copy of the words goes
     out before the first wait (on Hopper before the wait for the kernels before it too), one wait a
     chunk. Up to 8 rows a chunk takes one MMA of 8 columns for the codes and one for the bias (or
     -Σx with zero points; 16·warps rows by 128 columns: 8 ``HMMA`` each a warp); 16 rows take twice as many, on the same
@@ -488,14 +489,19 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
     n, k = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536)}[product]
     chunks_whole = k // staged.CHUNK
     split = next(s for s in range(1, 11) if chunks_whole % s == 0 and chunks_whole // s <= staged.MAX_CHUNKS)
-    for (label, target), warps, zeros in itertools.product(TARGETS.items(), (1, 2), (False, True)):
+    fused = {"gate_up": dict(PROLOGUE=True, GLU=True, HAS_BIAS=False, HAS_RES=False),
+             "down": dict(PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=True),
+             "qkv": dict(PROLOGUE=True, GLU=False, HAS_BIAS=True, HAS_RES=False)}[product]
+    plain = dict.fromkeys(fused, False)
+    for (label, target), warps, (zeros, fuses) in itertools.product(
+            TARGETS.items(), (1, 2), ((False, plain), (True, plain), (False, fused))):
         chunks = chunks_whole // split
         mmas = {}
         for rows in (8, 16):  # any count of rows up to MP, an argument
             given = dict(GPS=chunks, XP=launching.pow2(chunks), NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
-                         PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=False, HAS_Z=zeros, BF16=True, MP=rows)
+                         HAS_Z=zeros, BF16=True, MP=rows, KC=chunks_whole if fuses["PROLOGUE"] else 0, **fuses)
             kernel = staged_binary(given, target, warps)
-            case = (label, product, warps, split, zeros, rows)
+            case = (label, product, warps, split, zeros, rows, fuses)
             body = instructions(disassembled(kernel.asm["cubin"]))
             copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
             waits = [i for i, op in enumerate(body) if "DEPBAR.LE" in op]

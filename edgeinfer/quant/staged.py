@@ -182,17 +182,27 @@ class CannotTake(ValueError):
     why."""
 
 
-def staged_mm(x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, *, out: torch.Tensor | None = None,
-              workspace: SplitWorkspace | None = None, warmup: bool = False) -> torch.Tensor | None:
-    """``x @ W.T`` for 2 to :data:`MAX_ROWS` rows ``x`` [M, K] and a packed 4-bit ``W``: the words staged
-    as :func:`staged_gemv` stages them, taken apart once a chunk for all rows (x's rows are the MMA's
-    B columns, 8 an MMA). Raises :class:`CannotTake` where :func:`unfit` names a reason. ``warmup`` as
-    in :func:`staged_gemv`."""
+def staged_mm(x: torch.Tensor, w: PackedWeight, config: StagedGemvConfig, *, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              glu: bool = False, out: torch.Tensor | None = None, workspace: SplitWorkspace | None = None,
+              warmup: bool = False) -> torch.Tensor | None:
+    """``f(x) @ W.T (+ bias) (+ residual)`` for 2 to :data:`MAX_ROWS` rows ``x`` [M, K] and a packed 4-bit
+    ``W``, what :func:`staged_gemv` fuses fused the same way for every row (``residual`` [M, N]): the
+    words staged as :func:`staged_gemv` stages them, taken apart once a chunk for all rows (x's rows
+    are the MMA's B columns, 8 an MMA). Raises :class:`CannotTake` where :func:`unfit` names a reason.
+    ``warmup`` as in :func:`staged_gemv`."""
     m = x.shape[0]
     if not 1 < m <= MAX_ROWS:
         raise ValueError(f"staged_mm reads 2 to {MAX_ROWS} rows, got {m}")
-    y = out if out is not None else torch.empty(m, w.layout.n, dtype=x.dtype, device=x.device)
-    _launch("staged_mm", x, w, config, y, workspace, warmup)
+    if glu and residual is not None:
+        raise ValueError("glu writes SiLU(gate)·up and takes no residual")
+    n = w.layout.n
+    if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
+        raise ValueError(f"the residual must be a contiguous [{m}, {n}], got {tuple(residual.shape)} "
+                         f"with strides {residual.stride()}")
+    y = out if out is not None else torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
+    _launch("staged_mm", x, w, config, y, workspace, warmup, bias=bias, residual=residual,
+            norm_weight=norm_weight, eps=eps, glu=glu)
     return None if warmup else y
 
 
@@ -227,7 +237,8 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
            EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
            XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
            HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
-           PDL=pdl, MP=x_rows, launch_pdl=pdl, num_warps=config.warps)
+           PDL=pdl, MP=x_rows, KC=k // CHUNK if m > 1 and norm_weight is not None else 0, launch_pdl=pdl,
+           num_warps=config.warps)
 
 
 if gluon is not None:
@@ -331,6 +342,32 @@ if gluon is not None:
             gl.store(at + 8 * N, acc1.to(Y.dtype.element_ty), mask=(m[None, :] + 8 < M) & (rows[:, None] >= 0))
 
     @gluon.jit
+    def _finish_rows(acc, first, rows, bias, RES, Y, N, M, BN: gl.constexpr, GLU: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, mma: gl.constexpr):
+        """The sums ``acc`` [BN, 8] of weight rows ``rows`` for x's rows ``first`` .. ``first`` + 7, written
+        to Y as :func:`_finish` writes one row's (rows past M left alone): (+ bias), then the residual
+        (RES [M, N]), or with ``GLU`` SiLU(gate)·up into Y [M, N / 2]."""
+        dt: gl.constexpr = Y.dtype.element_ty
+        m = first + gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        v = acc.to(dt)
+        if HAS_BIAS:
+            v = (v.to(gl.float32) + bias[:, None]).to(dt)
+        if GLU:  # [BN, 8] -> [BN/16, 8, 8, 2]: an output's gate and up sums side by side in one lane
+            gate, up = gl.split(gl.permute(gl.reshape(v.to(gl.float32), [BN // 16, 2, 8, 8]), [0, 2, 3, 1]))
+            at = m[None, :] * (N // 2) + rows[:, None]  # the gate rows' outputs
+            outs, _ = gl.split(gl.permute(gl.reshape(at, [BN // 16, 2, 8, 8]), [0, 2, 3, 1]))
+            ok, _ = gl.split(gl.permute(gl.reshape(m[None, :] + 0 * rows[:, None], [BN // 16, 2, 8, 8]),
+                                        [0, 2, 3, 1]))
+            act = (gate * (1 / (1 + gl.exp(-gate)))).to(dt).to(gl.float32)  # tl.sigmoid's own formula
+            gl.store(Y + outs, (act * up).to(dt), mask=ok < M)
+        else:
+            at = m[None, :] * N + rows[:, None]
+            ok = (m[None, :] < M) & (rows[:, None] >= 0)
+            if HAS_RES:
+                v = (v.to(gl.float32) + gl.load(RES + at, mask=ok, other=0.0).to(gl.float32)).to(dt)
+            gl.store(Y + at, v, mask=ok)
+
+    @gluon.jit
     def _weight_rows(tile, r, N, BN: gl.constexpr, GLU: gl.constexpr):
         """The weight rows of a tile's rows ``r``: ``tile·BN + r``; with ``GLU`` each 16 rows are the
         gate rows of 8 outputs and then their up rows (rows g and g + 8 are one lane's)."""
@@ -360,13 +397,43 @@ if gluon is not None:
             gl.store(Y + rows, v)
 
     @gluon.jit
-    def _several_rows(X, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, less, scales, zeros, rows,
-                       Y, PARTS, ARRIVALS, tile, split, N, K, M, c0, GPS: gl.constexpr, NW: gl.constexpr,
-                       SPLIT: gl.constexpr, MP: gl.constexpr, MAGIC: gl.constexpr, HAS_Z: gl.constexpr,
-                       BF16: gl.constexpr, mma: gl.constexpr):
+    def _rows_rstd(X, K, M, eps, KC: gl.constexpr, MP: gl.constexpr, lx: gl.constexpr):
+        """1 / RMS of x's rows 0 .. 7 and 8 .. 15 (each [8], in ``lx``'s rows): every chunk's loads asked for
+        at once (unrolled over ``KC`` chunks of 128 columns), in float32 as the eager norm sums."""
+        xm = gl.arange(0, 8, layout=gl.SliceLayout(1, lx))
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, lx))
+        at = X + xm[:, None] * K + xk[None, :]
+        lo_ok = (xm[:, None] < M) & (xk[None, :] < 128)
+        hi_ok = (xm[:, None] + 8 < M) & (xk[None, :] < 128)
+        ss_lo = gl.zeros([8, 128], gl.float32, lx)
+        ss_hi = gl.zeros([8, 128], gl.float32, lx)
+        for i in gl.static_range(KC):
+            v = gl.load(at + i * 128, mask=lo_ok, other=0.0).to(gl.float32)
+            ss_lo += v * v
+            if MP == 16:
+                v = gl.load(at + 8 * K + i * 128, mask=hi_ok, other=0.0).to(gl.float32)
+                ss_hi += v * v
+        rstd_lo = 1.0 / gl.sqrt(gl.sum(ss_lo, axis=1) / K + eps)
+        rstd_hi = 1.0 / gl.sqrt(gl.sum(ss_hi, axis=1) / K + eps)
+        return rstd_lo, rstd_hi
+
+    @gluon.jit
+    def _normed(x, rstd, w, dt: gl.constexpr):
+        """RMSNorm of a chunk of rows ``x`` [8, 128] as the eager layer rounds it (``w`` the chunk's weight)."""
+        xn = (x.to(gl.float32) * rstd[:, None]).to(dt).to(gl.float32)
+        return (xn * w.to(gl.float32)[None, :]).to(dt)
+
+    @gluon.jit
+    def _several_rows(X, NORM_W, RES, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, less, scales,
+                      zeros, bias, rows, Y, PARTS, ARRIVALS, tile, split, N, K, M, c0, eps, GPS: gl.constexpr,
+                      NW: gl.constexpr, SPLIT: gl.constexpr, MP: gl.constexpr, KC: gl.constexpr, MAGIC: gl.constexpr,
+                      PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
+                      GLU: gl.constexpr, BF16: gl.constexpr, mma: gl.constexpr):
         """The chunks' MMAs and the rows' outputs of :func:`_staged_gemv_kernel` for M > 1 rows of x (at
-        most ``MP``)."""
+        most ``MP``), with what :func:`_one_row` fuses: each chunk of x RMSNorm'd (its rows' RMS first,
+        over the whole rows), and the bias, residual or SiLU·up on the way out."""
         BN: gl.constexpr = 16 * NW
+        dt: gl.constexpr = Y.dtype.element_ty
         lx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
                                             order=[1, 0])
         xm = gl.arange(0, 8, layout=gl.SliceLayout(1, lx))
@@ -374,18 +441,31 @@ if gluon is not None:
         x_at = X + xm[:, None] * K + c0 * 128 + xk[None, :]  # rows 0-7; rows 8-15 at 8·K past them
         lo_ok = (xm[:, None] < M) & (xk[None, :] < 128)
         hi_ok = (xm[:, None] + 8 < M) & (xk[None, :] < 128)
+        rstd_lo = gl.full([8], 1.0, gl.float32, gl.SliceLayout(1, lx))
+        rstd_hi = rstd_lo
+        if PROLOGUE:
+            rstd_lo, rstd_hi = _rows_rstd(X, K, M, eps, KC, MP, lx)
         lo_next = gl.load(x_at, mask=lo_ok, other=0.0)
         hi_next = lo_next
         if MP == 16:
             hi_next = gl.load(x_at + 8 * K, mask=hi_ok, other=0.0)
+        w_next = xk
+        if PROLOGUE:
+            w_next = gl.load(NORM_W + c0 * 128 + xk)
         acc0 = gl.zeros([BN, 8], gl.float32, mma)
         acc1 = gl.zeros([BN, 8], gl.float32, mma)
         for i in gl.static_range(GPS):
-            lo, hi = lo_next, hi_next
+            lo, hi, nw = lo_next, hi_next, w_next
             if i + 1 < GPS:  # the next chunk's x asked for before this chunk's MMAs
                 lo_next = gl.load(x_at + (i + 1) * 128, mask=lo_ok, other=0.0)
                 if MP == 16:
                     hi_next = gl.load(x_at + 8 * K + (i + 1) * 128, mask=hi_ok, other=0.0)
+                if PROLOGUE:
+                    w_next = gl.load(NORM_W + (c0 + i + 1) * 128 + xk)
+            if PROLOGUE:
+                lo = _normed(lo, rstd_lo, nw, dt)
+                if MP == 16:
+                    hi = _normed(hi, rstd_hi, nw, dt)
             async_copy.wait_group(GPS - 1 - i)  # this thread's copies up to chunk i have landed
             _cta_barrier()  # and every other thread's
             a = a_operand(w_smem[i].load(lw), la, BN, BF16)
@@ -394,7 +474,9 @@ if gluon is not None:
             if MP == 16:
                 acc1 += _chunk_sums(a, less, b_rows(hi, lb), scales[i], zero, MAGIC, HAS_Z, mma)
         if SPLIT == 1:
-            _store_rows(acc0, acc1, rows, Y, N, M, MP, mma)
+            _finish_rows(acc0, 0, rows, bias, RES, Y, N, M, BN, GLU, HAS_BIAS, HAS_RES, mma)
+            if MP == 16:
+                _finish_rows(acc1, 8, rows, bias, RES, Y, N, M, BN, GLU, HAS_BIAS, HAS_RES, mma)
         else:  # partials at [split, row of x, weight row]; the last split to arrive adds them in split order
             _store_rows(acc0, acc1, rows, PARTS + split * MP * N, N, MP, MP, mma)
             _cta_barrier()  # every thread's partials are written before the count says so
@@ -407,7 +489,9 @@ if gluon is not None:
                     total0 += gl.load(first, cache_modifier=".cg")
                     if MP == 16:
                         total1 += gl.load(first + 8 * N, cache_modifier=".cg")
-                _store_rows(total0, total1, rows, Y, N, M, MP, mma)
+                _finish_rows(total0, 0, rows, bias, RES, Y, N, M, BN, GLU, HAS_BIAS, HAS_RES, mma)
+                if MP == 16:
+                    _finish_rows(total1, 8, rows, bias, RES, Y, N, M, BN, GLU, HAS_BIAS, HAS_RES, mma)
                 gl.atomic_xchg(ARRIVALS + tile, 0)
 
     @gluon.jit
@@ -415,7 +499,7 @@ if gluon is not None:
                             GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
                             EARLY: gl.constexpr, GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
                             HAS_RES: gl.constexpr, HAS_Z: gl.constexpr, GLU: gl.constexpr, BF16: gl.constexpr,
-                            PDL: gl.constexpr, MP: gl.constexpr = 1):
+                            PDL: gl.constexpr, MP: gl.constexpr = 1, KC: gl.constexpr = 0):
         """Y = f(X)·W (+ bias) (+ residual) for 16·NW weight rows (:func:`_weight_rows`) over chunks
         [split·GPS, (split + 1)·GPS) of 128 columns; ``KW`` = K / 8 words a row (an argument of its
         own, so that a launch sees it a multiple of 16 where it is: a lane's four words are then one
@@ -466,7 +550,7 @@ if gluon is not None:
             gdc_wait()
             gdc_launch_dependents()
         rstd = 1.0
-        if PROLOGUE:  # RMSNorm over the whole row, whatever columns this program reads
+        if PROLOGUE and MP == 1:  # RMSNorm over the whole row, whatever columns this program reads
             lr: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[NW],
                                                 order=[0])
             ss = gl.zeros([XB], gl.float32, lr)
@@ -479,8 +563,9 @@ if gluon is not None:
         if HAS_Z:
             less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
         if MP > 1:
-            _several_rows(X, w_smem, lw, la, lb, less, scales, zeros, rows, Y, PARTS, ARRIVALS, tile, split, N, K, M,
-                           c0, GPS, NW, SPLIT, MP, MAGIC, HAS_Z, BF16, mma)
+            _several_rows(X, NORM_W, RES, w_smem, lw, la, lb, less, scales, zeros, bias, rows, Y, PARTS, ARRIVALS, tile,
+                          split, N, K, M, c0, eps, GPS, NW, SPLIT, MP, KC, MAGIC, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z, GLU,
+                          BF16, mma)
         else:
             _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
                      bias, rows, rstd, tile, split, N, c0, GPS, XP, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,
