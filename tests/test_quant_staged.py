@@ -256,3 +256,105 @@ def test_several_rows_are_torch_s_product_within_the_tuner_s_check(dtype, zeros)
             assert right == tiles and wrong == {}, (n, k, rows, wrong)
     torch.cuda.synchronize()
     assert int(space.arrivals.abs().sum()) == 0, "a split product left an arrival count behind"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"the staged kernel cannot run here: {_gpu_skip()}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
+@pytest.mark.parametrize("fused", ["norm bias", "norm glu", "residual"])
+def test_several_rows_with_what_the_step_fuses_are_torch_s_within_its_check(dtype, zeros, fused):
+    """``staged_mm`` with the RMSNorm (each row's own), bias, SiLU·up or residual (each row's own) fused,
+    as the few-row layers call it, at 3 to 16 rows, whole and split, gives what the fused step's check
+    takes (:func:`triton_decode.right_tiles`: torch, rounded where the eager layer rounds, every row
+    of x): a row normed by another row's RMS, a residual or an output written to another row, or a
+    gate paired with another output's up moves whole outputs. Split products leave their arrival
+    counts at zero."""
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(7)
+    dev = torch.device("cuda")
+    n, k = {"norm bias": (2048, 1536), "norm glu": (1024, 1536), "residual": (256, 8960)}[fused]
+    groups = k // 128
+    w = packed(n, k, dtype=dtype, device="cuda")
+    if zeros:
+        w = PackedMatrix(w.codes, w.scales, torch.randint(0, 16, (n, groups), device=dev).to(dtype), 4, 128, (n, k))
+    kw = {}
+    if "norm" in fused:
+        kw.update(norm_weight=torch.empty(k, device=dev, dtype=dtype).uniform_(0.5, 1.5), eps=1e-6)
+    if "bias" in fused or "glu" in fused:
+        kw["bias"] = torch.randn(n, device=dev, dtype=dtype)
+    glu = "glu" in fused
+    if glu:
+        kw["glu"] = True
+    tiles = [StagedGemvConfig(nw, s) for nw in (1, 2, 4) for s in (1, 2, 3, 5, 7, 10)
+             if groups % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(nw, s)) is None]
+    tiles = tiles[:2] + [t for t in tiles if t.split > 1][:1] + [t for t in tiles if t.warps == 4][:1]
+    assert len(tiles) >= 3 and any(t.split > 1 for t in tiles), tiles
+    space = SplitWorkspace(dev)
+
+    def run(x, w, tile, **kw):
+        return staged.staged_mm(x, w, tile, workspace=space, **kw)
+
+    for rows in (3, 9, 16):
+        x = torch.randn(rows, k, device=dev, dtype=dtype) * torch.linspace(0.5, 4, rows, device=dev, dtype=dtype)[:, None]
+        if fused == "residual":
+            kw["residual"] = torch.randn(rows, n, device=dev, dtype=dtype)
+        out = torch.empty(rows, n // 2 if glu else n, device=dev, dtype=dtype)
+        right, wrong = triton_decode.right_tiles(x, w, tiles, out, run, **kw)
+        assert right == tiles and wrong == {}, (rows, wrong)
+    torch.cuda.synchronize()
+    assert int(space.arrivals.abs().sum()) == 0, "a split product left an arrival count behind"
+
+
+def test_a_residual_of_another_shape_is_refused_before_anything_launches():
+    w = packed(64, 1536)
+    x = torch.randn(4, 1536, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"the residual must be a contiguous \[4, 64\], got \(4, 32\)"):
+        staged.staged_mm(x, w, StagedGemvConfig(1), residual=torch.randn(4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="glu writes SiLU"):
+        staged.staged_mm(x, w, StagedGemvConfig(1), residual=torch.randn(4, 64, dtype=torch.bfloat16), glu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"the staged kernel cannot run here: {_gpu_skip()}")
+def test_a_batched_decode_on_the_fused_rows_is_reported_against_the_layer_s_own_products(tmp_path_factory,
+                                                                                         monkeypatch):
+    """Requests decoded together (2 to 4 rows, in CUDA graphs with dependent launches) run the few-row
+    layers on the staged products with the norms, bias, residuals and SiLU·up fused: the report names
+    a staged tile for each of the four products of that row tile, and the tokens against the layer's
+    own compiled products (``EDGEINFER_FUSED_ROWS=0``) are reported by first divergence. The two
+    sum in other orders in bf16, so a random checkpoint's tokens may part late; the first must
+    agree. The few-row tuner is offered only the staged tiles, so that it takes them at this tiny
+    shape."""
+    from edgeinfer.quant import kernels
+    from edgeinfer.quant.launching import FUSED_ROWS_ENV
+    from edgeinfer.testing.checkpoints import make_checkpoint
+    from edgeinfer.testing.quantized import quantize_compressed_tensors
+    from edgeinfer.tile_cache import TILE_CACHE_ENV
+    from tests.conftest import first_divergence
+    from tests.test_quant_packed import cuda_tokens
+
+    src = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("k256"), size="tiny-k256")
+    path = quantize_compressed_tensors(src, tmp_path_factory.mktemp("w4"), bits=4, group_size=128, dtype=torch.bfloat16)
+    monkeypatch.setenv(TILE_CACHE_ENV, "off")
+
+    def tokens():
+        out, engine = cuda_tokens(path, together=True, dtype="bfloat16")
+        return out, engine.decoder_engine.kernel_report
+
+    monkeypatch.setenv(FUSED_ROWS_ENV, "0")
+    own, own_report = tokens()
+    monkeypatch.delenv(FUSED_ROWS_ENV)
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    monkeypatch.setattr(kernels, "mm_candidates", lambda layout: [])
+    monkeypatch.setattr(kernels, "mma_candidates", lambda layout, bm: [])
+    fused, report = tokens()
+    assert own_report["fused_rows"] == {}, own_report["fused_rows"]
+    chosen = report["fused_rows"]
+    assert chosen and all(isinstance(v, dict) and all(t.startswith("staged/") for t in v.values())
+                          and set(v) == {"qkv", "o", "gate_up", "down"} for v in chosen.values()), chosen
+    positions = [first_divergence(x, y) for x, y in zip(own, fused)]
+    print(f"row tiles {chosen}; first divergence fused rows vs the layer's own per request (None = identical): "
+          f"{positions}")
+    assert all(p is None or p > 0 for p in positions)

@@ -205,6 +205,55 @@ def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family, contexts):
     assert torch.equal(pool_k, k_pool), "only each row's new token's slot may change"
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm"])
+def test_the_few_row_layers_wire_each_fused_product_as_the_decoder_does(checkpoint, family, monkeypatch):
+    """2 to 16 rows on the fused staged products (``FusedDecode.row_tiles``): each product's norm, bias,
+    residual and SiLU·up go where the decoder's own layer puts them, around the same attention.
+    The staged kernel needs a GPU (Gluon does not run in the interpreter), so here each product is
+    torch's own (:func:`triton_decode.reference_product`, what the kernel is checked against on the
+    GPU) and the wiring is what is tested: three rows of different contexts against
+    ``Decoder.forward`` in fp32. A residual taken from the wrong tensor, a norm on the wrong input or
+    a product left out moves the logits far past fp32's rounding."""
+    from edgeinfer.backends.torch.cuda_graphs import _relayout
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.quant.staged import StagedGemvConfig
+
+    decoder = load_model(checkpoint(family), device=DEVICE).decoder
+    cfg = decoder.cfg
+    _relayout(decoder, out_major=True)
+    fused = triton_decode.FusedDecode(decoder)
+    called = []
+
+    def torch_product(x, w, config, out=None, **kw):
+        called.append(sorted(k for k, v in kw.items() if v is not None and v is not False))
+        n = w.shape[0] // 2 if kw.get("glu") else w.shape[0]
+        return triton_decode.reference_product(x, w, torch.arange(n), **kw).to(x.dtype)
+
+    tiles = dict.fromkeys(fused.ROW_PRODUCTS, StagedGemvConfig(1))
+    monkeypatch.setattr(fused, "row_tiles", lambda x: tiles if x.shape[0] > 1 else None)
+    monkeypatch.setattr(fused, "_rows_product", torch_product)
+    torch.manual_seed(0)
+    contexts = [23, 0, 5]
+    blocks, bs, m = 32, 4, len(contexts)
+    k_pool = torch.randn(cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(blocks, device=DEVICE)[:8 * m].view(m, 8)
+    lens = torch.tensor(contexts, device=DEVICE)
+    x = torch.randn(m, 1, cfg.hidden_size, device=DEVICE)
+    positions = lens.view(1, m, 1).expand(3, m, 1) if cfg.mrope_section else lens.view(m, 1)
+    with torch.no_grad():
+        want, want_k, want_v = decoder(x, positions, k_pool, v_pool, tables, lens)
+        cos, sin = decoder.rope(positions, x.dtype)
+        logits, new_k, new_v = fused.layers(x[:, 0], cos.reshape(m, -1), sin.reshape(m, -1), k_pool, v_pool, tables,
+                                            lens)
+    assert len(called) == 4 * cfg.num_layers, called
+    assert ["eps", "norm_weight"] == [k for k in called[0] if k != "bias"] and "residual" in called[1]
+    assert "glu" in called[2] and "norm_weight" in called[2] and "residual" in called[3]
+    _close(logits, want, torch.float32)
+    _close(new_k, want_k, torch.float32)
+    _close(new_v, want_v, torch.float32)
+
+
 # --- kernels launched as programmatic dependents (Hopper and later) ------------------------------
 # Each kernel of the step is launched right behind a kernel that lets it launch at once and writes
 # its input 200 µs later: a kernel that read its input before waiting would read the zeros.

@@ -63,6 +63,9 @@ STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
 # "0": the few-row tuner leaves out the staged kernel's tiles for 2 to 16 rows (quant/staged.py's
 # staged_mm), which made batch-16 4-bit decode 1.03× faster on an H100 (docs/quantization.md)
 STAGED_ROWS_ENV = "EDGEINFER_STAGED_ROWS"
+# "0": 2 to 16 rows of 4-bit weights run the layer's own compiled products and norms, not the staged
+# products with the norms, bias, residual and SiLU·up fused (triton_decode.FusedDecode.row_tiles)
+FUSED_ROWS_ENV = "EDGEINFER_FUSED_ROWS"
 
 
 def interpreting() -> bool:
@@ -80,6 +83,12 @@ def staged_rows_enabled() -> bool:
     """Whether the few-row tuner times the staged kernel's tiles for 2 to 16 rows (unless
     ``$EDGEINFER_STAGED_ROWS=0``)."""
     return os.environ.get(STAGED_ROWS_ENV, "1") != "0"
+
+
+def fused_rows_enabled() -> bool:
+    """Whether 2 to 16 rows of 4-bit weights may run the fused staged products (unless
+    ``$EDGEINFER_FUSED_ROWS=0``)."""
+    return os.environ.get(FUSED_ROWS_ENV, "1") != "0"
 
 
 def dependent_launch(device: torch.device) -> bool:

@@ -316,7 +316,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """The fused step's tile choices and speeds per product, or why it is off."""
         if self._fused is None:
             return {"fused": False, "reason": self.fused_off}
-        return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_replays": self.fused_replays,
+        return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_rows": self._fused.rows_report,
+                "fused_replays": self.fused_replays,
                 "dependent_launch": dependent_launch(self.device), "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
                 "step": self._fused.step_report}

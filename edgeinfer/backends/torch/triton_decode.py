@@ -48,6 +48,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
@@ -61,10 +62,19 @@ from edgeinfer.backends.torch.step_tuning import (
 from edgeinfer.models.decoder import DecoderLayer
 from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant import staged
-from edgeinfer.quant.kernels import cannot_build, checked_outputs, checked_tiles, compile_ahead, dequantized_rows, graph_time_us
-from edgeinfer.quant.launching import SplitWorkspace, dependent_launch, interpreting, launch
+from edgeinfer.quant.kernels import (
+    cannot_build,
+    checked_outputs,
+    checked_tiles,
+    compile_ahead,
+    dequantized_rows,
+    graph_time_us,
+    row_tile,
+    tuned_config,
+)
+from edgeinfer.quant.launching import SplitWorkspace, dependent_launch, fused_rows_enabled, interpreting, launch
 from edgeinfer.quant.packed import PackedMatrix
-from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv
+from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv, staged_mm
 from edgeinfer.tile_cache import TileCache, device_identity
 
 # The tile cache's kind for the batch-1 step's tiles.
@@ -851,8 +861,11 @@ def _nbytes(w: torch.Tensor | PackedMatrix) -> int:
 
 class FusedDecode:
     """The decoder's layers around the paged attention kernel: the five kernels above for
-    ``MAX_GEMV_ROWS`` rows or fewer; for more rows, the layer's own :meth:`DecoderLayer.qkv`
-    and :meth:`DecoderLayer.after_attention` (cuBLAS products; ``halves`` may give them
+    ``MAX_GEMV_ROWS`` rows or fewer; for 2 to 16 rows of 4-bit weights, the staged products
+    (:func:`staged.staged_mm`) with the norms, bias, residuals and SiLU·up fused as at one row,
+    where the few-row tuner chose the staged kernel for every product of the layer
+    (:meth:`row_tiles`); otherwise the layer's own :meth:`DecoderLayer.qkv` and
+    :meth:`DecoderLayer.after_attention` (cuBLAS or packed products; ``halves`` may give them
     compiled) on either side of the same attention, which reads the past where it lies in the
     pool rather than gathered into a copy. Weights must be stored ``[out, in]`` row-major
     (``cuda_graphs._relayout(decoder, out_major=True)``)."""
@@ -878,6 +891,10 @@ class FusedDecode:
         # Partial sums and arrival counts of split packed products and of the attention's splits, one
         # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
+        # Per row tile (kernels.row_tile) of 2 to 16 rows: the staged tiles the fused few-row layers
+        # run, or None where they do not; and what decided it, for the report.
+        self._row_tiles: dict[int, dict[str, StagedGemvConfig] | None] = {}
+        self.rows_report: dict[int, dict[str, str] | str] = {}
 
     @staticmethod
     def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
@@ -1105,9 +1122,14 @@ class FusedDecode:
         (None when ``valid`` is given: then they were written into the pools)."""
         cfg = self.cfg
         m = x.shape[0]
-        # The products on either side of the attention: Triton's at a row, the layer's own above.
-        before, after, head = (self._qkv_gemv, self._after_gemv, self._head_gemv) if m <= MAX_GEMV_ROWS else \
-            (*self.halves, self.decoder.logits)
+        # The products on either side of the attention: Triton's at a row, the staged ones fused at 2 to
+        # 16 rows where they take every product, the layer's own otherwise.
+        if m <= MAX_GEMV_ROWS:
+            before, after, head = self._qkv_gemv, self._after_gemv, self._head_gemv
+        elif (tiles := self.row_tiles(x)) is not None:
+            before, after, head = partial(self._qkv_rows, tiles), partial(self._after_rows, tiles), self.decoder.logits
+        else:
+            before, after, head = (*self.halves, self.decoder.logits)
         new_k = new_v = None
         if valid is None:
             new_k = torch.empty(cfg.num_layers, m, 1, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
@@ -1121,6 +1143,72 @@ class FusedDecode:
                                    workspace=self.workspace)
             x = after(layer, x, attn)
         return head(x), new_k, new_v
+
+    ROW_PRODUCTS = ("qkv", "o", "gate_up", "down")  # the products the few-row layers fuse (the head is the layer's)
+
+    def row_tiles(self, x: torch.Tensor) -> dict[str, StagedGemvConfig] | None:
+        """The staged tiles the layers' four products run on for ``x``'s rows (2 to 16), fused, or None
+        where the layer's own products run: where ``$EDGEINFER_FUSED_ROWS=0``, a product is not 4-bit
+        packed, the few-row tuner (``kernels.tuned_config``, which times the staged tiles beside the
+        others) chose another kernel for it, some layer's weight is one the tile cannot take, or
+        the fused product's outputs are not torch's (:func:`right_tiles`, checked once a row tile).
+        Decided at the first call of a row tile outside a capture (the warm-up before it) and kept;
+        why is in :attr:`rows_report`."""
+        m = x.shape[0]
+        if not fused_rows_enabled() or not 1 < m <= staged.MAX_ROWS or x.device.type != "cuda":
+            return None
+        bm = row_tile(m)
+        if bm in self._row_tiles:
+            return self._row_tiles[bm]
+        if torch.cuda.is_current_stream_capturing():  # nothing is timed or checked inside a capture
+            return None
+        tiles, why = {}, {}
+        for name, (weights, kw) in self._products().items():
+            if name not in self.ROW_PRODUCTS:
+                continue
+            w = weights[0]
+            if not isinstance(w, PackedMatrix):
+                why[name] = f"{w.dtype} weights (not packed)"
+                break
+            probe = torch.randn(m, w.shape[1], dtype=x.dtype, device=x.device)
+            cfg = tuned_config(probe, w.codes, w.scales, w.zeros, w.layout)
+            if not isinstance(cfg, StagedGemvConfig):
+                why[name] = f"the few-row tuner chose {cfg} at {bm} rows"
+                break
+            glu = bool(kw.get("glu"))
+            unfit = next((f"layer {i}: {reason}" for i, v in enumerate(weights)
+                          if (reason := staged.unfit(v, x.dtype, glu, cfg)) is not None), None)
+            if unfit is not None:
+                why[name] = unfit
+                break
+            kw = dict(kw)
+            if kw.pop("residual", False):
+                kw["residual"] = torch.randn(m, w.shape[0], dtype=x.dtype, device=x.device)
+            out = torch.empty(m, _outputs(w.shape[0], glu, None), dtype=x.dtype, device=x.device)
+            _, wrong = right_tiles(probe, w, [cfg], out, self._rows_product, **kw)
+            if wrong:
+                why[name] = f"fused outputs not torch's: {next(iter(wrong.values()))}"
+                break
+            tiles[name] = cfg
+            why[name] = _config_name(cfg)
+        chosen = tiles if len(tiles) == len(self.ROW_PRODUCTS) else None
+        self._row_tiles[bm] = chosen
+        self.rows_report[bm] = why if chosen is not None else f"layer's own products: {why}"
+        return chosen
+
+    def _rows_product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
+        return staged_mm(x, w, config, workspace=self.workspace, **kw)
+
+    def _qkv_rows(self, tiles, layer, x: torch.Tensor) -> torch.Tensor:
+        return self._rows_product(x, self.weight(layer.qkv_t), tiles["qkv"], bias=layer.qkv_bias,
+                                  norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
+
+    def _after_rows(self, tiles, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = self._rows_product(attn, self.weight(layer.o_t), tiles["o"], bias=layer.o_bias, residual=x)
+        act = self._rows_product(x, self.weight(layer.gate_up_t), tiles["gate_up"], bias=layer.gate_up_bias,
+                                 norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps,
+                                 glu=True)
+        return self._rows_product(act, self.weight(layer.down_t), tiles["down"], bias=layer.down_bias, residual=x)
 
     def _qkv_gemv(self, layer, x: torch.Tensor) -> torch.Tensor:
         return self._gemv("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias,
