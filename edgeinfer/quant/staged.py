@@ -30,12 +30,15 @@ them differently:
   rows are 8 outputs' gate rows and then their up rows, so a lane holds an output's gate and up
   sums and writes SiLU(gate)·up.
 
-:func:`staged_mm` runs the same kernel for 2 to 16 rows of x, a plain product: x's rows are the
-B operand's 8 columns (two MMAs for 16 rows), so a chunk's words are taken apart once for all rows.
+:func:`staged_mm` runs the same kernel for 2 to 16 rows of x, with the same fusions, each row its
+own: x's rows are the B operand's 8 columns (two MMAs for 16 rows), so a chunk's words are taken
+apart once for all rows.
 On an H100 it took 0.64–0.76× the time of ``kernels.packed_mm``'s tiles for Qwen2-VL-2B's
 products at 4 to 16 rows, and batch-16 4-bit decode ran 1.03× faster with it
 (docs/results/probes/h100-staged-rows). ``packed_mm``'s tuner times its tiles for 2 to 16 rows
-(``kernels.staged_rows_candidates``) unless ``EDGEINFER_STAGED_ROWS=0``.
+(``kernels.staged_rows_candidates``) unless ``EDGEINFER_STAGED_ROWS=0``; the decode step's few-row
+layers run them fused (``triton_decode.FusedDecode.row_tiles``), which made batch-16 4-bit decode
+1.30× faster again (docs/results/probes/h100-fused-rows).
 
 Scope: 4-bit codes, bf16 or fp16 activations with scales (and zero points) of the same dtype,
 groups of a multiple of 128 columns (or one a row), K a multiple of 128 and rows a multiple of
@@ -210,8 +213,8 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
             workspace: SplitWorkspace | None, warmup: bool, *, bias: torch.Tensor | None = None,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             glu: bool = False) -> None:
-    """:func:`_staged_gemv_kernel` on ``x``'s rows (one: what the step fuses; more: the plain product)
-    into ``y``, once :func:`unavailable` and :func:`unfit` have found nothing against it (else
+    """:func:`_staged_gemv_kernel` on ``x``'s rows, with what the step fuses, into ``y``, once
+    :func:`unavailable` and :func:`unfit` have found nothing against it (else
     :class:`CannotTake`, ``caller`` named). A compile alone (``warmup``) may target a GPU this machine does
     not have: it needs Gluon only."""
     reason = unavailable(x.device) if not warmup else ("Triton's Gluon is not installed" if gluon is None else None)
@@ -507,8 +510,9 @@ if gluon is not None:
         up to a power of two (x's buffer); the first ``EARLY`` chunks' copies go out before x is
         read, the others after x's loads.
 
-        ``MP`` 8 or 16 (:func:`staged_mm`): X is [M, K], 2 to ``MP`` rows, and Y [M, N] the plain product
-        (no prologue, bias, residual nor ``GLU``): the rows are the B operand's columns, 8 an MMA, so
+        ``MP`` 8 or 16 (:func:`staged_mm`): X is [M, K], 2 to ``MP`` rows, Y [M, N] (or [M, N / 2] with
+        ``GLU``) and RES [M, N], with the same fusions, each row its own (``KC``: K / 128, the chunks
+        of each row's RMSNorm sums, unrolled): the rows are the B operand's columns, 8 an MMA, so
         a chunk's words are taken apart once for all of them; each chunk's x comes from memory (L2:
         every program reads it) one chunk ahead of its MMAs, not through shared memory; partial sums
         at [split, row of x, weight row]. M is an argument, so that every count of rows up to ``MP``
