@@ -176,6 +176,25 @@ def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fus
     assert int(space.arrivals.abs().sum()) == 0, "a split product left an arrival count behind"
 
 
+def _bf16_w4_tokens(tmp_path_factory, monkeypatch, together: bool):
+    """A function giving the tokens and kernel report of the test requests on a tiny checkpoint whose
+    products the staged kernel takes (``tiny-k256``, quantized to 4 bits in bf16 so that its scales
+    are bf16 too), one at a time or ``together``, each call a fresh engine with the tile cache off."""
+    from edgeinfer.testing.checkpoints import make_checkpoint
+    from edgeinfer.testing.quantized import quantize_compressed_tensors
+    from edgeinfer.tile_cache import TILE_CACHE_ENV
+    from tests.test_quant_packed import cuda_tokens
+
+    src = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("k256"), size="tiny-k256")
+    path = quantize_compressed_tensors(src, tmp_path_factory.mktemp("w4"), bits=4, group_size=128, dtype=torch.bfloat16)
+    monkeypatch.setenv(TILE_CACHE_ENV, "off")
+
+    def tokens():
+        out, engine = cuda_tokens(path, together=together, dtype="bfloat16")
+        return out, engine.decoder_engine.kernel_report
+    return tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"the staged kernel cannot run here: {_gpu_skip()}")
 def test_a_decode_on_staged_products_is_reported_against_packed_gemv_s(tmp_path_factory, monkeypatch):
@@ -185,19 +204,9 @@ def test_a_decode_on_staged_products_is_reported_against_packed_gemv_s(tmp_path_
     tiles are reported by first divergence. The two sum in other orders in bf16, so a random
     checkpoint's tokens may part late; the first must agree."""
     from edgeinfer.backends.torch import triton_decode
-    from edgeinfer.testing.checkpoints import make_checkpoint
-    from edgeinfer.testing.quantized import quantize_compressed_tensors
-    from edgeinfer.tile_cache import TILE_CACHE_ENV
     from tests.conftest import first_divergence
-    from tests.test_quant_packed import cuda_tokens
 
-    src = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("k256"), size="tiny-k256")
-    path = quantize_compressed_tensors(src, tmp_path_factory.mktemp("w4"), bits=4, group_size=128, dtype=torch.bfloat16)
-    monkeypatch.setenv(TILE_CACHE_ENV, "off")
-
-    def tokens():
-        out, engine = cuda_tokens(path, together=False, dtype="bfloat16")
-        return out, engine.decoder_engine.kernel_report
+    tokens = _bf16_w4_tokens(tmp_path_factory, monkeypatch, together=False)
 
     monkeypatch.delenv(STAGED_ENV, raising=False)
     plain, plain_report = tokens()
@@ -329,19 +338,9 @@ def test_a_batched_decode_on_the_fused_rows_is_reported_against_the_layer_s_own_
     shape."""
     from edgeinfer.quant import kernels
     from edgeinfer.quant.launching import FUSED_ROWS_ENV
-    from edgeinfer.testing.checkpoints import make_checkpoint
-    from edgeinfer.testing.quantized import quantize_compressed_tensors
-    from edgeinfer.tile_cache import TILE_CACHE_ENV
     from tests.conftest import first_divergence
-    from tests.test_quant_packed import cuda_tokens
 
-    src = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("k256"), size="tiny-k256")
-    path = quantize_compressed_tensors(src, tmp_path_factory.mktemp("w4"), bits=4, group_size=128, dtype=torch.bfloat16)
-    monkeypatch.setenv(TILE_CACHE_ENV, "off")
-
-    def tokens():
-        out, engine = cuda_tokens(path, together=True, dtype="bfloat16")
-        return out, engine.decoder_engine.kernel_report
+    tokens = _bf16_w4_tokens(tmp_path_factory, monkeypatch, together=True)
 
     monkeypatch.setenv(FUSED_ROWS_ENV, "0")
     own, own_report = tokens()

@@ -163,6 +163,20 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_no
             assert torch.equal(v_pool[block, slot], new_v[r])
 
 
+def _rows_over_a_scattered_past(cfg, contexts: list[int]):
+    """Random pools of 32 blocks of 4 (every layer), a table of 8 scattered blocks a row, the rows'
+    contexts, one new input a row and its positions (M-RoPE's three where the family has them)."""
+    torch.manual_seed(0)
+    blocks, bs, m = 32, 4, len(contexts)
+    k_pool = torch.randn(cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(blocks, device=DEVICE)[:8 * m].view(m, 8)
+    lens = torch.tensor(contexts, device=DEVICE)
+    x = torch.randn(m, 1, cfg.hidden_size, device=DEVICE)
+    positions = lens.view(1, m, 1).expand(3, m, 1) if cfg.mrope_section else lens.view(m, 1)
+    return k_pool, v_pool, tables, lens, x, positions, bs
+
+
 @pytest.mark.parametrize("contexts", [[0], [5], [23], [23, 0, 5]], ids=["ctx0", "ctx5", "ctx23", "batch3"])
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "llava", "qwen3_vl"])
 def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family, contexts):
@@ -177,14 +191,8 @@ def test_fused_layers_match_the_decoder_in_fp32(checkpoint, family, contexts):
     cfg = decoder.cfg
     _relayout(decoder, out_major=True)
     fused = triton_decode.FusedDecode(decoder)
-    torch.manual_seed(0)
-    blocks, bs, m = 32, 4, len(contexts)
-    k_pool = torch.randn(cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
-    v_pool = torch.randn_like(k_pool)
-    tables = torch.randperm(blocks, device=DEVICE)[:8 * m].view(m, 8)
-    lens = torch.tensor(contexts, device=DEVICE)
-    x = torch.randn(m, 1, cfg.hidden_size, device=DEVICE)
-    positions = lens.view(1, m, 1).expand(3, m, 1) if cfg.mrope_section else lens.view(m, 1)
+    k_pool, v_pool, tables, lens, x, positions, bs = _rows_over_a_scattered_past(cfg, contexts)
+    m = len(contexts)
     with torch.no_grad():
         want, want_k, want_v = decoder(x, positions, k_pool, v_pool, tables, lens)
         cos, sin = decoder.rope(positions, x.dtype)
@@ -232,15 +240,8 @@ def test_the_few_row_layers_wire_each_fused_product_as_the_decoder_does(checkpoi
     tiles = dict.fromkeys(fused.ROW_PRODUCTS, StagedGemvConfig(1))
     monkeypatch.setattr(fused, "row_tiles", lambda x: tiles if x.shape[0] > 1 else None)
     monkeypatch.setattr(fused, "_rows_product", torch_product)
-    torch.manual_seed(0)
-    contexts = [23, 0, 5]
-    blocks, bs, m = 32, 4, len(contexts)
-    k_pool = torch.randn(cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
-    v_pool = torch.randn_like(k_pool)
-    tables = torch.randperm(blocks, device=DEVICE)[:8 * m].view(m, 8)
-    lens = torch.tensor(contexts, device=DEVICE)
-    x = torch.randn(m, 1, cfg.hidden_size, device=DEVICE)
-    positions = lens.view(1, m, 1).expand(3, m, 1) if cfg.mrope_section else lens.view(m, 1)
+    m = 3
+    k_pool, v_pool, tables, lens, x, positions, _ = _rows_over_a_scattered_past(cfg, [23, 0, 5])
     with torch.no_grad():
         want, want_k, want_v = decoder(x, positions, k_pool, v_pool, tables, lens)
         cos, sin = decoder.rope(positions, x.dtype)
