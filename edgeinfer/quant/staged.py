@@ -357,12 +357,10 @@ if gluon is not None:
             v = (v.to(gl.float32) + bias[:, None]).to(dt)
         if GLU:  # [BN, 8] -> [BN/16, 8, 8, 2]: an output's gate and up sums side by side in one lane
             gate, up = gl.split(gl.permute(gl.reshape(v.to(gl.float32), [BN // 16, 2, 8, 8]), [0, 2, 3, 1]))
-            at = m[None, :] * (N // 2) + rows[:, None]  # the gate rows' outputs
+            at = m[None, :] * (N // 2) + rows[:, None]  # the gate rows' outputs, each under N / 2
             outs, _ = gl.split(gl.permute(gl.reshape(at, [BN // 16, 2, 8, 8]), [0, 2, 3, 1]))
-            ok, _ = gl.split(gl.permute(gl.reshape(m[None, :] + 0 * rows[:, None], [BN // 16, 2, 8, 8]),
-                                        [0, 2, 3, 1]))
             act = (gate * (1 / (1 + gl.exp(-gate)))).to(dt).to(gl.float32)  # tl.sigmoid's own formula
-            gl.store(Y + outs, (act * up).to(dt), mask=ok < M)
+            gl.store(Y + outs, (act * up).to(dt), mask=outs < M * (N // 2))  # x's rows under M
         else:
             at = m[None, :] * N + rows[:, None]
             ok = (m[None, :] < M) & (rows[:, None] >= 0)

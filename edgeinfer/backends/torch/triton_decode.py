@@ -1166,35 +1166,36 @@ class FusedDecode:
         for name, (weights, kw) in self._products().items():
             if name not in self.ROW_PRODUCTS:
                 continue
-            w = weights[0]
-            if not isinstance(w, PackedMatrix):
-                why[name] = f"{w.dtype} weights (not packed)"
+            tile = self._fused_row_tile(weights, kw, x)
+            why[name] = _config_name(tile) if isinstance(tile, StagedGemvConfig) else tile
+            if not isinstance(tile, StagedGemvConfig):
                 break
-            probe = torch.randn(m, w.shape[1], dtype=x.dtype, device=x.device)
-            cfg = tuned_config(probe, w.codes, w.scales, w.zeros, w.layout)
-            if not isinstance(cfg, StagedGemvConfig):
-                why[name] = f"the few-row tuner chose {cfg} at {bm} rows"
-                break
-            glu = bool(kw.get("glu"))
-            unfit = next((f"layer {i}: {reason}" for i, v in enumerate(weights)
-                          if (reason := staged.unfit(v, x.dtype, glu, cfg)) is not None), None)
-            if unfit is not None:
-                why[name] = unfit
-                break
-            kw = dict(kw)
-            if kw.pop("residual", False):
-                kw["residual"] = torch.randn(m, w.shape[0], dtype=x.dtype, device=x.device)
-            out = torch.empty(m, _outputs(w.shape[0], glu, None), dtype=x.dtype, device=x.device)
-            _, wrong = right_tiles(probe, w, [cfg], out, self._rows_product, **kw)
-            if wrong:
-                why[name] = f"fused outputs not torch's: {next(iter(wrong.values()))}"
-                break
-            tiles[name] = cfg
-            why[name] = _config_name(cfg)
+            tiles[name] = tile
         chosen = tiles if len(tiles) == len(self.ROW_PRODUCTS) else None
         self._row_tiles[bm] = chosen
         self.rows_report[bm] = why if chosen is not None else f"layer's own products: {why}"
         return chosen
+
+    def _fused_row_tile(self, weights: list, kw: dict, x: torch.Tensor) -> StagedGemvConfig | str:
+        """The staged tile one product of the few-row layers runs on for ``x``'s rows, fused as ``kw``
+        says, or why none (:meth:`row_tiles`)."""
+        w, m = weights[0], x.shape[0]
+        if not isinstance(w, PackedMatrix):
+            return f"{w.dtype} weights (not packed)"
+        probe = torch.randn(m, w.shape[1], dtype=x.dtype, device=x.device)
+        cfg = tuned_config(probe, w.codes, w.scales, w.zeros, w.layout)
+        if not isinstance(cfg, StagedGemvConfig):
+            return f"the few-row tuner chose {cfg} at {row_tile(m)} rows"
+        glu = bool(kw.get("glu"))
+        for i, v in enumerate(weights):
+            if (reason := staged.unfit(v, x.dtype, glu, cfg)) is not None:
+                return f"layer {i}: {reason}"
+        kw = dict(kw)
+        if kw.pop("residual", False):
+            kw["residual"] = torch.randn(m, w.shape[0], dtype=x.dtype, device=x.device)
+        out = torch.empty(m, _outputs(w.shape[0], glu, None), dtype=x.dtype, device=x.device)
+        _, wrong = right_tiles(probe, w, [cfg], out, self._rows_product, **kw)
+        return f"fused outputs not torch's: {next(iter(wrong.values()))}" if wrong else cfg
 
     def _rows_product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
         return staged_mm(x, w, config, workspace=self.workspace, **kw)
