@@ -52,6 +52,7 @@ KERNEL_MODULES = (
     "edgeinfer.quant.tensor_core",
     "edgeinfer.quant.staged",
     "edgeinfer.backends.torch.triton_decode",
+    "edgeinfer.backends.torch.decode_attention",
     "edgeinfer.backends.torch.step_tuning",
 )
 

@@ -2,10 +2,10 @@
 heads, head 128) for ``PROBE_ROWS`` rows (a list; 1 unless given) by each row's past
 (``PROBE_CONTEXTS``: 1,024 and 256 positions unless given), the block table's width
 (``PROBE_WIDTHS``: 1,040, 2,048 and 4,096 positions unless given; the decode graphs bucket widths
-by powers of two), ``ATTENTION_PROGRAMS`` (which sets the splits) and ``MERGE_VALUES``
-(which sets the splits the merge takes at a time); ``PROBE_TILES`` (positions a step of a split
-reads, :data:`ATTENTION_TILE` unless given: the fewest positions a split takes follows it) and
-``PROBE_WARPS`` (:data:`ATTENTION_WARPS` unless given). Each row reads its own pages.
+by powers of two), and the tiling (:class:`AttentionTiling`, the default's unless given): the
+programs aimed at (``PROBE_P``, which sets the splits), the merge's values (``PROBE_MERGE``, which
+set the splits it takes at a time), the positions a step reads (``PROBE_TILES``; the fewest a split
+takes follows it) and the warps (``PROBE_WARPS``). Each row reads its own pages.
 
     python scripts/probe_attention_splits.py > OUT.jsonl      # PROBE_P=1024 for the default only
     PROBE_MERGE=4096,16384 python scripts/probe_attention_splits.py    # keys then P<p>/M<values>
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from edgeinfer.backends.torch import triton_decode as td
+from edgeinfer.backends.torch.decode_attention import TILING, AttentionTiling, paged_attention
 from edgeinfer.quant.kernels import graph_time_us
 from edgeinfer.quant.launching import SplitWorkspace
 
@@ -26,9 +26,9 @@ L, H, KVH, HD, BS = 28, 12, 2, 128, 16
 
 
 def main() -> None:
-    merges = [int(v) for v in os.environ.get("PROBE_MERGE", str(td.MERGE_VALUES)).split(",")]
-    tiles = [int(v) for v in os.environ.get("PROBE_TILES", str(td.ATTENTION_TILE)).split(",")]
-    warp_counts = [int(v) for v in os.environ.get("PROBE_WARPS", str(td.ATTENTION_WARPS)).split(",")]
+    merges = [int(v) for v in os.environ.get("PROBE_MERGE", str(TILING.merge_values)).split(",")]
+    tiles = [int(v) for v in os.environ.get("PROBE_TILES", str(TILING.tile)).split(",")]
+    warp_counts = [int(v) for v in os.environ.get("PROBE_WARPS", str(TILING.warps)).split(",")]
     programs = [int(v) for v in os.environ.get("PROBE_P", "1024,256,128,64,32,16,8,4,2").split(",")]
     for rows in [int(v) for v in os.environ.get("PROBE_ROWS", "1").split(",")]:
         probe(rows, programs, merges, tiles, warp_counts)
@@ -51,18 +51,18 @@ def probe(rows: int, programs: list[int], merges: list[int], tiles: list[int], w
             valid = torch.zeros(rows, dtype=torch.long, device=dev)  # no valid row: the pool is not written
             ws = SplitWorkspace(torch.device(dev))
 
-            def attention(i):
-                return td.paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, lens, heads=H, kv_heads=KVH,
-                                          head_dim=HD, valid=valid, workspace=ws)
+            def attention(i, tiling):
+                return paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, lens, heads=H, kv_heads=KVH,
+                                       head_dim=HD, valid=valid, workspace=ws, tiling=tiling)
             row, ref = {"rows": rows, "context": ctx, "table_positions": width}, None
             for p, merge, tile, warps in ((p, m, t, w) for p in programs for m in merges for t in tiles
                                           for w in warp_counts):
-                td.ATTENTION_PROGRAMS, td.MERGE_VALUES, td.ATTENTION_WARPS = p, merge, warps
-                td.ATTENTION_TILE = td.ATTENTION_CHUNK = tile
-                chunk = td.attention_chunk(rows, KVH, width)
-                out = attention(0).float()
+                tiling = AttentionTiling(tile=tile, chunk=tile, programs=p, merge_values=merge, warps=warps)
+                chunk = tiling.chunk_for(rows, KVH, width)
+                out = attention(0, tiling).float()
                 ref = out if ref is None else ref
-                us = min(graph_time_us([lambda i=i: attention(i) for i in range(L)], repeats=20) for _ in range(3))
+                us = min(graph_time_us([lambda i=i: attention(i, tiling) for i in range(L)], repeats=20)
+                         for _ in range(3))
                 key = f"P{p}" + (f"/M{merge}" if len(merges) > 1 else "") + (f"/T{tile}" if len(tiles) > 1 else "") \
                     + (f"/{warps}w" if len(warp_counts) > 1 else "")
                 row[key] = {"splits": -(-width // chunk), "chunk": chunk, "us": round(us, 2),

@@ -20,10 +20,12 @@ import argparse
 import json
 import os
 import statistics
+from dataclasses import replace
 
 import torch
 
 from edgeinfer.backends.torch import triton_decode as td
+from edgeinfer.backends.torch.decode_attention import TILING, AttentionTiling, paged_attention
 from edgeinfer.quant import launching
 from edgeinfer.quant.packed import PackedMatrix
 
@@ -83,23 +85,23 @@ class Layers:
         x = self.x
         for i, w in enumerate(self.weights):
             qkv = self.product("qkv", x, w["qkv"], norm_weight=self.norm, eps=1e-6)
-            attn = td.paged_attention(qkv, self.cos, self.sin, self.k_pool[i], self.v_pool[i], self.tables, self.lens,
-                                      heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                      new_kv=(self.new_k[i], self.new_v[i]), workspace=self.workspace)
+            attn = paged_attention(qkv, self.cos, self.sin, self.k_pool[i], self.v_pool[i], self.tables, self.lens,
+                                   heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                   new_kv=(self.new_k[i], self.new_v[i]), workspace=self.workspace)
             x = self.product("o", attn, w["o"], residual=x)
             act = self.product("gate_up", x, w["gate_up"], norm_weight=self.norm, eps=1e-6, glu=True)
             x = self.product("down", act, w["down"], residual=x)
         return x
 
-    def attention(self, i: int) -> torch.Tensor:
-        return td.paged_attention(self.qkv, self.cos, self.sin, self.k_pool[i], self.v_pool[i], self.tables,
-                                  self.lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                  new_kv=(self.new_k[i], self.new_v[i]), workspace=self.workspace)
+    def attention(self, i: int, tiling: AttentionTiling = TILING) -> torch.Tensor:
+        return paged_attention(self.qkv, self.cos, self.sin, self.k_pool[i], self.v_pool[i], self.tables,
+                               self.lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                               new_kv=(self.new_k[i], self.new_v[i]), workspace=self.workspace, tiling=tiling)
 
     def part(self, name: str, tile=None):
-        """One kernel (``name``: a product, or ``attention``) once a layer."""
+        """One kernel (``name``: a product, or ``attention``, ``tile`` then its tiling) once a layer."""
         if name == "attention":
-            return lambda: [self.attention(i) for i in range(LAYERS)][-1]
+            return lambda: [self.attention(i, tile or TILING) for i in range(LAYERS)][-1]
         kw = {"qkv": {"norm_weight": self.norm, "eps": 1e-6}, "o": {"residual": self.x}, "down": {"residual": self.x},
               "gate_up": {"norm_weight": self.norm, "eps": 1e-6, "glu": True}}[name]
         x = self.inputs[name]
@@ -158,13 +160,9 @@ def sweep(layers: Layers, replays: int) -> dict:
 
 def attention_chunks(layers: Layers, replays: int) -> dict:
     os.environ[launching.DEPENDENT_LAUNCH_ENV] = "1"
-    out, default = {}, td.ATTENTION_CHUNK
-    try:
-        for chunk in ATTENTION_CHUNKS:
-            td.ATTENTION_CHUNK = chunk
-            out[str(chunk)] = round(per_call_us(layers.part("attention"), replays), 2)
-    finally:
-        td.ATTENTION_CHUNK = default
+    out = {}
+    for chunk in ATTENTION_CHUNKS:
+        out[str(chunk)] = round(per_call_us(layers.part("attention", replace(TILING, chunk=chunk)), replays), 2)
     return out
 
 

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed (CPU buil
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from edgeinfer.backends.torch import triton_decode  # noqa: E402
+from edgeinfer.backends.torch import decode_attention, triton_decode  # noqa: E402
 from edgeinfer.quant import kernels, launching  # noqa: E402
 from edgeinfer.quant.launching import PackedGeometry  # noqa: E402
 from edgeinfer.testing.triton_compile import disassembled, instructions, loops, opcodes, resources  # noqa: E402
@@ -166,9 +166,9 @@ def test_paged_attention_compiles_split_and_whole():
              **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks", "stride_out"), "i32"),
              "scale": "fp32", "eps": "fp32"}
     for write_pool, qk_norm, splits in ((False, False, 32), (True, True, 1)):
-        assert all(compiled(triton_decode._attention_kernel, types, dict(
-            KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
-            TILE=triton_decode.ATTENTION_TILE, SPLITS=splits, MC=16, WRITE_POOL=write_pool, IEEE=False,
+        assert all(compiled(decode_attention._attention_kernel, types, dict(
+            KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=decode_attention.TILING.chunk, GM=8,
+            TILE=decode_attention.TILING.tile, SPLITS=splits, MC=16, WRITE_POOL=write_pool, IEEE=False,
             QK_NORM=qk_norm), stages=2).values())
 
 
@@ -377,9 +377,9 @@ def test_the_decode_kernels_build_for_jetson_thor():
                  **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
                  "ARRIVALS": "*i32", **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks",
                                                       "stride_out"), "i32"), "scale": "fp32", "eps": "fp32"}
-    assert all(compiled(triton_decode._attention_kernel, attention, dict(
-        KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=triton_decode.ATTENTION_CHUNK, GM=8,
-        TILE=triton_decode.ATTENTION_TILE, SPLITS=32, MC=16, WRITE_POOL=True, IEEE=False, QK_NORM=False),
+    assert all(compiled(decode_attention._attention_kernel, attention, dict(
+        KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=decode_attention.TILING.chunk, GM=8,
+        TILE=decode_attention.TILING.tile, SPLITS=32, MC=16, WRITE_POOL=True, IEEE=False, QK_NORM=False),
         stages=2, targets=thor).values())
     from edgeinfer.quant import tensor_core
 

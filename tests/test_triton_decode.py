@@ -8,12 +8,14 @@ is how the kernels' indexing and the fused step's wiring are checked on a machin
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from edgeinfer.backends.torch import triton_decode
+from edgeinfer.backends.torch.decode_attention import TILING, paged_attention
 from edgeinfer.models.decoder import RMSNorm, rotate_half
 from edgeinfer.quant.launching import SplitWorkspace
 
@@ -104,18 +106,18 @@ def _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(12, 2, 128), (9, 3, 64), (4, 4, 32)])
-def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_norm, merge_values, tile, monkeypatch):
+def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_norm, merge_values, tile):
     """With steps of 32 positions (``tile32``), six splits a row; with the default steps, each
     split's tile runs past the row's end (masked). With ``merge1`` the last split merges the
     splits one at a time (a chunk of splits skipped, or merged before every split has written,
     fails)."""
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly; bf16 attention is checked on a GPU")
+    tiling = TILING
     if merge_values is not None:
-        monkeypatch.setattr(triton_decode, "MERGE_VALUES", merge_values)
+        tiling = replace(tiling, merge_values=merge_values)
     if tile is not None:
-        monkeypatch.setattr(triton_decode, "ATTENTION_TILE", tile)
-        monkeypatch.setattr(triton_decode, "ATTENTION_CHUNK", tile)
+        tiling = replace(tiling, tile=tile, chunk=tile)
     torch.manual_seed(heads + hd)
     blocks, bs, width = 96, 16, 12
     lens = torch.tensor([0, 1, 15, 16, 77, 191], device=DEVICE)  # empty, one token, block edges, full table
@@ -137,8 +139,8 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_no
 
     new_k = torch.empty(m, kv_heads, hd, device=DEVICE, dtype=dtype)
     new_v = torch.empty_like(new_k)
-    got = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads, kv_heads=kv_heads,
-                                        head_dim=hd, new_kv=(new_k, new_v), qk_norm=qk)
+    got = paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                          new_kv=(new_k, new_v), qk_norm=qk, tiling=tiling)
     _close(got, want, dtype)
     _close(new_k, want_k, dtype)
     assert torch.equal(new_v, want_v)
@@ -147,9 +149,8 @@ def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_no
     valid = torch.tensor([1, 1, 1, 1, 0, 1], device=DEVICE)
     before = k_pool.clone()
     workspace = SplitWorkspace(k_pool.device)
-    got_pool = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads,
-                                             kv_heads=kv_heads, head_dim=hd, valid=valid, qk_norm=qk,
-                                             workspace=workspace)
+    got_pool = paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads=heads, kv_heads=kv_heads,
+                               head_dim=hd, valid=valid, qk_norm=qk, workspace=workspace, tiling=tiling)
     assert torch.equal(got_pool, got)
     # the splits' counts are left at zero: the next layer (or graph replay) through them starts clean
     assert workspace.arrivals.numel() == m * kv_heads and not workspace.arrivals.any()
@@ -353,11 +354,11 @@ def test_dependent_kernels_wait_for_their_inputs():
     kw = dict(heads=heads, kv_heads=kv_heads, head_dim=hd)
     new_kv = torch.empty(1, kv_heads, hd, device=DEVICE, dtype=dtype), torch.empty(1, kv_heads, hd, device=DEVICE,
                                                                                    dtype=dtype)
-    # 1,000 positions: 32 splits, the last of each KV head's to arrive merging them
+    # 1,000 positions: 8 splits, the last of each KV head's to arrive merging them
     kw["workspace"] = SplitWorkspace(x.device)
-    want = triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, new_kv=new_kv, **kw)
-    got = _behind_a_late_copy(
-        lambda qkv: triton_decode.paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, new_kv=new_kv, **kw), qkv)
+    want = paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, new_kv=new_kv, **kw)
+    got = _behind_a_late_copy(lambda qkv: paged_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, new_kv=new_kv,
+                                                          **kw), qkv)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

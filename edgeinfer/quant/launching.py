@@ -107,6 +107,13 @@ def dependent_launch(device: torch.device) -> bool:
     return cuda_capability(device)[0] >= 9
 
 
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """A decode kernel's launch options: it starts as a programmatic dependent of the kernel before
+    it where the device can (:func:`dependent_launch`); its ``PDL`` constexpr says so to the kernel."""
+    pdl = dependent_launch(device)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 def launch(kernel, grid: tuple[int, ...], warmup: bool, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``; with ``warmup`` only its compile (nothing runs), under the
     key the launch would look up (``kernels.compile_ahead``)."""

@@ -7,11 +7,9 @@ cuBLAS products (norms, RoPE, the past's gather and concatenation, the mask, att
 on an H200 they took as long as the products. Here a layer is:
 
 1. RMSNorm fused into the q|k|v product (plus its bias);
-2. attention over the paged pool, split along the context (flash decoding): RoPE of the
-   query and the new key applied on the fly, the past read through the block table where
-   it lies, the new token's K/V taken from the product and written to the pool (bursts)
-   or returned (single steps); the last split of a row and KV head to finish merges the
-   splits, so no second kernel (and no launch) comes between the attention and the o product;
+2. attention over the paged pool (:func:`~.decode_attention.paged_attention`): RoPE on the
+   fly, the past read where it lies, the splits of the context merged by the last to finish, so
+   no second kernel comes between the attention and the o product;
 3. the o product plus the residual;
 4. RMSNorm fused into the gate|up product, and SiLU(gate)·up into its epilogue (a program
    takes gate row j with up row j, so it writes the activation, half as wide);
@@ -35,9 +33,11 @@ launch as programmatic dependents (:func:`~edgeinfer.quant.launching.dependent_l
 starts while the kernel before it finishes, reads its first step's weights, and only then waits
 for its inputs (:func:`~edgeinfer.quant.kernels.await_inputs`).
 
-Larger batches keep the attention kernel (step 2, the past read in place rather than gathered
-into a copy per layer, each row only as far as its own context) between cuBLAS products:
-the layer's own ``qkv`` and ``after_attention``, compiled by the caller.
+At 2 to 16 rows the layers run the same way on the staged tensor-core products
+(:func:`~edgeinfer.quant.staged.staged_mm`, the norms and epilogues fused alike) where the
+few-row tuner chose them for all four products (:meth:`FusedDecode.row_tiles`); otherwise, and
+at more rows, the attention kernel runs between the layer's own products (``qkv`` and
+``after_attention``, compiled by the caller).
 
 Triton is optional: on a machine without it (CPUs, most Jetson wheels) the compiled or
 eager layers run instead.
@@ -52,6 +52,7 @@ from functools import partial
 
 import torch
 
+from edgeinfer.backends.torch.decode_attention import paged_attention
 from edgeinfer.backends.torch.step_tuning import (
     STEP_CANDIDATES,
     STEP_TUNING_BLOCK,
@@ -72,7 +73,14 @@ from edgeinfer.quant.kernels import (
     row_tile,
     tuned_config,
 )
-from edgeinfer.quant.launching import SplitWorkspace, dependent_launch, fused_rows_enabled, interpreting, launch
+from edgeinfer.quant.launching import (
+    SplitWorkspace,
+    fused_rows_enabled,
+    interpreting,
+    launch,
+    launch_options,
+    pow2,
+)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv, staged_mm
 from edgeinfer.tile_cache import TileCache, device_identity
@@ -88,7 +96,6 @@ try:  # the import decides whether this path exists at all
     import triton.language as tl
 
     from edgeinfer.quant.kernels import (
-        arrived_last,
         await_inputs,
         biased_codes_at,
         code_exponent,
@@ -111,18 +118,10 @@ def available(device: torch.device) -> str | None:
     return f"Triton {triton.__version__} cannot build for this GPU ({reason})" if reason else None
 
 
-# The rows the Triton products serve: they stream each weight once per row tile and beat
-# cuBLAS at one row; at four rows and more cuBLAS's tensor-core tiles win by far, so larger
-# batches take the layer's own products (compiled by the caller) around the paged attention.
+# The rows the batch-1 Triton products serve: they stream each weight once per row and beat
+# cuBLAS at one row; at more rows tensor-core tiles win, so larger batches take the staged
+# products (:meth:`FusedDecode.row_tiles`) or the layer's own.
 MAX_GEMV_ROWS = 1
-# Programs the attention aims to launch: one row and KV head over a whole context is far too
-# little work to fill a GPU, so the context is split; with many rows, fewer and longer splits
-# fill it as well and write fewer partial results to merge.
-ATTENTION_PROGRAMS = 1024
-# Partial outputs the last split of a row and KV head merges at a time (splits × the group's
-# heads × head_dim, each padded to a power of two): for Qwen2-VL's groups (6 heads of 128) 16
-# splits a step.
-MERGE_VALUES = 16384
 
 NONE, RMSNORM = 0, 1  # what a product does to its input first
 
@@ -394,194 +393,6 @@ if triton is not None:
         else:
             _write_row(acc[None, :], BIAS, RES, Y, rn, n_ok, tile, N, BN, GLU, HAS_BIAS, HAS_RES)
 
-    @triton.jit
-    def _rope(x, partner, sign, c, s, dt: tl.constexpr):
-        """x * cos + rotate_half(x) * sin, with ``partner`` = x at the rotated index; rounded as the eager layer."""
-        return ((x * c).to(dt).to(tl.float32) + (sign * partner * s).to(dt).to(tl.float32)).to(dt)
-
-    @triton.jit
-    def _head_norm(x, partner, r, w, wp, dt: tl.constexpr):
-        """A head's RMSNorm (``r`` = 1 / rms over the head) applied to ``x`` and to its RoPE
-        partner, rounded as the eager ``weight * (x * r).to(dtype)``."""
-        xn = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-        pn = ((partner * r).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
-        return xn, pn
-
-    @triton.jit
-    def _past_tile(KP, VP, TABLE, p, end, kvh, rd, d_ok, stride_kb, stride_ks, BS: tl.constexpr, HD: tl.constexpr):
-        """K and V of one KV head at positions ``p`` [TILE] of a row's past (``TABLE`` its block
-        table), zero from ``end`` on."""
-        p_ok = p < end
-        block = tl.load(TABLE + p // BS, mask=p_ok, other=0)
-        base = block * stride_kb + (p % BS) * stride_ks + kvh * HD
-        kv_ok = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(KP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(VP + base[:, None] + rd[None, :], mask=kv_ok, other=0.0)
-        return k, v
-
-    @triton.jit
-    def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART, ARRIVALS,
-                          OUT, QW, KW, stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, stride_out, scale, eps,
-                          KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
-                          HDP: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                          SPLITS: tl.constexpr, GM: tl.constexpr, MC: tl.constexpr, WRITE_POOL: tl.constexpr,
-                          IEEE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
-        """One (row, KV head, split): the group's query heads against positions
-        [split * CHUNK, (split + 1) * CHUNK) of the past, plus the new token where it falls.
-        With ``QK_NORM`` each head of q and of the new k is RMSNorm'd (weights ``QW``/``KW``)
-        before RoPE, as Qwen3's attention does. A tile of the past is read while the tile before
-        it is multiplied, the first before the q|k|v product has finished (``PDL``,
-        :func:`await_inputs`: the product writes q, k and v, not the past).
-
-        The grid has a split for every ``CHUNK`` positions of the table; splits past the row's
-        context return at once, and the merge reads only the used splits' partials, in a loop that
-        runs to the used count (:func:`_merge_splits`).
-
-        Unsplit, the program writes its heads' outputs. Split, each program writes its partial
-        output, maximum and sum, and counts itself in ``ARRIVALS`` (one count a row and KV head,
-        :func:`arrived_last`); the last of the group's used splits to arrive merges them
-        (:func:`_merge_splits`), writes the heads' outputs and sets the count back to zero: no
-        second kernel, and no launch between the attention and the product after it."""
-        HALF: tl.constexpr = HD // 2
-        dt = KP.dtype.element_ty
-        m = tl.program_id(0)
-        kvh = tl.program_id(1)
-        s = tl.program_id(2)
-        ctx = tl.load(CTX + m).to(tl.int32)
-        # The splits that hold a position of the row's past or its new token (at position ctx): the
-        # grid is sized by the table's width, the work and the merge by the row's own context.
-        used = tl.minimum(ctx // CHUNK + 1, SPLITS)
-        if s >= used:
-            return
-        rg = tl.arange(0, GP)
-        rd = tl.arange(0, HDP)
-        d_ok = rd < HD
-        start = s * CHUNK
-        end = tl.minimum(start + CHUNK, ctx)
-        rt = tl.arange(0, TILE)
-        k, v = _past_tile(KP, VP, TABLES + m * stride_tab, start + rt, end, kvh, rd, d_ok, stride_kb, stride_ks,
-                          BS, HD)
-        await_inputs(PDL)
-        partner = tl.where(rd < HALF, rd + HALF, rd - HALF)
-        sign = tl.where(rd < HALF, -1.0, 1.0)
-        q_ok = (rg[:, None] < G) & d_ok[None, :]
-        heads = kvh * G + rg
-        row = QKV + m * stride_qkv
-        c = tl.load(COS + m * stride_cs + rd, mask=d_ok, other=0.0).to(tl.float32)
-        sn = tl.load(SIN + m * stride_cs + rd, mask=d_ok, other=0.0).to(tl.float32)
-        q = tl.load(row + heads[:, None] * HD + rd[None, :], mask=q_ok, other=0.0).to(tl.float32)
-        qp = tl.load(row + heads[:, None] * HD + partner[None, :], mask=q_ok, other=0.0).to(tl.float32)
-        if QK_NORM:
-            rq = 1.0 / tl.sqrt(tl.sum(q * q, axis=1) / HD + eps)
-            wq = tl.load(QW + rd, mask=d_ok, other=0.0).to(tl.float32)
-            wqp = tl.load(QW + partner, mask=d_ok, other=0.0).to(tl.float32)
-            q, qp = _head_norm(q, qp, rq[:, None], wq[None, :], wqp[None, :], dt)
-        q = _rope(q, qp, sign[None, :], c[None, :], sn[None, :], dt)
-
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HDP], tl.float32)
-        for t0 in range(start, end, TILE):
-            p_ok = t0 + rt < end
-            this_k, this_v = k, v
-            k, v = _past_tile(KP, VP, TABLES + m * stride_tab, t0 + TILE + rt, end, kvh, rd, d_ok, stride_kb,
-                              stride_ks, BS, HD)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(this_k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(this_k))
-            sc = tl.where(p_ok[None, :], sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr, this_v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(dt), this_v)
-            m_i = m_new
-
-        if ctx // CHUNK == s:  # the new token is at position ctx
-            kb = row + G * KVH * HD + kvh * HD
-            vb = row + (G + 1) * KVH * HD + kvh * HD
-            kn = tl.load(kb + rd, mask=d_ok, other=0.0).to(tl.float32)
-            knp = tl.load(kb + partner, mask=d_ok, other=0.0).to(tl.float32)
-            if QK_NORM:
-                rk = 1.0 / tl.sqrt(tl.sum(kn * kn, axis=0) / HD + eps)
-                wk = tl.load(KW + rd, mask=d_ok, other=0.0).to(tl.float32)
-                wkp = tl.load(KW + partner, mask=d_ok, other=0.0).to(tl.float32)
-                kn, knp = _head_norm(kn, knp, rk, wk, wkp, dt)
-            kn = _rope(kn, knp, sign, c, sn, dt)
-            vn = tl.load(vb + rd, mask=d_ok, other=0.0)
-            sc_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
-            m_new = tl.maximum(m_i, sc_n)
-            alpha = tl.exp(m_i - m_new)
-            pn = tl.exp(sc_n - m_new)
-            l_i = l_i * alpha + pn
-            acc = acc * alpha[:, None] + pn.to(dt).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
-            m_i = m_new
-            if WRITE_POOL:
-                if tl.load(VALID + m) != 0:
-                    block = tl.load(TABLES + m * stride_tab + ctx // BS)
-                    at = block * stride_kb + (ctx % BS) * stride_ks + kvh * HD
-                    tl.store(KP + at + rd, kn, mask=d_ok)
-                    tl.store(VP + at + rd, vn, mask=d_ok)
-            else:
-                out = (m * KVH + kvh) * HD
-                tl.store(KOUT + out + rd, kn, mask=d_ok)
-                tl.store(VOUT + out + rd, vn, mask=d_ok)
-
-        out_at = OUT + m * stride_out + heads[:, None] * HD + rd[None, :]
-        if SPLITS == 1:
-            tl.store(out_at, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=q_ok)
-        else:
-            part = (m * KVH * G + heads) * SPLITS  # [GP]: each head's first split
-            g1 = rg < G
-            tl.store(MPART + part + s, m_i, mask=g1)
-            tl.store(LPART + part + s, l_i, mask=g1)
-            tl.store(OPART + (part + s)[:, None] * HD + rd[None, :], acc, mask=q_ok)
-            group = m * KVH + kvh
-            if arrived_last(ARRIVALS, group, used):
-                rh = tl.arange(0, GM)  # the group's heads again, padded to a power of two only
-                h_ok = rh < G
-                out = _merge_splits(OPART, MPART, LPART, group * G + rh, h_ok, rd, d_ok, used, GM, HD, HDP, SPLITS, MC)
-                tl.store(OUT + m * stride_out + (kvh * G + rh)[:, None] * HD + rd[None, :],
-                         out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
-                tl.atomic_xchg(ARRIVALS + group, 0)
-
-    @triton.jit
-    def _merge_splits(OPART, MPART, LPART, heads, h_ok, rd, d_ok, used, GM: tl.constexpr, HD: tl.constexpr,
-                      HDP: tl.constexpr, SPLITS: tl.constexpr, MC: tl.constexpr):
-        """Softmax-weighted sum of the first ``used`` splits of ``heads`` [GM] (the group's heads,
-        ``h_ok`` those that exist) [GM, HDP], in one pass: ``MC`` splits at a time, their maxima, sums
-        and partial outputs loaded together (the partials of every head of the group at once, so
-        that a step's loads are all in flight together), the running sums rescaled to a new maximum
-        as it rises, as the splits themselves do over their positions. Splits that saw no position
-        (maximum -inf) weigh nothing. Reads through L2 (``.cg``): other programs wrote the
-        partials. The loop runs to ``used``, so the merge costs what the row's context holds,
-        whatever the table's width; the heads are padded to a power of two, not to the dot's 16
-        rows, so a step takes twice the splits for Qwen2-VL's groups of 6."""
-        part = heads * SPLITS  # [GM]: each head's first split
-        rc = tl.arange(0, MC)
-        top = tl.full([GM], float("-inf"), tl.float32)
-        num = tl.zeros([GM, HDP], tl.float32)
-        den = tl.zeros([GM], tl.float32)
-        for j0 in range(0, used, MC):
-            ok = h_ok[:, None] & (j0 + rc < used)[None, :]
-            at = part[:, None] + j0 + rc[None, :]  # [GM, MC]
-            mi = tl.load(MPART + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            li = tl.load(LPART + at, mask=ok, other=0.0, cache_modifier=".cg")
-            o = tl.load(OPART + at[:, :, None] * HD + rd[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
-                        other=0.0, cache_modifier=".cg")
-            new_top = tl.maximum(top, tl.max(mi, axis=1))
-            seen = new_top > float("-inf")  # padded heads never see a split
-            rescale = tl.where(seen, tl.exp(top - new_top), 0.0)
-            w = tl.where(mi > float("-inf"), tl.exp(mi - tl.where(seen, new_top, 0.0)[:, None]), 0.0)
-            num = num * rescale[:, None] + tl.sum(w[:, :, None] * o, axis=1)
-            den = den * rescale + tl.sum(w * li, axis=1)
-            top = new_top
-        return num / tl.where(h_ok, den, 1.0)[:, None]
-
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -600,21 +411,10 @@ GEMV_CANDIDATES = (GemvConfig(2, 512, 2, 3), GemvConfig(4, 256, 2, 3), GemvConfi
                    GemvConfig(2, 1024, 4, 2))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _norm_block(k: int, rows: int, prologue: int) -> int:
     """Columns of x a product's RMSNorm prologue reads at once: a whole row up to 4,096 values
     (a 1,536-wide row in one read, not one a K step); 16 (unused) without the prologue."""
-    return min(_pow2(k), max(16, 4096 // _pow2(rows))) if prologue == RMSNORM else 16
-
-
-def _launch(device: torch.device) -> dict[str, bool]:
-    """The step's kernels' launch options: each starts as a programmatic dependent of the kernel
-    before it where the device can (:func:`~edgeinfer.quant.launching.dependent_launch`)."""
-    pdl = dependent_launch(device)
-    return {"PDL": pdl, "launch_pdl": pdl}
+    return min(pow2(k), max(16, 4096 // pow2(rows))) if prologue == RMSNORM else 16
 
 
 def _outputs(n: int, glu: bool, residual: torch.Tensor | None) -> int:
@@ -641,7 +441,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     m = x.shape[0]
     n, k = w.shape
     outputs = _outputs(n, glu, residual)
-    mp = _pow2(m)
+    mp = pow2(m)
     cfg = config or GEMV_CANDIDATES[0]
     use_dot = mp >= 16 and cfg.bn >= 16
     bk = cfg.bk if use_dot or mp == 1 else max(32, min(cfg.bk, 4096 // (mp * cfg.bn)))
@@ -656,7 +456,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
            residual.stride(0) if residual is not None else 0, y.stride(0), eps,
            MP=mp, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
            BN=cfg.bn, BK=bk, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, XB=_norm_block(k, mp, prologue),
-           GLU=glu, **_launch(x.device), num_warps=cfg.warps, num_stages=cfg.stages)
+           GLU=glu, **launch_options(x.device), num_warps=cfg.warps, num_stages=cfg.stages)
     return None if warmup else y[:m]
 
 
@@ -713,7 +513,7 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
         raise ValueError(f"packed_gemv reads one row, got {x.shape[0]}: use edgeinfer.quant.kernels.packed_mm")
     layout = w.layout
     n, k = w.shape
-    bk = max(4 * 32 // layout.bits, min(config.bk, _pow2(k)))  # four words a row at least
+    bk = max(4 * 32 // layout.bits, min(config.bk, pow2(k)))  # four words a row at least
     steps = triton.cdiv(k, bk)
     per_split = triton.cdiv(steps, config.split) * bk
     splits = triton.cdiv(k, per_split)
@@ -732,80 +532,11 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
            splits, eps, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
            BN=config.bn, BK=bk, BITS=layout.bits, GS=gs, HAS_Z=w.zeros is not None,
            SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
-           ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and _pow2(gs) == gs,
+           ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and pow2(gs) == gs,
            XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(),
-           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, **_launch(x.device),
+           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, **launch_options(x.device),
            num_warps=config.warps, **registers)
     return None if warmup else y
-
-
-# Positions a split reads per step, and the fewest a split takes: ~1k positions give 8 splits per
-# KV head. On an H200 (scripts/probe_attention_splits.py, each row its own pages, a Qwen2-VL-2B
-# layer at 1,024 positions) steps of 128 took 4.85 µs at 1 row, 5.06 at 4 and 10.9 at 16, against
-# 5.53, 7.04 and 14.3 for steps of 32: fewer, longer splits leave less to merge.
-ATTENTION_CHUNK = 128
-ATTENTION_TILE = 128
-ATTENTION_WARPS = 4
-
-
-def attention_chunk(rows: int, kv_heads: int, positions: int) -> int:
-    """Context positions per split: :data:`ATTENTION_CHUNK` (one row: as many splits as that
-    gives), longer, in whole tiles, where ``rows`` × ``kv_heads`` × splits would pass
-    :data:`ATTENTION_PROGRAMS`."""
-    splits = max(1, min(-(-ATTENTION_PROGRAMS // (rows * kv_heads)), -(-positions // ATTENTION_CHUNK)))
-    per_split = -(-positions // splits)
-    return max(ATTENTION_CHUNK, -(-per_split // ATTENTION_TILE) * ATTENTION_TILE)
-
-
-def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                    v_pool: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, *, heads: int,
-                    kv_heads: int, head_dim: int, valid: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                    workspace: SplitWorkspace | None = None) -> torch.Tensor:
-    """Attention of one new token per row over its past in the pool and itself.
-
-    ``qkv`` [M, (heads + 2 kv_heads) · head_dim] straight from the product (RoPE not yet
-    applied); ``cos``/``sin`` [M, head_dim]; ``k_pool``/``v_pool`` one layer's
-    [blocks, block_size, kv_heads, head_dim]; ``tables`` [M, width]; ``context_lens`` [M].
-    With ``valid`` [M] the new K/V go into the pool at slot ``context_lens`` of each valid
-    row; with ``new_kv`` (two [M, kv_heads, head_dim] tensors) they are returned there
-    instead. ``qk_norm`` (q weight [head_dim], k weight [head_dim], eps): each head of q and
-    of the new k is RMSNorm'd before RoPE (Qwen3). Where the context is split, the splits
-    count their arrivals in ``workspace`` (one count a row and KV head, grown outside captures
-    only; a fresh one per call otherwise). Returns [M, heads · head_dim].
-    """
-    if (valid is None) == (new_kv is None):
-        raise ValueError("pass exactly one of valid (write the pool) and new_kv (return K/V)")
-    if k_pool.stride(3) != 1 or k_pool.stride(2) != head_dim or k_pool.dtype != qkv.dtype:
-        raise ValueError("the pool must be [blocks, block_size, kv_heads, head_dim], contiguous per token, "
-                         f"in the model's dtype ({qkv.dtype}); got {k_pool.dtype} with strides {k_pool.stride()}")
-    m = qkv.shape[0]
-    groups = heads // kv_heads
-    block_size = k_pool.shape[1]
-    chunk = attention_chunk(m, kv_heads, tables.shape[1] * block_size)
-    splits = triton.cdiv(tables.shape[1] * block_size, chunk)
-    out = torch.empty(m, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    parts_o = parts_m = parts_l = arrivals = out
-    if splits > 1:
-        parts_o = torch.empty(m, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
-        parts_m = torch.empty(m, heads, splits, dtype=torch.float32, device=qkv.device)
-        parts_l = torch.empty_like(parts_m)
-        _, arrivals = (workspace or SplitWorkspace(qkv.device)).take(0, m * kv_heads)
-    k_out, v_out = new_kv if new_kv is not None else (k_pool, v_pool)
-    ieee = qkv.dtype == torch.float32
-    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
-    gm, hdp = _pow2(groups), max(16, _pow2(head_dim))  # the merge pads the heads to a power of two, the dot to 16
-    _attention_kernel[(m, kv_heads, splits)](
-        qkv, cos, sin, k_pool, v_pool, tables, context_lens, valid if valid is not None else context_lens,
-        k_out, v_out, parts_o, parts_m, parts_l, arrivals, out, q_weight, k_weight,
-        qkv.stride(0), cos.stride(0), tables.stride(0), k_pool.stride(0), k_pool.stride(1), out.stride(0),
-        head_dim ** -0.5, eps, KVH=kv_heads, G=groups, GP=max(16, gm), HD=head_dim, HDP=hdp, BS=block_size,
-        CHUNK=chunk, TILE=ATTENTION_TILE, SPLITS=splits, GM=gm,
-        MC=max(1, min(_pow2(splits), MERGE_VALUES // (gm * hdp))),
-        WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **_launch(qkv.device),
-        num_warps=ATTENTION_WARPS, num_stages=2)
-    return out
 
 
 def reference_product(x: torch.Tensor, w: torch.Tensor | PackedMatrix, outputs: torch.Tensor, *,
