@@ -5,16 +5,20 @@ heads, head 128) for ``PROBE_ROWS`` rows (a list; 1 unless given) by each row's 
 by powers of two), and the tiling (:class:`AttentionTiling`, the default's unless given): the
 programs aimed at (``PROBE_P``, which sets the splits), the merge's values (``PROBE_MERGE``, which
 set the splits it takes at a time), the positions a step reads (``PROBE_TILES``; the fewest a split
-takes follows it) and the warps (``PROBE_WARPS``). Each row reads its own pages.
+takes follows it), the warps (``PROBE_WARPS``) and the cap on registers a thread
+(``PROBE_REGISTERS``, ``none`` for the compiler's choice). Each row reads its own pages.
 
     python scripts/probe_attention_splits.py > OUT.jsonl      # PROBE_P=1024 for the default only
     PROBE_MERGE=4096,16384 python scripts/probe_attention_splits.py    # keys then P<p>/M<values>
 
-28 layers' pools back to back from one CUDA graph, dependent launches on, best of three timings
-of 20 replays; ``max_err`` against the first setting's output. Outputs of the runs the docs cite:
+28 layers' pools back to back from one CUDA graph, dependent launches on, the median of three
+timings of 20 replays (the raw files the docs cite so far took the best of three);
+``max_err`` against the first setting's output. Those files:
 docs/results/probes/h200-attention-splits-*.jsonl, h200-attention-steps-own-pages.jsonl."""
+import itertools
 import json
 import os
+import statistics
 
 import torch
 
@@ -29,12 +33,14 @@ def main() -> None:
     merges = [int(v) for v in os.environ.get("PROBE_MERGE", str(TILING.merge_values)).split(",")]
     tiles = [int(v) for v in os.environ.get("PROBE_TILES", str(TILING.tile)).split(",")]
     warp_counts = [int(v) for v in os.environ.get("PROBE_WARPS", str(TILING.warps)).split(",")]
+    caps = [None if v == "none" else int(v) for v in os.environ.get("PROBE_REGISTERS", "none").split(",")]
     programs = [int(v) for v in os.environ.get("PROBE_P", "1024,256,128,64,32,16,8,4,2").split(",")]
     for rows in [int(v) for v in os.environ.get("PROBE_ROWS", "1").split(",")]:
-        probe(rows, programs, merges, tiles, warp_counts)
+        probe(rows, programs, merges, tiles, warp_counts, caps)
 
 
-def probe(rows: int, programs: list[int], merges: list[int], tiles: list[int], warp_counts: list[int]) -> None:
+def probe(rows: int, programs: list[int], merges: list[int], tiles: list[int], warp_counts: list[int],
+          caps: list[int | None]) -> None:
     dev, dt = "cuda", torch.bfloat16
     for ctx in [int(v) for v in os.environ.get("PROBE_CONTEXTS", "1024,256").split(",")]:
         for width in [int(v) for v in os.environ.get("PROBE_WIDTHS", "1040,2048,4096").split(",")]:
@@ -55,16 +61,16 @@ def probe(rows: int, programs: list[int], merges: list[int], tiles: list[int], w
                 return paged_attention(qkv, cos, sin, k_pool[i], v_pool[i], tables, lens, heads=H, kv_heads=KVH,
                                        head_dim=HD, valid=valid, workspace=ws, tiling=tiling)
             row, ref = {"rows": rows, "context": ctx, "table_positions": width}, None
-            for p, merge, tile, warps in ((p, m, t, w) for p in programs for m in merges for t in tiles
-                                          for w in warp_counts):
-                tiling = AttentionTiling(tile=tile, chunk=tile, programs=p, merge_values=merge, warps=warps)
+            for p, merge, tile, warps, cap in itertools.product(programs, merges, tiles, warp_counts, caps):
+                tiling = AttentionTiling(tile=tile, chunk=tile, programs=p, merge_values=merge, warps=warps,
+                                         registers=cap)
                 chunk = tiling.chunk_for(rows, KVH, width)
                 out = attention(0, tiling).float()
                 ref = out if ref is None else ref
-                us = min(graph_time_us([lambda i=i: attention(i, tiling) for i in range(L)], repeats=20)
-                         for _ in range(3))
+                us = statistics.median(graph_time_us([lambda i=i: attention(i, tiling) for i in range(L)], repeats=20)
+                                       for _ in range(3))
                 key = f"P{p}" + (f"/M{merge}" if len(merges) > 1 else "") + (f"/T{tile}" if len(tiles) > 1 else "") \
-                    + (f"/{warps}w" if len(warp_counts) > 1 else "")
+                    + (f"/{warps}w" if len(warp_counts) > 1 else "") + (f"/r{cap}" if len(caps) > 1 else "")
                 row[key] = {"splits": -(-width // chunk), "chunk": chunk, "us": round(us, 2),
                             "max_err": (out - ref).abs().max().item()}
             print(json.dumps(row), flush=True)

@@ -24,7 +24,7 @@ def test_a_split_takes_whole_steps_of_its_own_tiling():
 
 
 @pytest.mark.parametrize("given,named", [(dict(tile=8), "at least 16"), (dict(tile=96), "power of two"),
-                                         (dict(warps=0), "must be positive")])
+                                         (dict(warps=0), "must be positive"), (dict(registers=300), "24 to 255")])
 def test_a_tiling_the_kernel_cannot_run_is_refused(given, named):
     with pytest.raises(ValueError, match=named):
         AttentionTiling(**given)

@@ -158,18 +158,22 @@ def test_dense_gemv_compiles_for_every_prologue():
             IEEE=False, XB=2048 if prologue == 1 else 16, GLU=glu), stages=2).values())
 
 
+ATTENTION_TYPES = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
+                   **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
+                   "ARRIVALS": "*i32", "scale": "fp32", "eps": "fp32",
+                   **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks", "stride_out"),
+                                   "i32")}
+# A Qwen2-VL-2B layer's attention (12 heads over 2 KV heads of 128) as the step launches it
+QWEN2_VL_ATTENTION = dict(KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, GM=8, MC=16, IEEE=False)
+
+
 def test_paged_attention_compiles_split_and_whole():
     """Split (the last split merges: atomics, a loop over the partials in chunks) and unsplit."""
-    types = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
-             **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
-             "ARRIVALS": "*i32",
-             **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks", "stride_out"), "i32"),
-             "scale": "fp32", "eps": "fp32"}
+    tiling = decode_attention.TILING
     for write_pool, qk_norm, splits in ((False, False, 32), (True, True, 1)):
-        assert all(compiled(decode_attention._attention_kernel, types, dict(
-            KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=decode_attention.TILING.chunk, GM=8,
-            TILE=decode_attention.TILING.tile, SPLITS=splits, MC=16, WRITE_POOL=write_pool, IEEE=False,
-            QK_NORM=qk_norm), stages=2).values())
+        assert all(compiled(decode_attention._attention_kernel, ATTENTION_TYPES, dict(
+            QWEN2_VL_ATTENTION, CHUNK=tiling.chunk, TILE=tiling.tile, SPLITS=splits, WRITE_POOL=write_pool,
+            QK_NORM=qk_norm), warps=tiling.warps, stages=2).values())
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -373,14 +377,9 @@ def test_the_decode_kernels_build_for_jetson_thor():
         assert all(compiled(kernels._packed_mm_kernel, mm, dict(
             BM=16, BN=64, BK=128, SPLIT_K=True, BITS=4, GS=128, HAS_Z=True, IEEE=False, W_A=w_a, ASM=True),
             targets=thor).values())
-    attention = {**pointers("bf16", "QKV", "COS", "SIN", "KP", "VP", "KOUT", "VOUT", "QW", "KW", "OUT"),
-                 **pointers("i64", "TABLES", "CTX", "VALID"), **pointers("fp32", "OPART", "MPART", "LPART"),
-                 "ARRIVALS": "*i32", **dict.fromkeys(("stride_qkv", "stride_cs", "stride_tab", "stride_kb", "stride_ks",
-                                                      "stride_out"), "i32"), "scale": "fp32", "eps": "fp32"}
-    assert all(compiled(decode_attention._attention_kernel, attention, dict(
-        KVH=2, G=6, GP=16, HD=128, HDP=128, BS=16, CHUNK=decode_attention.TILING.chunk, GM=8,
-        TILE=decode_attention.TILING.tile, SPLITS=32, MC=16, WRITE_POOL=True, IEEE=False, QK_NORM=False),
-        stages=2, targets=thor).values())
+    assert all(compiled(decode_attention._attention_kernel, ATTENTION_TYPES, dict(
+        QWEN2_VL_ATTENTION, CHUNK=decode_attention.TILING.chunk, TILE=decode_attention.TILING.tile, SPLITS=32,
+        WRITE_POOL=True, QK_NORM=False), stages=2, targets=thor).values())
     from edgeinfer.quant import tensor_core
 
     if tensor_core.gluon is not None:  # the 4-bit tensor-core product (Gluon's mma_v2: mma.sync, which Thor has)

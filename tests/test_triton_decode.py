@@ -101,23 +101,22 @@ def _reference_attention(qkv, cos, sin, k_pool, v_pool, tables, lens, heads, kv_
     return torch.stack(out), torch.stack(new_k), torch.stack(new_v)
 
 
-@pytest.mark.parametrize("tile", [32, None], ids=["tile32", "tile"])
+@pytest.mark.parametrize("tiling", [replace(TILING, tile=32, chunk=32), replace(TILING, tile=32, chunk=64), TILING,
+                                    replace(TILING, registers=168)], ids=["tile32", "two-steps", "tile", "r168"])
 @pytest.mark.parametrize("merge_values", [None, 1], ids=["merge", "merge1"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(12, 2, 128), (9, 3, 64), (4, 4, 32)])
-def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_norm, merge_values, tile):
-    """With steps of 32 positions (``tile32``), six splits a row; with the default steps, each
-    split's tile runs past the row's end (masked). With ``merge1`` the last split merges the
-    splits one at a time (a chunk of splits skipped, or merged before every split has written,
-    fails)."""
+def test_paged_attention_over_scattered_blocks(dtype, heads, kv_heads, hd, qk_norm, merge_values, tiling):
+    """With steps of 32 positions (``tile32``), six splits a row of one step each; with
+    ``two-steps``, three splits of two steps, the second read while the first is multiplied; with
+    the default steps (and with registers capped, ``r168``), each split's one step runs past the
+    row's end (masked). With ``merge1`` the last split merges the splits one at a time (a chunk of
+    splits skipped, or merged before every split has written, fails)."""
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly; bf16 attention is checked on a GPU")
-    tiling = TILING
     if merge_values is not None:
         tiling = replace(tiling, merge_values=merge_values)
-    if tile is not None:
-        tiling = replace(tiling, tile=tile, chunk=tile)
     torch.manual_seed(heads + hd)
     blocks, bs, width = 96, 16, 12
     lens = torch.tensor([0, 1, 15, 16, 77, 191], device=DEVICE)  # empty, one token, block edges, full table

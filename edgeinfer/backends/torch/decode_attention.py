@@ -60,6 +60,26 @@ if triton is not None:
         return k, v
 
     @triton.jit
+    def _attend(q, k, v, p_ok, m_i, l_i, acc, scale, dt: tl.constexpr, IEEE: tl.constexpr):
+        """One step of the online softmax: the group's queries ``q`` [GP, HDP] against a tile's keys
+        ``k`` and values ``v`` [TILE, HDP], positions where ``p_ok`` only; the running maximum ``m_i``,
+        sum ``l_i`` and output ``acc`` carried over, as returned."""
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(p_ok[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(dt), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _attention_kernel(QKV, COS, SIN, KP, VP, TABLES, CTX, VALID, KOUT, VOUT, OPART, MPART, LPART, ARRIVALS,
                           OUT, QW, KW, stride_qkv, stride_cs, stride_tab, stride_kb, stride_ks, stride_out, scale, eps,
                           KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
@@ -121,25 +141,15 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HDP], tl.float32)
-        for t0 in range(start, end, TILE):
-            p_ok = t0 + rt < end
-            this_k, this_v = k, v
-            k, v = _past_tile(KP, VP, TABLES + m * stride_tab, t0 + TILE + rt, end, kvh, rd, d_ok, stride_kb,
-                              stride_ks, BS, HD)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(this_k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(this_k))
-            sc = tl.where(p_ok[None, :], sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr, this_v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(dt), this_v)
-            m_i = m_new
+        if CHUNK <= TILE:  # one step: nothing to read ahead, and no registers held for it
+            if start < end:
+                m_i, l_i, acc = _attend(q, k, v, rt < end - start, m_i, l_i, acc, scale, dt, IEEE)
+        else:
+            for t0 in range(start, end, TILE):
+                this_k, this_v = k, v
+                k, v = _past_tile(KP, VP, TABLES + m * stride_tab, t0 + TILE + rt, end, kvh, rd, d_ok, stride_kb,
+                                  stride_ks, BS, HD)
+                m_i, l_i, acc = _attend(q, this_k, this_v, t0 + rt < end, m_i, l_i, acc, scale, dt, IEEE)
 
         if ctx // CHUNK == s:  # the new token is at position ctx
             kb = row + G * KVH * HD + kvh * HD
@@ -235,7 +245,13 @@ class AttentionTiling:
     - ``merge_values``: partial outputs the last split merges at a time (splits × the group's heads
       × head_dim, each padded to a power of two; for Qwen2-VL's groups of 6 heads of 128, 16 splits
       a step);
-    - ``warps``: warps a program.
+    - ``warps``: warps a program;
+    - ``registers``: a cap on registers a thread (``maxnreg``), None for the compiler's choice. A
+      Qwen2-VL-2B program (steps of 128, 4 warps, 16 splits merged a step) takes 186 registers on
+      sm_90 with Triton 3.6 and 196 with 3.9, so two fit an SM, and 16 rows' 288 programs (a
+      1,088-position past) take two waves on an H100 or H200. Held to 168, three fit: Triton 3.6
+      spills nothing, 3.9 spills 72 bytes (``ptxas``, compiled without a GPU). Not yet timed, so
+      not the default.
     """
 
     tile: int = 128
@@ -243,12 +259,15 @@ class AttentionTiling:
     programs: int = 1024
     merge_values: int = 16384
     warps: int = 4
+    registers: int | None = None
 
     def __post_init__(self) -> None:
         if self.tile < 16 or pow2(self.tile) != self.tile:
             raise ValueError(f"a step reads a power of two of at least 16 positions (the dot's least); got {self.tile}")
         if min(self.chunk, self.programs, self.merge_values, self.warps) < 1:
             raise ValueError(f"chunk, programs, merge values and warps must be positive: {self}")
+        if self.registers is not None and not 24 <= self.registers <= 255:
+            raise ValueError(f"a thread holds 24 to 255 registers; got a cap of {self.registers}")
 
     def chunk_for(self, rows: int, kv_heads: int, positions: int) -> int:
         """Context positions a split of a table of ``positions`` takes: :attr:`chunk` (one row: as
@@ -313,5 +332,5 @@ def paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_p
         CHUNK=chunk, TILE=tiling.tile, SPLITS=splits, GM=gm,
         MC=max(1, min(pow2(splits), tiling.merge_values // (gm * hdp))),
         WRITE_POOL=valid is not None, IEEE=ieee, QK_NORM=qk_norm is not None, **launch_options(qkv.device),
-        num_warps=tiling.warps, num_stages=2)
+        num_warps=tiling.warps, num_stages=2, **({"maxnreg": tiling.registers} if tiling.registers else {}))
     return out
