@@ -44,7 +44,7 @@ def section(name):
         t0 = time.time()
         try:
             res[name] = f()
-        except Exception as exc:
+        except Exception:
             res[name] = {"error": traceback.format_exc()[-3000:]}
         res.setdefault("seconds", {})[name] = round(time.time() - t0, 1)
         json.dump(res, open(f"{OUT}/probe1.json", "w"), indent=1)
@@ -205,7 +205,6 @@ def _():
 
 @section("packed_op_graph")
 def _():
-    from edgeinfer.quant.packed import PackedMatrix
     w = packed(2048, 1536, 4, 128)
     ref = w.dequantize(bf)
     fn = torch.compile(lambda x: w.matmul(x), fullgraph=True)
