@@ -10,8 +10,9 @@ The last split of a row and KV head to arrive merges the splits' partial results
 product after it. Splits past a row's context return at once: a graph captured for a wide table
 costs what each row's own context holds.
 
-It runs at every batch size: between the fused products at one row
-(:mod:`~edgeinfer.backends.torch.triton_decode`) and between the layer's own products at more.
+It runs at every batch size: between the fused products (:mod:`~edgeinfer.backends.torch.triton_decode`:
+at one row, and at 2 to 16 where the staged products take the layer), and between the layer's own
+products otherwise.
 Every rounding point is the eager attention's, so it gives the eager layer's tokens within the
 dtype's tolerance.
 """
