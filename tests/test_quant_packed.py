@@ -523,6 +523,22 @@ def test_the_tuner_refuses_a_tile_whose_outputs_are_not_torch_s(monkeypatch):
     assert kernels._WRONG.pop(key)[tiles[1]].startswith("row 1, output 95:")
 
 
+def test_a_product_left_without_a_tile_says_why(monkeypatch):
+    """Where no tile is left to time, the warning names the first wrong tile and where it was wrong;
+    else the compiler's refusal; else that none was offered (a tuner given no candidates), rather
+    than failing on a missing entry."""
+    monkeypatch.setattr(kernels, "_WRONG", {})
+    monkeypatch.setattr(kernels, "_REFUSED", {})
+    key = ("product", "cuda")
+    assert kernels._why_no_tile(key) == "no tile is offered"
+    kernels._REFUSED[key] = "CompilationError: out of shared memory"
+    assert kernels._why_no_tile(key) == "every tile was refused on this GPU (CompilationError: out of shared memory)"
+    tile = kernels.MmConfig(32, 128, 1)
+    kernels._WRONG[key] = {tile: "row 1, output 95: 0.5 where 1.5"}
+    assert kernels._why_no_tile(key) == (f"every tile gave wrong outputs on this GPU (tile {kernels._tile_name(tile)}: "
+                                         "row 1, output 95: 0.5 where 1.5)")
+
+
 @needs_cuda
 def test_a_tile_with_wrong_outputs_is_never_chosen_and_none_right_falls_back_to_torch(monkeypatch):
     """On the GPU the tuner drops a wrong tile before timing and reports it; where every tile is

@@ -331,23 +331,25 @@ def test_a_batched_decode_on_the_fused_rows_is_reported_against_the_layer_s_own_
                                                                                          monkeypatch):
     """Requests decoded together (2 to 4 rows, in CUDA graphs with dependent launches) run the few-row
     layers on the staged products with the norms, bias, residuals and SiLU·up fused: the report names
-    a staged tile for each of the four products of that row tile, and the tokens against the layer's
-    own compiled products (``EDGEINFER_FUSED_ROWS=0``) are reported by first divergence. The two
-    sum in other orders in bf16, so a random checkpoint's tokens may part late; the first must
-    agree. The few-row tuner is offered only the staged tiles, so that it takes them at this tiny
-    shape."""
+    a staged tile for each of the four products of that row tile, and the tokens against the same
+    staged products between the layer's own compiled norms and adds (``EDGEINFER_FUSED_ROWS=0``)
+    are reported by first divergence. The two sum in other orders in bf16, so a random checkpoint's
+    tokens may part late; the first must agree. In both runs the few-row tuner is offered only the
+    staged tiles, so that it takes them at this tiny shape; the prompt's 64-row chunks, which no
+    staged tile serves, are then offered none and multiply by the dequantized weight in both."""
     from edgeinfer.quant import kernels
     from edgeinfer.quant.launching import FUSED_ROWS_ENV
     from tests.conftest import first_divergence
 
     tokens = _bf16_w4_tokens(tmp_path_factory, monkeypatch, together=True)
+    monkeypatch.setattr(kernels, "mm_candidates", lambda layout: [])
+    monkeypatch.setattr(kernels, "mma_candidates", lambda layout, bm: [])
 
     monkeypatch.setenv(FUSED_ROWS_ENV, "0")
+    monkeypatch.setattr(kernels, "_TUNED", {})
     own, own_report = tokens()
     monkeypatch.delenv(FUSED_ROWS_ENV)
     monkeypatch.setattr(kernels, "_TUNED", {})
-    monkeypatch.setattr(kernels, "mm_candidates", lambda layout: [])
-    monkeypatch.setattr(kernels, "mma_candidates", lambda layout, bm: [])
     fused, report = tokens()
     assert own_report["fused_rows"] == {}, own_report["fused_rows"]
     chosen = report["fused_rows"]

@@ -779,10 +779,8 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     candidates = _right_tiles(key, candidates, x, codes, scales, zeros, layout)
     if not candidates:
         _TUNED[key] = None
-        wrong = _WRONG[key]
-        first = next(iter(wrong))
-        warnings.warn(f"every tile of the {layout.bits}-bit {layout.n}×{layout.k} product gave wrong outputs on "
-                      f"this GPU (tile {_tile_name(first)}: {wrong[first]}): it multiplies by the dequantized weight")
+        warnings.warn(f"{_why_no_tile(key)} for the {layout.bits}-bit {layout.n}×{layout.k} product at {bm} rows: "
+                      "it multiplies by the dequantized weight")
         return None
     nbytes = sum(t.numel() * t.element_size() for t in (codes, scales, zeros) if t is not None)
     weights = [(codes, scales, zeros)] + [
@@ -799,6 +797,17 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
     _TUNED[key] = min(times, key=times.get)
     cache.put(PACKED_TILES, cache_key, _cache_fields(_TUNED[key]), ident)
     return _TUNED[key]
+
+
+def _why_no_tile(key: tuple) -> str:
+    """Why no tile is left for ``key``: the first whose outputs were wrong, else the one a compiler
+    refused, else that none was offered."""
+    if wrong := _WRONG.get(key):
+        first = next(iter(wrong))
+        return f"every tile gave wrong outputs on this GPU (tile {_tile_name(first)}: {wrong[first]})"
+    if key in _REFUSED:
+        return f"every tile was refused on this GPU ({_REFUSED[key]})"
+    return "no tile is offered"
 
 
 def _right_tiles(key: tuple, candidates: list[MmConfig], x: torch.Tensor, codes, scales, zeros,
