@@ -142,7 +142,7 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HDP], tl.float32)
-        if CHUNK <= TILE:  # one step: nothing to read ahead, and no registers held for it
+        if CHUNK <= TILE:  # one step: nothing to read ahead (16 rows 0.66× the time on an H100)
             if start < end:
                 m_i, l_i, acc = _attend(q, k, v, rt < end - start, m_i, l_i, acc, scale, dt, IEEE)
         else:
@@ -248,11 +248,10 @@ class AttentionTiling:
       a step);
     - ``warps``: warps a program;
     - ``registers``: a cap on registers a thread (``maxnreg``), None for the compiler's choice. A
-      Qwen2-VL-2B program (steps of 128, 4 warps, 16 splits merged a step) takes 186 registers on
-      sm_90 with Triton 3.6 and 196 with 3.9, so two fit an SM, and 16 rows' 288 programs (a
-      1,088-position past) take two waves on an H100 or H200. Held to 168, three fit: Triton 3.6
-      spills nothing, 3.9 spills 72 bytes (``ptxas``, compiled without a GPU). Not yet timed, so
-      not the default.
+      Qwen2-VL-2B program (steps of 128, 4 warps) takes 186 on sm_90 with Triton 3.6, so two fit an
+      SM; held to 168, three fit without spilling. On an H100 that made 16 rows no faster (8.02
+      against 7.98 µs a layer), nor did merging 8 splits a step (9.21), so neither is the default
+      (docs/results/probes/h100-attention-one-step).
     """
 
     tile: int = 128
@@ -281,7 +280,8 @@ class AttentionTiling:
 
 # On an H200 (scripts/probe_attention_splits.py, each row its own pages, a Qwen2-VL-2B layer at
 # 1,024 positions) steps of 128 took 4.85 µs at 1 row, 5.06 at 4 and 10.9 at 16, against 5.53,
-# 7.04 and 14.3 for steps of 32: fewer, longer splits leave less to merge.
+# 7.04 and 14.3 for steps of 32: fewer, longer splits leave less to merge. A split of one step that
+# reads no step ahead took an H100's 16 rows from 12.2 to 8.1 µs (1 row: 5.0 to 4.5).
 TILING = AttentionTiling()
 
 
