@@ -101,7 +101,7 @@ class SidePrefetch:
         self.fused, self.where, self.programs, self.bulk = fused, where, programs, bulk
         self.side = torch.cuda.Stream()
         self.args = {id(layer): self._args(layer_tensors(layer, which)) for layer in fused.decoder.layers}
-        self.qkv, self.head = fused._qkv_gemv, fused._head_gemv
+        self.qkv, self.head = fused._qkv, fused._head_gemv
 
     @staticmethod
     def _args(tensors: list[torch.Tensor]) -> tuple:
@@ -115,10 +115,10 @@ class SidePrefetch:
                                          LANES=128, num_warps=4)
 
     def install(self) -> None:
-        def qkv(layer, x):
+        def qkv(product, layer, x):
             if self.where == "before q|k|v":
                 self.launch(layer)
-            y = self.qkv(layer, x)
+            y = self.qkv(product, layer, x)
             if self.where == "after q|k|v":
                 self.launch(layer)
             return y
@@ -128,10 +128,10 @@ class SidePrefetch:
             torch.cuda.current_stream().wait_stream(self.side)
             return y
 
-        self.fused._qkv_gemv, self.fused._head_gemv = qkv, head
+        self.fused._qkv, self.fused._head_gemv = qkv, head
 
     def remove(self) -> None:
-        self.fused._qkv_gemv, self.fused._head_gemv = self.qkv, self.head
+        self.fused._qkv, self.fused._head_gemv = self.qkv, self.head
 
 
 def products_cold_and_hot(fused, rounds: int, rows: int = 1) -> dict:

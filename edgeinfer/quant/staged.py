@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.device import cuda_capability
-from edgeinfer.quant.launching import PackedWeight, SplitWorkspace, dependent_launch, launch, pow2, staged_enabled
+from edgeinfer.quant.launching import PackedWeight, SplitWorkspace, launch, launch_options, pow2, staged_enabled
 
 try:  # the import decides whether this kernel exists at all
     from triton.experimental import gluon
@@ -231,7 +231,6 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
     parts, arrivals = (workspace or SplitWorkspace(x.device)).take(config.split * x_rows * n, tiles) \
         if config.split > 1 else (y, y)
     codes = w.codes
-    pdl = dependent_launch(x.device)
     launch(_staged_gemv_kernel, (tiles, config.split), warmup,
            x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
            bias if bias is not None else codes, residual if residual is not None else codes,
@@ -240,7 +239,7 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
            EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
            XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
            HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
-           PDL=pdl, MP=x_rows, KC=k // CHUNK if m > 1 and norm_weight is not None else 0, launch_pdl=pdl,
+           MP=x_rows, KC=k // CHUNK if m > 1 and norm_weight is not None else 0, **launch_options(x.device),
            num_warps=config.warps)
 
 

@@ -50,6 +50,7 @@ import functools
 import torch
 
 from edgeinfer.device import cuda_capability
+from edgeinfer.quant.launching import launch
 
 try:  # the import decides whether this kernel exists at all
     import triton
@@ -378,8 +379,5 @@ def mma_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: to
                  WARPS=warps, LW=word_layout(bn, bk, warps, wide), BF16=x.dtype == torch.bfloat16, MAGIC=MAGIC[x.dtype],
                  AHEAD=ahead, X_SHARED=x_shared, X_STEPS=triton.next_power_of_2(per_split // bk) if x_shared else 1,
                  WIDE=wide, STAGED=staged, STEPS=steps // split if staged else 1, num_warps=warps)
-    if warmup:  # the compile alone (launching.launch, which this module does not import)
-        _mma_mm_kernel.warmup(*args, grid=(tiles, splits), **given)
-        return None
-    _mma_mm_kernel[(tiles, splits)](*args, **given)
-    return y
+    launch(_mma_mm_kernel, (tiles, splits), warmup, *args, **given)
+    return None if warmup else y

@@ -856,9 +856,10 @@ class FusedDecode:
         # The products on either side of the attention: Triton's at a row, the staged ones fused at 2 to
         # 16 rows where they take every product, the layer's own otherwise.
         if m <= MAX_GEMV_ROWS:
-            before, after, head = self._qkv_gemv, self._after_gemv, self._head_gemv
+            before, after, head = partial(self._qkv, self._gemv), partial(self._after, self._gemv), self._head_gemv
         elif (tiles := self.row_tiles(x)) is not None:
-            before, after, head = partial(self._qkv_rows, tiles), partial(self._after_rows, tiles), self.decoder.logits
+            product = partial(self._tiled_rows, tiles)
+            before, after, head = partial(self._qkv, product), partial(self._after, product), self.decoder.logits
         else:
             before, after, head = (*self.halves, self.decoder.logits)
         new_k = new_v = None
@@ -931,26 +932,21 @@ class FusedDecode:
     def _rows_product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
         return staged_mm(x, w, config, workspace=self.workspace, **kw)
 
-    def _qkv_rows(self, tiles, layer, x: torch.Tensor) -> torch.Tensor:
-        return self._rows_product(x, self.weight(layer.qkv_t), tiles["qkv"], bias=layer.qkv_bias,
-                                  norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
+    def _tiled_rows(self, tiles, name, x, w, **kw):  # kw: what the product fuses
+        return self._rows_product(x, w, tiles[name], **kw)
 
-    def _after_rows(self, tiles, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = self._rows_product(attn, self.weight(layer.o_t), tiles["o"], bias=layer.o_bias, residual=x)
-        act = self._rows_product(x, self.weight(layer.gate_up_t), tiles["gate_up"], bias=layer.gate_up_bias,
-                                 norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps,
-                                 glu=True)
-        return self._rows_product(act, self.weight(layer.down_t), tiles["down"], bias=layer.down_bias, residual=x)
+    # One layer's products as the fused step wires them, ``product(name, x, w, **fusions)`` being the
+    # one-row Triton product (:meth:`_gemv`) or the few-row staged one (:meth:`_tiled_rows`).
 
-    def _qkv_gemv(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return self._gemv("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias,
-                          norm_weight=layer.input_norm.weight, eps=layer.input_norm.eps)
+    def _qkv(self, product: Callable, layer, x: torch.Tensor) -> torch.Tensor:
+        return product("qkv", x, self.weight(layer.qkv_t), bias=layer.qkv_bias, norm_weight=layer.input_norm.weight,
+                       eps=layer.input_norm.eps)
 
-    def _after_gemv(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = self._gemv("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
-        act = self._gemv("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
-                         norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps, glu=True)
-        return self._gemv("down", act, self.weight(layer.down_t), bias=layer.down_bias, residual=x)
+    def _after(self, product: Callable, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = product("o", attn, self.weight(layer.o_t), bias=layer.o_bias, residual=x)
+        act = product("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
+                      norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps, glu=True)
+        return product("down", act, self.weight(layer.down_t), bias=layer.down_bias, residual=x)
 
     def _head_gemv(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.decoder.norm
