@@ -53,6 +53,7 @@ KERNEL_MODULES = (
     "edgeinfer.quant.staged",
     "edgeinfer.backends.torch.triton_decode",
     "edgeinfer.backends.torch.decode_attention",
+    "edgeinfer.backends.torch.step_ends",
     "edgeinfer.backends.torch.step_tuning",
 )
 

@@ -391,6 +391,25 @@ def test_the_decode_kernels_build_for_jetson_thor():
             assert kernel.asm["cubin"]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_step_s_ends_compile_for_every_branch(dtype):
+    """The step's inputs (lookup and RoPE, or RoPE alone; scaled embeddings or not) and its greedy
+    choice (ids alone, or plain and M-RoPE positions moved on), as their wrappers launch them."""
+    from edgeinfer.backends.torch import step_ends
+
+    inputs = {**pointers(dtype, "EMBED", "X", "COS", "SIN"), "TOKENS": "*i64", "POS": "*i64", "INV_FREQ": "*fp32",
+              "AXIS": "*i32", **dict.fromkeys(("stride_axis", "stride_pos", "stride_embed", "stride_column", "stride_x",
+                                               "stride_cs", "H"), "i32"), "scaling": "fp32", "embed_scale": "fp32"}
+    for embed_rows, scaled in ((True, False), (True, True), (False, False)):
+        assert all(compiled(step_ends._inputs_kernel, inputs, dict(
+            HALF=64, HALF_P=64, BH=step_ends.EMBED_BLOCK, EMBED_ROWS=embed_rows, SCALED=scaled)).values())
+    choose = {"LOGITS": f"*{dtype}", "PARTS": "*fp32", "ARRIVALS": "*i32", "IDS": "*i64", "POS": "*i64",
+              "CTX": "*i64", "VALID": "*i64", **dict.fromkeys(("V", "stride_l", "stride_axis", "stride_pos"), "i32")}
+    for advance, axes in ((False, 1), (True, 1), (True, 3)):
+        assert all(compiled(step_ends._choose_kernel, choose, dict(
+            AXES=axes, BV=step_ends.ARGMAX_BLOCK, P=128, ADVANCE=advance)).values())
+
+
 def test_a_compile_that_fails_as_it_finishes_leaves_the_launches_to_compile(monkeypatch):
     """A compile hook that raises as a compile finishes does not fail the tuner: compile_ahead
     returns, and leaves Triton's launches compiling as usual (no asynchronous mode left on)."""

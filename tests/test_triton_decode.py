@@ -7,7 +7,6 @@ is how the kernels' indexing and the fused step's wiring are checked on a machin
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -18,15 +17,9 @@ from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.decode_attention import TILING, paged_attention
 from edgeinfer.models.decoder import RMSNorm, rotate_half
 from edgeinfer.quant.launching import SplitWorkspace
+from edgeinfer.testing.kernel_device import DEVICE, INTERPRET, kernel_marks
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(triton_decode.triton is None, reason="needs Triton (`import triton` failed)"),
-    pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET,
-                       reason="needs a CUDA device, or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter"),
-]
+pytestmark = kernel_marks(triton_decode.triton)
 # The interpreter runs every program in numpy: small shapes and a few tiles there.
 SHAPES = [(96, 64), (40, 200)] if DEVICE == "cpu" else [(96, 64), (2048, 1536), (1536, 8960)]
 CONFIGS = triton_decode.GEMV_CANDIDATES[:3] if DEVICE == "cpu" else triton_decode.GEMV_CANDIDATES

@@ -418,10 +418,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """One token per row on static shapes. With ``valid`` (fused step only) the new K/V are
         written into the pools at each valid row's slot ``context_lens`` and come back as None."""
         if self._runs_fused(embeds.shape[-1]):
-            cos, sin = self.decoder.rope(positions, embeds.dtype)
-            b = embeds.shape[0]
-            return self._fused.layers(embeds[:, 0], cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool, tables,
-                                      context_lens, valid)
+            cos, sin = self._fused.ends.rope(positions, embeds.dtype)
+            return self._fused.layers(embeds[:, 0], cos, sin, k_pool, v_pool, tables, context_lens, valid)
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], 1)
         mask, window = layer_masks(self.decoder.cfg, mask, context_lens, slots.shape[1], 1)
         return self.decoder.run_layers(embeds, positions, past_reader(k_pool, v_pool, slots), mask, self._layer_fn,
@@ -641,11 +639,18 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
 
         ``write=False`` (the warm-up before capture) leaves the pools and every buffer alone.
         """
-        embeds = self.decoder.embed_tokens(tokens)[:, None]
-        if self._fused is not None:  # the attention kernel writes the new K/V itself
-            logits, _, _ = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens,
-                                             valid if write else torch.zeros_like(valid))
+        if self._fused is not None:  # the inputs in one kernel; the attention writes the new K/V itself
+            x, cos, sin = self._fused.ends.inputs(tokens, positions)
+            logits, _, _ = self._fused.layers(x, cos, sin, k_pool, v_pool, tables, context_lens,
+                                              valid if write else torch.zeros_like(valid))
+            if sampling is None:  # the argmax, and the valid rows moved on, in one kernel
+                if write:
+                    self._fused.ends.choose(logits, tokens, positions, context_lens, valid)
+                else:
+                    self._fused.ends.choose(logits, torch.empty_like(tokens))
+                return
         else:
+            embeds = self.decoder.embed_tokens(tokens)[:, None]
             logits, new_k, new_v = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens)
             self._write_new_kv(k_pool, v_pool, tables, context_lens, valid, new_k, new_v, write)
         if not write:

@@ -53,6 +53,7 @@ from functools import partial
 import torch
 
 from edgeinfer.backends.torch.decode_attention import paged_attention
+from edgeinfer.backends.torch.step_ends import StepEnds
 from edgeinfer.backends.torch.step_tuning import (
     STEP_CANDIDATES,
     STEP_TUNING_BLOCK,
@@ -622,6 +623,8 @@ class FusedDecode:
         # Partial sums and arrival counts of split packed products and of the attention's splits, one
         # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
+        # The step's inputs (lookup, RoPE) and greedy choice, a kernel each, in the same workspace.
+        self.ends = StepEnds(decoder, self.workspace)
         # Per row tile (kernels.row_tile) of 2 to 16 rows: the staged tiles the fused few-row layers
         # run, or None where they do not; and what decided it, for the report.
         self._row_tiles: dict[int, dict[str, StagedGemvConfig] | None] = {}
