@@ -109,3 +109,18 @@ def test_moving_the_rows_on_without_their_lengths_is_refused():
     with pytest.raises(ValueError, match="context lengths"):
         step_ends.choose_greedy(logits, ids, SplitWorkspace(torch.device(DEVICE)),
                                 torch.zeros(2, 1, dtype=torch.long, device=DEVICE))
+
+
+def test_the_switch_leaves_the_ends_to_torch_and_the_report_says_which_ran(checkpoint, monkeypatch):
+    from edgeinfer.backends.torch.cuda_graphs import CudaGraphDecoderEngine
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.quant.launching import STEP_ENDS_ENV
+
+    def engine():
+        return CudaGraphDecoderEngine(load_model(checkpoint("qwen2_vl"), device=DEVICE).decoder, 1, 8,
+                                      compile_layers=False, take_decoder=True)
+
+    assert engine().kernel_report["step_ends"] is True
+    monkeypatch.setenv(STEP_ENDS_ENV, "0")
+    off = engine()
+    assert off.kernel_report["step_ends"] is False and off._fused.ends is None

@@ -66,6 +66,9 @@ STAGED_ROWS_ENV = "EDGEINFER_STAGED_ROWS"
 # "0": 2 to 16 rows of 4-bit weights run the layer's own compiled products and norms, not the staged
 # products with the norms, bias, residual and SiLU·up fused (triton_decode.FusedDecode.row_tiles)
 FUSED_ROWS_ENV = "EDGEINFER_FUSED_ROWS"
+# "0": the fused step's inputs (lookup, RoPE) and greedy choice run as torch ops, not as one kernel
+# each (backends/torch/step_ends.py)
+STEP_ENDS_ENV = "EDGEINFER_STEP_ENDS"
 
 
 def interpreting() -> bool:
@@ -89,6 +92,11 @@ def fused_rows_enabled() -> bool:
     """Whether 2 to 16 rows of 4-bit weights may run the fused staged products (unless
     ``$EDGEINFER_FUSED_ROWS=0``)."""
     return os.environ.get(FUSED_ROWS_ENV, "1") != "0"
+
+
+def step_ends_enabled() -> bool:
+    """Whether the fused step's inputs and greedy choice run as a kernel each (unless ``$EDGEINFER_STEP_ENDS=0``)."""
+    return os.environ.get(STEP_ENDS_ENV, "1") != "0"
 
 
 def dependent_launch(device: torch.device) -> bool:

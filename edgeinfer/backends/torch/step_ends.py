@@ -5,9 +5,9 @@ valid rows' positions and context lengths moved on.
 Written in torch these ends were some seventeen small kernels a step: the lookup; the angles,
 their concatenation, cos, sin, the scaling and the casts; then the logits cast to float32, the
 argmax, and the additions. Each waited for the one before and came between the dependent
-launches of the step's own kernels: on an H200, 31 µs of kernels and as many of gaps in a
-1,012 µs 4-bit step at batch 1 (``decode_timeline`` of
-docs/results/probes/h200-profile-w4-b1.json).
+launches of the step's own kernels: on an H200, 31 µs of kernel time a token, with 28 µs of gaps
+between all of the step's kernels, in a 1,012 µs 4-bit step at batch 1 (``decode_timeline`` of
+docs/results/probes/h200-profile-w4-b1.json). ``$EDGEINFER_STEP_ENDS=0`` brings the torch ops back.
 
 Both keep torch's arithmetic. An angle is the float32 product of the position and the inverse
 frequency, as :meth:`~edgeinfer.models.decoder.Decoder.rope` computes it, and Triton's cos and sin
