@@ -328,7 +328,9 @@ def test_the_start_up_capture_plan_holds_every_burst_live_traffic_asks_for(check
     prompts of several lengths and find each first chunk's key there too."""
     from edgeinfer.backends.torch.cuda_graphs import prefill_bucket
 
-    engine = bursting_engine(checkpoint(family), max_context=256)
+    # Not the fused step: the plan's keys are the same either way, and in the interpreter its
+    # kernels would take minutes over these rows (the burst tests above run them).
+    engine = bursting_engine(checkpoint(family), take_decoder=False, max_context=256)
     decoder = engine.decoder_engine
     samplings = [None] + [SamplingRows((p,), (0,), ((),), ((),)) for p in Engine._CAPTURED_SAMPLING]
     plan = decoder.capture_plan(samplings)
@@ -348,7 +350,8 @@ def test_the_start_up_capture_plan_holds_every_burst_live_traffic_asks_for(check
         engine.run_until_done(seqs)
     used = set(decoder._bursts)
     assert len(used) >= 3 and used <= {key for what, key, _ in plan if what == "burst"}
-    fresh = bursting_engine(checkpoint(family), max_context=256, prefix_cache=False)  # every prompt from its start
+    fresh = bursting_engine(checkpoint(family), take_decoder=False, max_context=256,
+                            prefix_cache=False)  # every prompt from its start
     lengths = set()
     for words in (1, 20, 50, 150):  # prompts of several length buckets
         seq = fresh.submit(" ".join(["image"] * words), [], params[0])
