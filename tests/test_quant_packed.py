@@ -8,7 +8,6 @@ they are compared with what the same kernels dequantize, and with torch only in 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -21,16 +20,15 @@ from edgeinfer.models.loader import load_model
 from edgeinfer.quant import kernels, launching
 from edgeinfer.quant.launching import PackedGeometry
 from edgeinfer.quant.packed import PackedMatrix, dequantize_with_torch, pack_product, why_not_packable
+from edgeinfer.testing.kernel_device import DEVICE, INTERPRET
 from edgeinfer.testing.quantized import quantize_awq, quantize_compressed_tensors, quantize_gptq
 from tests.conftest import first_divergence, noise_image
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install 'edgeinfer[quant]')")
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_kernels = pytest.mark.skipif(
     not (kernels.triton is not None and (torch.cuda.is_available() or INTERPRET)),
     reason="the kernels need Triton and a CUDA device, or TRITON_INTERPRET=1 for Triton's CPU interpreter")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 # Triton's interpreter does not multiply bfloat16 tiles faithfully (tl.dot): those checks need a GPU.
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
                                 reason="needs a CUDA device (torch.cuda.is_available() is false, or the interpreter is on)")

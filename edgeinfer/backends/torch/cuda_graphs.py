@@ -318,7 +318,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             return {"fused": False, "reason": self.fused_off}
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_rows": self._fused.rows_report,
                 "fused_replays": self.fused_replays,
-                "dependent_launch": dependent_launch(self.device), "step_ends": self._fused.ends is not None,
+                "dependent_launch": dependent_launch(self.device), "step_ends": self._fused.ends.kernels,
                 "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
                 "step": self._fused.step_report}
@@ -419,10 +419,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         """One token per row on static shapes. With ``valid`` (fused step only) the new K/V are
         written into the pools at each valid row's slot ``context_lens`` and come back as None."""
         if self._runs_fused(embeds.shape[-1]):
-            if self._fused.ends is not None:
-                cos, sin = self._fused.ends.rope(positions, embeds.dtype)
-            else:
-                cos, sin = (t.reshape(embeds.shape[0], -1) for t in self.decoder.rope(positions, embeds.dtype))
+            cos, sin = self._fused.ends.rope(positions, embeds.dtype)
             return self._fused.layers(embeds[:, 0], cos, sin, k_pool, v_pool, tables, context_lens, valid)
         slots, mask = whole_block_slots_and_mask(tables, context_lens, k_pool.shape[2], 1)
         mask, window = layer_masks(self.decoder.cfg, mask, context_lens, slots.shape[1], 1)
@@ -643,20 +640,17 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
 
         ``write=False`` (the warm-up before capture) leaves the pools and every buffer alone.
         """
-        ends = self._fused.ends if self._fused is not None else None
-        if ends is not None:  # the inputs in one kernel; the attention writes the new K/V itself
+        if self._fused is not None:  # the inputs in one kernel; the attention writes the new K/V itself
+            ends = self._fused.ends
             x, cos, sin = ends.inputs(tokens, positions)
             logits, _, _ = self._fused.layers(x, cos, sin, k_pool, v_pool, tables, context_lens,
                                               valid if write else torch.zeros_like(valid))
-            if sampling is None:  # the argmax, and the valid rows moved on, in one kernel
+            if sampling is None and ends.kernels:  # the argmax, and the valid rows moved on, in one kernel
                 if write:
                     ends.choose(logits, tokens, positions, context_lens, valid)
                 else:
                     ends.choose(logits, torch.empty_like(tokens))
                 return
-        elif self._fused is not None:
-            logits, _, _ = self._static_step(self.decoder.embed_tokens(tokens)[:, None], positions, k_pool, v_pool,
-                                             tables, context_lens, valid if write else torch.zeros_like(valid))
         else:
             embeds = self.decoder.embed_tokens(tokens)[:, None]
             logits, new_k, new_v = self._static_step(embeds, positions, k_pool, v_pool, tables, context_lens)

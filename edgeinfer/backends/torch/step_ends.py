@@ -117,31 +117,40 @@ if triton is not None:
 
 
 class StepEnds:
-    """The two ends of ``decoder``'s fused decode step (Triton on CUDA, or its interpreter), their
-    arrival counts in ``workspace`` (the step's: its kernels run one after another)."""
+    """The two ends of ``decoder``'s fused decode step, their arrival counts in ``workspace`` (the
+    step's: its kernels run one after another). With ``kernels`` (Triton on CUDA, or its
+    interpreter) a kernel each; without, torch's ops (``$EDGEINFER_STEP_ENDS=0``), the same values."""
 
-    def __init__(self, decoder, workspace: SplitWorkspace) -> None:
+    def __init__(self, decoder, workspace: SplitWorkspace, kernels: bool = True) -> None:
         cfg = decoder.cfg
         self.decoder = decoder
         self.workspace = workspace
+        self.kernels = kernels
         self.inv_freq = decoder.inv_freq.float().contiguous()
         half = self.inv_freq.numel()
-        axes = torch.arange(3, dtype=torch.float32, device=self.inv_freq.device)[:, None].expand(3, half)
         # The axis each frequency follows: mrope_frequencies picks the same entries from the axes' numbers.
-        self.axis = (torch.zeros(half) if cfg.mrope_section is None else
-                     mrope_frequencies(axes, cfg.mrope_section, cfg.mrope_interleaved)).to(
-                         torch.int32, copy=True).to(self.inv_freq.device).contiguous()
+        axes = torch.arange(3, dtype=torch.float32, device=self.inv_freq.device)[:, None].expand(3, half)
+        axis = axes[0] if cfg.mrope_section is None else mrope_frequencies(axes, cfg.mrope_section,
+                                                                             cfg.mrope_interleaved)
+        self.axis = axis.to(torch.int32).contiguous()
         self.scaling = float(decoder.attention_scaling)
-        self.embed_scale = cfg.embed_scale
+        dtype = decoder.embed_table.dtype
+        self.embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype))  # as embed_tokens rounds it
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, head_dim] in ``dtype`` for positions [B, 1], or [3, B, 1] with M-RoPE: the
-        values of ``Decoder.rope``, one kernel."""
+        values of ``Decoder.rope``."""
+        if not self.kernels:
+            rows = positions.shape[-2]
+            return tuple(t.reshape(rows, -1) for t in self.decoder.rope(positions, dtype))
         return self._launch(None, positions, dtype)[1:]
 
     def inputs(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Embeddings [B, hidden] of ids [B] and the cos, sin of :meth:`rope`, in one kernel."""
-        return self._launch(ids, positions, self.decoder.embed_table.dtype)
+        """Embeddings [B, hidden] of ids [B] and the cos, sin of :meth:`rope`."""
+        dtype = self.decoder.embed_table.dtype
+        if not self.kernels:
+            return self.decoder.embed_tokens(ids), *self.rope(positions, dtype)
+        return self._launch(ids, positions, dtype)
 
     def _launch(self, ids, positions, dtype):
         table = self.decoder.embed_table
@@ -153,18 +162,18 @@ class StepEnds:
         sin = torch.empty_like(cos)
         stride_axis = positions.stride(0) if positions.dim() == 3 else 0
         parts = triton.cdiv(hidden, EMBED_BLOCK) if ids is not None else 1
-        scale = float(torch.tensor(self.embed_scale, dtype=dtype))  # as embed_tokens rounds it
         _inputs_kernel[(rows, parts)](
             ids if ids is not None else positions, positions, table, self.inv_freq, self.axis,
             x if x is not None else cos, cos, sin, stride_axis, positions.stride(-2), table.stride(0), table.stride(1),
-            hidden if x is None else x.stride(0), cos.stride(0), hidden, self.scaling, scale, HALF=half,
+            hidden if x is None else x.stride(0), cos.stride(0), hidden, self.scaling, self.embed_scale, HALF=half,
             HALF_P=pow2(half), BH=EMBED_BLOCK, EMBED_ROWS=ids is not None, SCALED=self.embed_scale != 1.0,
             **launch_options(device))
         return x, cos, sin
 
     def choose(self, logits: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None = None,
                context_lens: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
-        """:func:`choose_greedy` in the step's workspace."""
+        """:func:`choose_greedy` in the step's workspace (with :attr:`kernels` only: without, the
+        caller's sampler path chooses)."""
         choose_greedy(logits, ids, self.workspace, positions, context_lens, valid)
 
 

@@ -624,9 +624,9 @@ class FusedDecode:
         # Partial sums and arrival counts of split packed products and of the attention's splits, one
         # kernel after another: sized by tuning and by the run before each capture.
         self.workspace = SplitWorkspace(decoder.norm.weight.device)
-        # The step's inputs (lookup, RoPE) and greedy choice, a kernel each, in the same workspace;
-        # None: torch's ops (``$EDGEINFER_STEP_ENDS=0``).
-        self.ends = StepEnds(decoder, self.workspace) if step_ends_enabled() else None
+        # The step's inputs (lookup, RoPE) and greedy choice, a kernel each, in the same workspace
+        # (torch's ops where ``$EDGEINFER_STEP_ENDS=0``).
+        self.ends = StepEnds(decoder, self.workspace, kernels=step_ends_enabled())
         # Per row tile (kernels.row_tile) of 2 to 16 rows: the staged tiles the fused few-row layers
         # run, or None where they do not; and what decided it, for the report.
         self._row_tiles: dict[int, dict[str, StagedGemvConfig] | None] = {}
