@@ -7,7 +7,9 @@ their concatenation, cos, sin, the scaling and the casts; then the logits cast t
 argmax, and the additions. Each waited for the one before and came between the dependent
 launches of the step's own kernels: on an H200, 31 µs of kernel time a token, with 28 µs of gaps
 between all of the step's kernels, in a 1,012 µs 4-bit step at batch 1 (``decode_timeline`` of
-docs/results/probes/h200-profile-w4-b1.json). ``$EDGEINFER_STEP_ENDS=0`` brings the torch ops back.
+docs/results/probes/h200-profile-w4-b1.json). With the two kernels 4-bit batch-1 decode on an H100
+went from 1,029 to 1,063 tok/s, in turns in one call (docs/results/probes/h100-step-ends).
+``$EDGEINFER_STEP_ENDS=0`` brings the torch ops back.
 
 Both keep torch's arithmetic. An angle is the float32 product of the position and the inverse
 frequency, as :meth:`~edgeinfer.models.decoder.Decoder.rope` computes it, and Triton's cos and sin
