@@ -8,7 +8,8 @@ argmax, and the additions. Each waited for the one before and came between the d
 launches of the step's own kernels: on an H200, 31 µs of kernel time a token, with 28 µs of gaps
 between all of the step's kernels, in a 1,012 µs 4-bit step at batch 1 (``decode_timeline`` of
 docs/results/probes/h200-profile-w4-b1.json). With the two kernels 4-bit batch-1 decode on an H100
-went from 1,029 to 1,063 tok/s, in turns in one call (docs/results/probes/h100-step-ends).
+went from 1,029 to 1,063 tok/s, in turns in one call (a reading: two of its twelve timed runs were
+not quiet; docs/results/probes/h100-step-ends).
 ``$EDGEINFER_STEP_ENDS=0`` brings the torch ops back.
 
 Both keep torch's arithmetic. An angle is the float32 product of the position and the inverse
