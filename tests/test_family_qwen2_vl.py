@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from edgeinfer.engine import Engine, EngineConfig, SamplingParams
+from edgeinfer.engine.inputs import expand_images, tokenize
+from edgeinfer.errors import RequestError
 from tests.conftest import noise_image
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
@@ -175,3 +177,14 @@ def test_limits_and_stop_tokens_come_from_the_checkpoint(checkpoint):
     # generation_config.json lists <|endoftext|> next to <|im_end|>; transformers stops on both.
     ids = adapter.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert set(adapter.stop_token_ids()) == set(ids)
+
+
+def test_a_prompt_whose_image_tokens_miss_its_images_is_refused(checkpoint):
+    adapter = load_engine(checkpoint("qwen2_vl")).adapter
+    image = adapter.process_image(noise_image(120, 80, seed=1))
+    marker = adapter.image_marker
+    text = expand_images(f"<|vision_start|>{marker}<|vision_end|>how many?", marker, [image])
+    assert tokenize(adapter, text, [image]).token_ids.count(adapter.image_token_id) == image.num_tokens
+    with pytest.raises(RequestError, match=f"has {image.num_tokens - 1} image tokens where the images need "
+                                           f"{image.num_tokens}"):
+        tokenize(adapter, text.replace(marker, "", 1), [image])
