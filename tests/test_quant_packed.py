@@ -719,3 +719,28 @@ def test_what_packed_products_save_goes_to_the_kv_budget(quantized):
     config = EngineConfig(kv_budget_mb=512)
     assert config.grown_by(300 * 2**20).kv_budget_mb == 812
     assert EngineConfig(kv_budget_mb=512, num_blocks=64).grown_by(300 * 2**20).kv_budget_mb == 512  # as configured
+
+
+def test_a_tile_a_compiler_refuses_is_named_and_left_out_but_a_device_fault_stops_the_tuning():
+    """A tile that cannot be built on this board (a Gluon tile under another Triton, a PTX version
+    its driver lacks) costs that tile, named in the report, not the tuner; a fault of the device
+    itself is raised, since nothing after it would run."""
+    want = torch.arange(1, 9, dtype=torch.float32).view(1, 8)
+    outputs = torch.arange(8)
+
+    def product(tile):
+        if tile == "refused":
+            raise RuntimeError("ptxas fatal: Unsupported .version 9.9; current version is '8.4'\nlater lines")
+        return want + 1 if tile == "wrong" else want.clone()
+
+    right, wrong = kernels.checked_tiles(["right", "refused", "wrong"], product, want, outputs)
+    assert right == ["right"]
+    assert wrong["refused"] == ("could not be built or run here: RuntimeError: ptxas fatal: Unsupported .version 9.9; "
+                                "current version is '8.4'")
+    assert wrong["wrong"] == kernels.divergence(want + 1, want, outputs)
+
+    def faulted(tile):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        kernels.checked_tiles(["right"], faulted, want, outputs)

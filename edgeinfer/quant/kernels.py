@@ -836,11 +836,20 @@ def _right_tiles(key: tuple, candidates: list[MmConfig], x: torch.Tensor, codes,
 
 def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.Tensor) -> tuple[list, dict]:
     """The ``tiles`` whose ``product(tile)`` equals ``want`` at columns ``outputs`` (:func:`divergence`),
-    and each other tile's first divergence; a tile whose product is None (it could not be built) is
-    in neither. Both tuners check their candidates so before timing them."""
+    and each other tile's first divergence, or why it could not be built or run here (a compiler
+    that refuses a tile on this board's Triton or GPU costs that tile, not the tuning); a tile whose
+    product is None is in neither. A fault of the device itself is raised: nothing after it would
+    run. Both tuners check their candidates so before timing them."""
     at, right, wrong = outputs.to(want.device), [], {}
     for tile in tiles:
-        got = product(tile)
+        try:
+            got = product(tile)
+        except Exception as exc:  # noqa: BLE001 - any compiler's or launcher's refusal, named in the report
+            if device_fault(exc):
+                raise
+            said = str(exc).strip().splitlines()
+            wrong[tile] = f"could not be built or run here: {type(exc).__name__}" + (f": {said[0][:200]}" if said else "")
+            continue
         if got is None:
             continue
         why = divergence(got[:, at], want, outputs)
@@ -849,6 +858,13 @@ def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.T
         else:
             wrong[tile] = why
     return right, wrong
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device's own fault (an illegal address, a launch that failed), after
+    which the process's CUDA context is lost, rather than a tile a compiler refused."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
 
 
 def _gluon(cfg: MmConfig | StagedGemvConfig) -> bool:
