@@ -7,8 +7,8 @@
 #
 # A TREE is a revision, unpacked with `git archive` into OUT/trees/TREE, or WORKTREE, this checkout
 # as it is (uncommitted changes included), optionally after VAR=VALUE assignments joined by `@`,
-# which its runs get in their environment: EDGEINFER_STAGED_PRODUCTS=1@WORKTREE is this checkout
-# with the staged products' switch on (its runs' folder: EDGEINFER_STAGED_PRODUCTS_1_WORKTREE). Round r runs every tree in the order given:
+# which its runs get in their environment: EDGEINFER_STAGED_PRODUCTS=0@WORKTREE is this checkout
+# with the staged products' switch off (its runs' folder: EDGEINFER_STAGED_PRODUCTS_0_WORKTREE). Round r runs every tree in the order given:
 # `python -m edgeinfer.cli.main EDGEINFER-ARGS --out OUT/TREE-r`, from the tree's copy and with it
 # first on PYTHONPATH, so the report and every engine worker it starts import that tree. Give the
 # trees one --cache, as an absolute path (each run starts in its own folder): a checkpoint built

@@ -6,15 +6,14 @@ timing). The two alternate; each run starts from the tiles chosen alone and has 
 (``runtime.step_tuning_s``). Then every set of tiles a run ended on is timed again, in turns,
 ``--retime`` times: what a descent's end is worth, free of the luck of its own last timing.
 
-With ``--staged`` (and ``EDGEINFER_STAGED_PRODUCTS=1``, so that the tuner times the staged
+With ``--staged`` (and ``EDGEINFER_STAGED_PRODUCTS`` not ``0``, so that the tuner times the staged
 products' tiles alone, :func:`edgeinfer.quant.staged.candidates`) the two that alternate are the
 present descent over every tile and the same descent over the tiles without the staged ones, each
 from the fastest alone of its own set: the step with the staged products against without, and
 ``median_us`` pools each one's ends as timed again.
 
     python scripts/probe_step_tuning.py --model DIR --runs 3 --out probe.json
-    EDGEINFER_STAGED_PRODUCTS=1 EDGEINFER_TILE_CACHE=off \
-        python scripts/probe_step_tuning.py --model DIR --staged --runs 2 --out probe.json
+    EDGEINFER_TILE_CACHE=off python scripts/probe_step_tuning.py --model DIR --staged --runs 2 --out probe.json
 
 The model is a checkpoint the fused step runs (the H200 runs use the 4-bit checkpoint that
 ``edgeinfer bench gpu --weights w4a16-h8`` writes into its cache). One JSON object on stdout.
@@ -38,6 +37,7 @@ from edgeinfer.bench.raw import print_and_save
 from edgeinfer.engine import Engine, EngineConfig
 from edgeinfer.progress import NoSteps
 from edgeinfer.quant import staged
+from edgeinfer.quant.launching import STAGED_ENV
 from edgeinfer.quant.staged import StagedGemvConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.staged and not staged.enabled():
-        parser.error(f"--staged needs {staged.STAGED_ENV}=1: the staged tiles are timed only with it")
+        parser.error(f"--staged needs the staged tiles, which {STAGED_ENV}=0 leaves out")
     config = EngineConfig(dtype="bfloat16", device="cuda", max_batch_size=1, block_size=16, kv_budget_mb=1024,
                           max_context=4096, cuda_graphs=True, prefix_cache=False, step_tuning_s=0.0)
     engine = Engine.load(args.model, config=config)

@@ -290,7 +290,7 @@ def test_the_tensor_core_tiles_timed_at_16_rows_are_the_shared_ones_and_two_regi
     """At 8 rows the tuner times the register tiles; at 16 the x-shared tiles and the two register
     tiles that measured fastest there (:data:`kernels.ROW16_REGISTER_TILES`), each where the row
     has the steps its split needs; staged tiles only with their switch."""
-    monkeypatch.delenv(launching.STAGED_ENV, raising=False)
+    monkeypatch.delenv(launching.STAGED_MMA_ENV, raising=False)
     gate_up, short = PackedGeometry(17920, 1536, 4, 12, 128), PackedGeometry(256, 256, 4, 2, 128)
     eight, sixteen = kernels.mma_candidates(gate_up, 8), kernels.mma_candidates(gate_up, 16)
     assert eight and not any(c.x_shared or c.wide for c in eight)

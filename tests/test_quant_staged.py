@@ -13,7 +13,7 @@ import torch
 
 from edgeinfer.quant import staged
 from edgeinfer.quant.kernels import compile_ahead
-from edgeinfer.quant.launching import STAGED_ENV, PackedGeometry, SplitWorkspace
+from edgeinfer.quant.launching import STAGED_ENV, STAGED_MMA_ENV, PackedGeometry, SplitWorkspace
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, unfit
 from edgeinfer.testing.products import random_packed
@@ -63,11 +63,13 @@ def test_a_product_it_cannot_take_is_refused_before_anything_launches():
             staged.staged_gemv(x, w, StagedGemvConfig(1, 5), warmup=True)
 
 
-def test_its_tiles_are_timed_only_where_turned_on_and_on_a_gpu_that_runs_it(monkeypatch):
+def test_its_tiles_are_timed_unless_turned_off_and_on_a_gpu_that_runs_it(monkeypatch):
     gate_up, down = packed(17920, 1536), packed(1536, 8960)
-    monkeypatch.delenv(STAGED_ENV, raising=False)
+    monkeypatch.setenv(STAGED_ENV, "0")
+    monkeypatch.setattr(staged, "unavailable", lambda device: None)  # as on a GPU that can run it
     assert not staged.enabled() and staged.candidates(gate_up, torch.bfloat16, True) == []
-    monkeypatch.setenv(STAGED_ENV, "1")
+    monkeypatch.undo()
+    monkeypatch.delenv(STAGED_ENV, raising=False)  # on by default
     assert staged.enabled()
     assert staged.unavailable(torch.device("cpu")) in ("not a CUDA device", "Triton's Gluon is not installed")
     assert staged.candidates(gate_up, torch.bfloat16, True) == []  # these weights are on the CPU
@@ -96,15 +98,17 @@ def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
 
 def test_the_tensor_core_kernel_s_staged_tiles_are_timed_only_where_turned_on(monkeypatch):
     """At 2 to 16 rows the tensor-core kernel's staged tiles (every step's words and x in shared
-    memory at once) join its candidates only with the same switch; each leaves every split the same
-    steps, at least two, within ``STAGED_BYTES`` of shared memory."""
+    memory at once) join its candidates only with their own switch, not the one-row staged tiles'
+    (on by default); each leaves every split the same steps, at least two, within ``STAGED_BYTES``
+    of shared memory."""
     from edgeinfer.quant import kernels
 
     gate_up = PackedGeometry(17920, 1536, 4, 12, 128)
     down = PackedGeometry(1536, 8960, 4, 70, 128)
-    monkeypatch.delenv(STAGED_ENV, raising=False)
-    assert not any(c.staged for rows in (8, 16) for c in kernels.mma_candidates(gate_up, rows))
+    monkeypatch.delenv(STAGED_MMA_ENV, raising=False)
     monkeypatch.setenv(STAGED_ENV, "1")
+    assert not any(c.staged for rows in (8, 16) for c in kernels.mma_candidates(gate_up, rows))
+    monkeypatch.setenv(STAGED_MMA_ENV, "1")
     for layout, rows, want in ((gate_up, 16, [(64, 2), (64, 3), (128, 2), (128, 3)]),
                                (gate_up, 8, [(64, 1), (64, 2), (128, 2), (128, 3)]),
                                (down, 16, [(64, 10), (64, 14), (128, 10), (128, 14)])):
@@ -208,9 +212,9 @@ def test_a_decode_on_staged_products_is_reported_against_packed_gemv_s(tmp_path_
 
     tokens = _bf16_w4_tokens(tmp_path_factory, monkeypatch, together=False)
 
-    monkeypatch.delenv(STAGED_ENV, raising=False)
+    monkeypatch.setenv(STAGED_ENV, "0")
     plain, plain_report = tokens()
-    monkeypatch.setenv(STAGED_ENV, "1")
+    monkeypatch.delenv(STAGED_ENV)  # on by default
     every = triton_decode._candidates
     monkeypatch.setattr(triton_decode, "_candidates", lambda w, dtype=None, glu=False: tuple(
         c for c in every(w, dtype, glu) if isinstance(c, StagedGemvConfig)) or every(w, dtype, glu))

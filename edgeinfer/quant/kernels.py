@@ -44,7 +44,7 @@ from edgeinfer.device import cuda_capability
 from edgeinfer.progress import NoSteps, Steps
 from edgeinfer.quant import staged, tensor_core
 from edgeinfer.quant.launching import (PackedGeometry, PackedParts, SplitWorkspace, gdc_launch_dependents, gdc_wait,
-                                       interpreting, launch, pow2, staged_enabled, staged_rows_enabled)
+                                       interpreting, launch, pow2, staged_mma_enabled, staged_rows_enabled)
 from edgeinfer.quant.staged import StagedGemvConfig
 
 try:  # the import decides whether these kernels exist at all
@@ -577,7 +577,7 @@ def mma_candidates(layout: PackedGeometry, row_tile: int) -> list[MmConfig]:
               for stages in (2, 4)
               if row_tile == 16 and fits(bk, split) and x_shared_bytes(layout.k, bk, split, row_tile) <= X_SHARED_BYTES]
     row16 = [c for c in ROW16_REGISTER_TILES if row_tile == 16 and fits(c.bk, c.split)]
-    return registers + shared + row16 + (staged_mma_candidates(layout, row_tile) if staged_enabled() else [])
+    return registers + shared + row16 + (staged_mma_candidates(layout, row_tile) if staged_mma_enabled() else [])
 
 
 def staged_rows_candidates(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) -> list[StagedGemvConfig]:
@@ -764,7 +764,7 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         return mm_config(layout, x.shape[0], x.device)
     cache, ident = tile_cache.default(), tile_cache.device_identity(x.device)
     cache_key = {**asdict(layout), "row_tile": bm, "zeros": zeros is not None, "dtype": str(x.dtype),
-                 "staged": staged_enabled(),  # whether the staged tiles were candidates
+                 "staged": staged_mma_enabled(),  # whether the tensor-core STAGED tiles were candidates
                  "staged_rows": staged_rows_enabled()}
     kept = _kept_config(cache.get(PACKED_TILES, cache_key, ident))
     if kept is not None:

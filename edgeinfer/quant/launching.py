@@ -57,9 +57,13 @@ class PackedParts(NamedTuple):
 
 # Set to 0 to launch every kernel after the one before it has finished, as a plain stream does.
 DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
-# "1": the tuners also time the staged products' tiles at one row (quant/staged.py, fused into the
-# step) and the tensor-core kernel's ``STAGED``: right, but no faster in an H100's step, so off by default
+# "0": the batch-1 tuner leaves out the staged products' tiles (quant/staged.py, fused into the step).
+# On by default: on an H200 the step kept gate|up's staged tile and decode ran 1.02x faster; on an H100
+# the step's descent took them out again, so there they cost only their timing (docs/quantization.md)
 STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
+# "1": the few-row tuner also times the tensor-core kernel's ``STAGED`` tiles (quant/tensor_core.py):
+# right, but no faster at 16 rows on an H200, so off by default
+STAGED_MMA_ENV = "EDGEINFER_STAGED_MMA"
 # "0": the few-row tuner leaves out the staged kernel's tiles for 2 to 16 rows (quant/staged.py's
 # staged_mm), which made batch-16 4-bit decode 1.03× faster on an H100 (docs/quantization.md)
 STAGED_ROWS_ENV = "EDGEINFER_STAGED_ROWS"
@@ -78,8 +82,13 @@ def interpreting() -> bool:
 
 
 def staged_enabled() -> bool:
-    """Whether the tuners time the staged products' tiles (``$EDGEINFER_STAGED_PRODUCTS=1``)."""
-    return os.environ.get(STAGED_ENV) == "1"
+    """Whether the batch-1 tuner times the staged products' tiles (unless ``$EDGEINFER_STAGED_PRODUCTS=0``)."""
+    return os.environ.get(STAGED_ENV, "1") != "0"
+
+
+def staged_mma_enabled() -> bool:
+    """Whether the few-row tuner times the tensor-core kernel's ``STAGED`` tiles (``$EDGEINFER_STAGED_MMA=1``)."""
+    return os.environ.get(STAGED_MMA_ENV) == "1"
 
 
 def staged_rows_enabled() -> bool:
