@@ -8,7 +8,6 @@ they are compared with what the same kernels dequantize, and with torch only in 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -744,3 +743,6 @@ def test_a_tile_a_compiler_refuses_is_named_and_left_out_but_a_device_fault_stop
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
         kernels.checked_tiles(["right"], faulted, want, outputs)
+    # Triton words the same faults its own way; a launch it refuses leaves the context as it was.
+    assert kernels.device_fault(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
+    assert not kernels.device_fault(RuntimeError("Triton Error [CUDA]: too many resources requested for launch"))

@@ -860,11 +860,17 @@ def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.T
     return right, wrong
 
 
+# CUDA's sticky errors, as torch ("CUDA error: ...") and Triton ("Triton Error [CUDA]: ...") word them:
+# after one the process's context is lost and every later call fails.
+STICKY_FAULTS = ("illegal memory access", "misaligned address", "illegal instruction", "unspecified launch failure",
+                 "hardware stack error", "device-side assert")
+
+
 def device_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` is the device's own fault (an illegal address, a launch that failed), after
-    which the process's CUDA context is lost, rather than a tile a compiler refused."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
+    """Whether ``exc`` is one of the device's sticky faults, rather than a tile a compiler or a launch
+    refused (a launch asking for too many registers leaves the context as it was)."""
+    said = str(exc).lower()
+    return any(fault in said for fault in STICKY_FAULTS)
 
 
 def _gluon(cfg: MmConfig | StagedGemvConfig) -> bool:
