@@ -120,7 +120,9 @@ def test_the_switch_leaves_the_ends_to_torch_and_the_report_says_which_ran(check
         return CudaGraphDecoderEngine(load_model(checkpoint("qwen2_vl"), device=DEVICE).decoder, 1, 8,
                                       compile_layers=False, take_decoder=True)
 
-    assert engine().kernel_report["step_ends"] is True
+    on = engine()
+    assert on.kernel_report["step_ends"] is True
+    assert on.kernel_report["staged_products"] is True  # on by default: the raw file says what the tuner had
     monkeypatch.setenv(STEP_ENDS_ENV, "0")
     off = engine()
     assert off.kernel_report["step_ends"] is False and off._fused.ends.kernels is False
