@@ -1,8 +1,8 @@
 """A decode step's products with random weights, as the GPU probes build them.
 
 :func:`random_packed` is a packed weight of random codes with small positive scales (reads come
-from memory, not from the values); :func:`fused_inputs` is a row of x and what the fused step
-gives a product besides it: ``kind`` names the prologue and epilogues (``"norm"``, ``"bias"``,
+from memory, not from the values); :func:`fused_inputs` is x (a row, or
+several) and what the fused step gives a product besides it: ``kind`` names the prologue and epilogues (``"norm"``, ``"bias"``,
 ``"residual"``, ``"glu"``, joined by ``+``), as in ``"norm+bias"`` for q|k|v.
 """
 
@@ -22,16 +22,17 @@ def random_packed(n: int, k: int, bits: int, group: int, device: torch.device,
 
 
 def fused_inputs(kind: str, n: int, k: int, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, dict]:
-    """x [1, k] and the keyword arguments of ``triton_decode.packed_gemv`` / ``gemv`` for ``kind``."""
-    x = torch.randn(1, k, device=device, dtype=dtype)
+                 dtype: torch.dtype = torch.bfloat16, rows: int = 1) -> tuple[torch.Tensor, dict]:
+    """x [rows, k] and the keyword arguments of ``triton_decode.packed_gemv`` / ``gemv`` (or, for
+    several rows, ``staged.staged_mm``) for ``kind``."""
+    x = torch.randn(rows, k, device=device, dtype=dtype)
     kw = {}
     if "norm" in kind:
         kw.update(norm_weight=(torch.rand(k, device=device) + 0.5).to(dtype), eps=1e-6)
     if "bias" in kind:
         kw["bias"] = torch.randn(n, device=device, dtype=dtype)
     if "residual" in kind:
-        kw["residual"] = torch.randn(1, n, device=device, dtype=dtype)
+        kw["residual"] = torch.randn(rows, n, device=device, dtype=dtype)
     if "glu" in kind:
         kw["glu"] = True
     return x, kw
