@@ -3,9 +3,9 @@ against the few-row product the layers use now (``kernels.packed_mm`` with the t
 chooses), on random 4-bit weights of Qwen2-VL-2B's shapes, bf16, groups of 128.
 
 Each staged tile is first checked against torch as the tuner checks its tiles
-(``kernels.checked_tiles``); a wrong one is reported and not timed. Each product is timed as the
-tuner times it: over copies of the weight that do not fit L2 together (``kernels.cold_copies``),
-replayed from one CUDA graph, µs a call. Every timing ``--rounds`` times, in turns; medians.
+(``kernels.checked_tiles``); a wrong one, or one this Triton refuses, is reported (``wrong``) and
+not timed. Each product is timed as the tuner times it: over copies of the weight that do not fit
+L2 together (``kernels.cold_copies``), replayed from one CUDA graph, µs a call. Every timing ``--rounds`` times, in turns; medians.
 
     OUT=probe.json python scripts/probe_staged_rows.py --rows 4,8,16 --rounds 3 --shapes gate_up,down
 
@@ -36,9 +36,14 @@ SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "dow
 FUSED = {"qkv": "norm+bias", "o": "residual", "gate_up": "norm+glu", "down": "residual"}  # as the step fuses them
 
 
-def fitting(w, glu: bool) -> list:
-    """The staged tiles the few-row tuner times for ``w``."""
-    return staged.tiles_that_fit(w, torch.bfloat16, glu)
+def medians_in_turns(calls: dict, rounds: int) -> dict[str, float]:
+    """µs a call of each of ``calls`` (label: a call per copy of the weight), timed ``rounds`` times in
+    turns; medians."""
+    times = {label: [] for label in calls}
+    for _ in range(rounds):
+        for label, fns in calls.items():
+            times[label].append(graph_time_us(fns))
+    return {label: round(statistics.median(ts), 2) for label, ts in times.items()}
 
 
 def fused_times(name: str, w, copies, rows: int, rounds: int, space) -> dict:
@@ -47,7 +52,7 @@ def fused_times(name: str, w, copies, rows: int, rounds: int, space) -> dict:
     n, k = SHAPES[name]
     x, kw = fused_inputs(FUSED[name], n, k, w.codes.device, rows=rows)
     refused, calls = {}, {}
-    for t in fitting(w, bool(kw.get("glu"))):
+    for t in staged.tiles_that_fit(w, torch.bfloat16, bool(kw.get("glu"))):
         try:
             staged.staged_mm(x, w, t, workspace=space, **kw)
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel
@@ -55,11 +60,7 @@ def fused_times(name: str, w, copies, rows: int, rounds: int, space) -> dict:
             continue
         calls[f"staged {t.warps}w split{t.split}"] = [lambda c=c, t=t: staged.staged_mm(x, c, t, workspace=space, **kw)
                                                       for c in copies]
-    times = {label: [] for label in calls}
-    for _ in range(rounds):
-        for label, fns in calls.items():
-            times[label].append(graph_time_us(fns))
-    us = {label: round(statistics.median(ts), 2) for label, ts in times.items()}
+    us = medians_in_turns(calls, rounds)
     best = min(us, key=us.get, default=None)
     return {"mb": round(w.nbytes / 1e6, 2), "fused": FUSED[name], "us": us, "best_staged": best, "refused": refused}
 
@@ -82,7 +83,7 @@ def main() -> None:
         w = random_packed(n, k, 4, 128, dev)
         copies = [w] + [PackedMatrix(w.codes.clone(), w.scales.clone(), None, 4, 128, (n, k))
                         for _ in range(cold_copies(w.nbytes, l2) - 1)]
-        tiles = fitting(w, False)  # what the few-row tuner times
+        tiles = staged.tiles_that_fit(w, torch.bfloat16, False)  # what the few-row tuner times
         outputs = checked_outputs(n)
         for rows in map(int, args.rows.split(",")):
             if args.fused:
@@ -92,30 +93,18 @@ def main() -> None:
                 continue
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             want = kernels.reference_outputs(x, w.codes, w.scales, None, w.layout, outputs)
-            refused = {}
-
-            def product(t):
-                try:
-                    return staged.staged_mm(x, w, t, workspace=space)
-                except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel
-                    refused[str(t)] = f"{type(e).__name__}: {str(e)[:300]}"
-                    return None
-
-            right, wrong = checked_tiles(tiles, product, want, outputs)
+            # a tile this Triton refuses is in ``wrong`` too, named (``checked_tiles``)
+            right, wrong = checked_tiles(tiles, lambda t: staged.staged_mm(x, w, t, workspace=space), want, outputs)
             mm_tile = kernels.tuned_config(x, w.codes, w.scales, None, w.layout)
             calls = {"packed_mm " + kernels._tile_name(mm_tile): [lambda c=c: c.matmul(x) for c in copies]}
             calls |= {f"staged {t.warps}w split{t.split}": [lambda c=c, t=t: staged.staged_mm(x, c, t, workspace=space)
                                                          for c in copies] for t in right}
-            times = {label: [] for label in calls}
-            for _ in range(args.rounds):
-                for label, fns in calls.items():
-                    times[label].append(graph_time_us(fns))
-            us = {label: round(statistics.median(ts), 2) for label, ts in times.items()}
+            us = medians_in_turns(calls, args.rounds)
             best = min((label for label in us if label.startswith("staged")), key=us.get, default=None)
             mm = next(iter(us))
             row = {"mb": round(w.nbytes / 1e6, 2), "us": us, "packed_mm": mm, "best_staged": best,
                    "staged_over_packed_mm": round(us[best] / us[mm], 3) if best else None,
-                   "wrong": {str(t): why for t, why in wrong.items()}, "refused": refused}
+                   "wrong": {str(t): why for t, why in wrong.items()}}
             out["products"].setdefault(name, {})[rows] = row
             print(name, rows, mm, us[mm], best, us.get(best), flush=True)
     out["load_after"] = os.getloadavg()

@@ -1,9 +1,9 @@
 """A decode step's products with random weights, as the GPU probes build them.
 
 :func:`random_packed` is a packed weight of random codes with small positive scales (reads come
-from memory, not from the values); :func:`fused_inputs` is x (a row, or
-several) and what the fused step gives a product besides it: ``kind`` names the prologue and epilogues (``"norm"``, ``"bias"``,
-``"residual"``, ``"glu"``, joined by ``+``), as in ``"norm+bias"`` for q|k|v.
+from memory, not from the values); :func:`fused_inputs` is x (a row, or several) and what the
+fused step gives a product besides it: ``kind`` names the prologue and epilogues (``"norm"``,
+``"bias"``, ``"residual"``, ``"glu"``, joined by ``+``), as in ``"norm+bias"`` for q|k|v.
 """
 
 from __future__ import annotations
