@@ -393,8 +393,9 @@ def test_the_decode_kernels_build_for_jetson_thor():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_step_s_ends_compile_for_every_branch(dtype):
-    """The step's inputs (lookup and RoPE, or RoPE alone; scaled embeddings or not) and its greedy
-    choice (ids alone, or plain and M-RoPE positions moved on), as their wrappers launch them."""
+    """The step's inputs (lookup and RoPE, or RoPE alone; scaled embeddings or not), the final norm at
+    several rows, and its greedy choice (ids alone, or plain and M-RoPE positions moved on), as their
+    wrappers launch them."""
     from edgeinfer.backends.torch import step_ends
 
     inputs = {**pointers(dtype, "EMBED", "X", "COS", "SIN"), "TOKENS": "*i64", "POS": "*i64", "INV_FREQ": "*fp32",
@@ -403,6 +404,9 @@ def test_the_step_s_ends_compile_for_every_branch(dtype):
     for embed_rows, scaled in ((True, False), (True, True), (False, False)):
         assert all(compiled(step_ends._inputs_kernel, inputs, dict(
             HALF=64, HALF_P=64, BH=step_ends.EMBED_BLOCK, EMBED_ROWS=embed_rows, SCALED=scaled)).values())
+    norm = {**pointers(dtype, "X", "W", "Y"), **dict.fromkeys(("stride_x", "stride_y", "H"), "i32"), "eps": "fp32"}
+    for bh, warps in ((2048, 4), (8192, 8)):  # Qwen2-VL-2B's 1,536 columns, and up to 8,192
+        assert all(compiled(step_ends._norm_kernel, norm, dict(BH=bh), warps=warps).values())
     choose = {"LOGITS": f"*{dtype}", "PARTS": "*fp32", "ARRIVALS": "*i32", "IDS": "*i64", "POS": "*i64",
               "CTX": "*i64", "VALID": "*i64", **dict.fromkeys(("V", "stride_l", "stride_axis", "stride_pos"), "i32")}
     for advance, axes in ((False, 1), (True, 1), (True, 3)):

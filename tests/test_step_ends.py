@@ -103,6 +103,32 @@ def test_the_choice_is_torch_s_argmax_and_moves_only_the_valid_rows_on(dtype, ra
     assert torch.equal(positions, want_positions) and torch.equal(context_lens, want_context)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_final_norm_is_the_decoder_s_norm_row_by_row(dtype):
+    """``final_norm`` against ``RMSNorm`` itself: rows of scales far apart (a row normed by another's
+    sum shows), a width that is not a power of two (masked columns), a weight far from one and an
+    eps large beside the rows' squares. Within eight roundings of the dtype: the sum of squares is
+    taken in another order than torch's mean and 1/√ is not torch's rsqrt, a few float32 roundings
+    apart, so a bf16 row may round the other way, and its product with the weight again. A row
+    normed by another row's sum, or a weight left out, is off by far more."""
+    from edgeinfer.models.decoder import RMSNorm
+
+    torch.manual_seed(0)
+    rows, hidden = 5, 96
+    norm = RMSNorm(hidden, eps=0.05).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden) * 3 - 1)
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, hidden) * torch.tensor([0.01, 0.3, 1.0, 7.0, 300.0])[:, None]).to(DEVICE, dtype)
+    with torch.no_grad():
+        want = norm(x).float()
+        got = step_ends.final_norm(x, norm.weight, norm.eps).float()
+    assert got.shape == want.shape
+    ulp = torch.finfo(dtype).eps
+    off = ((got - want).abs() / want.abs().clamp(min=ulp)).max().item()
+    assert off <= 8 * ulp, f"{off:.3e} off RMSNorm's outputs, over eight roundings ({8 * ulp:.1e})"
+
+
 def test_moving_the_rows_on_without_their_lengths_is_refused():
     logits = torch.randn(2, 64, device=DEVICE)
     ids = torch.zeros(2, dtype=torch.long, device=DEVICE)

@@ -438,7 +438,11 @@ class Decoder(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head over the last layer's output: the final norm, then the vocabulary product."""
-        return _linear(self.norm(x), self.lm_head_t, None)
+        return self.vocabulary(self.norm(x))
+
+    def vocabulary(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's vocabulary product of rows already through the final norm."""
+        return _linear(x, self.lm_head_t, None)
 
 
 def past_slots_and_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,

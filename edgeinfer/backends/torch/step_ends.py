@@ -119,6 +119,22 @@ if triton is not None:
             tl.atomic_xchg(ARRIVALS + row, 0)
 
 
+    @triton.jit
+    def _norm_kernel(X, W, Y, stride_x, stride_y, H, eps, BH: tl.constexpr, PDL: tl.constexpr):
+        """Row ``program_id(0)`` of X RMSNorm'd into Y, rounded as ``RMSNorm`` rounds: the mean of the
+        squares in float32, the row times 1/√(mean + eps) rounded to X's dtype, then times the weight,
+        rounded again."""
+        row = tl.program_id(0)
+        rh = tl.arange(0, BH)
+        h_ok = rh < H
+        w = tl.load(W + rh, mask=h_ok, other=0.0).to(tl.float32)
+        await_inputs(PDL)  # the row is the last layer's
+        x = tl.load(X + row * stride_x + rh, mask=h_ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        xn = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * stride_y + rh, (xn * w).to(Y.dtype.element_ty), mask=h_ok)
+
+
 class StepEnds:
     """The two ends of ``decoder``'s fused decode step, their arrival counts in ``workspace`` (the
     step's: its kernels run one after another). With ``kernels`` (Triton on CUDA, or its
@@ -173,11 +189,32 @@ class StepEnds:
             **launch_options(device))
         return x, cos, sin
 
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The decoder's final norm of rows ``x`` [B, hidden], before the head: one kernel
+        (:func:`final_norm`) with :attr:`kernels`, the module otherwise (and for a norm the kernel
+        does not take: Gemma's offset, or a weight in another dtype than the rows')."""
+        norm = self.decoder.norm
+        if not self.kernels or norm.offset or norm.weight.dtype != x.dtype:
+            return norm(x)
+        return final_norm(x, norm.weight, norm.eps)
+
     def choose(self, logits: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None = None,
                context_lens: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
         """:func:`choose_greedy` in the step's workspace (with :attr:`kernels` only: without, the
         caller's sampler path chooses)."""
         choose_greedy(logits, ids, self.workspace, positions, context_lens, valid)
+
+
+def final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` [B, hidden] by ``weight`` [hidden] (``x``'s dtype), in one kernel of
+    a program a row, with ``RMSNorm``'s roundings. Torch's eight ops for the same took 17 µs of
+    kernel time a step at 16 rows on an H100, each launched after the one before finished."""
+    rows, hidden = x.shape
+    y = torch.empty_like(x)
+    bh = pow2(hidden)
+    _norm_kernel[(rows,)](x, weight, y, x.stride(0), y.stride(0), hidden, eps, BH=bh,
+                          num_warps=4 if bh <= 4096 else 8, **launch_options(x.device))
+    return y
 
 
 def choose_greedy(logits: torch.Tensor, ids: torch.Tensor, workspace: SplitWorkspace,

@@ -864,9 +864,9 @@ class FusedDecode:
             before, after, head = partial(self._qkv, self._gemv), partial(self._after, self._gemv), self._head_gemv
         elif (tiles := self.row_tiles(x)) is not None:
             product = partial(self._tiled_rows, tiles)
-            before, after, head = partial(self._qkv, product), partial(self._after, product), self.decoder.logits
+            before, after, head = partial(self._qkv, product), partial(self._after, product), self._head_rows
         else:
-            before, after, head = (*self.halves, self.decoder.logits)
+            before, after, head = (*self.halves, self._head_rows)
         new_k = new_v = None
         if valid is None:
             new_k = torch.empty(cfg.num_layers, m, 1, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
@@ -952,6 +952,11 @@ class FusedDecode:
         act = product("gate_up", x, self.weight(layer.gate_up_t), bias=layer.gate_up_bias,
                       norm_weight=layer.post_attention_norm.weight, eps=layer.post_attention_norm.eps, glu=True)
         return product("down", act, self.weight(layer.down_t), bias=layer.down_bias, residual=x)
+
+    def _head_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The head at several rows: the final norm, one kernel of the step's ends, then the
+        vocabulary product the head's weight takes at that many rows."""
+        return self.decoder.vocabulary(self.ends.norm(x))
 
     def _head_gemv(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.decoder.norm
