@@ -70,8 +70,8 @@ STAGED_ROWS_ENV = "EDGEINFER_STAGED_ROWS"
 # "0": 2 to 16 rows of 4-bit weights run the layer's own compiled products and norms, not the staged
 # products with the norms, bias, residual and SiLU·up fused (triton_decode.FusedDecode.row_tiles)
 FUSED_ROWS_ENV = "EDGEINFER_FUSED_ROWS"
-# "0": the fused step's inputs (lookup, RoPE) and greedy choice run as torch ops, not as one kernel
-# each (backends/torch/step_ends.py)
+# "0": the fused step's inputs (lookup, RoPE), greedy choice and final norm at several rows run as
+# torch ops, not as one kernel each (backends/torch/step_ends.py)
 STEP_ENDS_ENV = "EDGEINFER_STEP_ENDS"
 
 
@@ -104,7 +104,8 @@ def fused_rows_enabled() -> bool:
 
 
 def step_ends_enabled() -> bool:
-    """Whether the fused step's inputs and greedy choice run as a kernel each (unless ``$EDGEINFER_STEP_ENDS=0``)."""
+    """Whether the fused step's inputs, greedy choice and final norm at several rows run as a kernel each
+    (unless ``$EDGEINFER_STEP_ENDS=0``)."""
     return os.environ.get(STEP_ENDS_ENV, "1") != "0"
 
 

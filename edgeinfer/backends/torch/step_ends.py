@@ -1,6 +1,7 @@
 """The fused decode step's two ends, one kernel each: the rows' inputs (each token's embedding and
 the RoPE cos/sin of its position), and in greedy bursts the next ids (each row's argmax) with the
-valid rows' positions and context lengths moved on.
+valid rows' positions and context lengths moved on. At 2 to 16 rows the final norm before the head
+is a kernel too (:func:`final_norm`; at one row the head's product takes it as a prologue).
 
 Written in torch these ends were some seventeen small kernels a step: the lookup; the angles,
 their concatenation, cos, sin, the scaling and the casts; then the logits cast to float32, the
@@ -17,6 +18,8 @@ frequency, as :meth:`~edgeinfer.models.decoder.Decoder.rope` computes it, and Tr
 of float32 are libdevice's, the CUDA math library torch's own kernels call; M-RoPE's choice of axis per frequency
 is :func:`~edgeinfer.models.decoder.mrope_frequencies` itself, applied once to the axes' numbers.
 The argmax takes the first of equal maxima, and the first NaN over any number, as torch's does.
+The final norm rounds where ``RMSNorm`` does; its sum of squares is taken in another order, so a
+row may round the other way in the last place.
 """
 
 from __future__ import annotations
@@ -136,9 +139,10 @@ if triton is not None:
 
 
 class StepEnds:
-    """The two ends of ``decoder``'s fused decode step, their arrival counts in ``workspace`` (the
-    step's: its kernels run one after another). With ``kernels`` (Triton on CUDA, or its
-    interpreter) a kernel each; without, torch's ops (``$EDGEINFER_STEP_ENDS=0``), the same values."""
+    """The two ends of ``decoder``'s fused decode step, and its final norm at several rows, their
+    arrival counts in ``workspace`` (the step's: its kernels run one after another). With
+    ``kernels`` (Triton on CUDA, or its interpreter) a kernel each; without, torch's ops
+    (``$EDGEINFER_STEP_ENDS=0``), the same values (the final norm's within a rounding)."""
 
     def __init__(self, decoder, workspace: SplitWorkspace, kernels: bool = True) -> None:
         cfg = decoder.cfg
