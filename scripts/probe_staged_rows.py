@@ -56,7 +56,7 @@ def fused_times(name: str, w, copies, rows: int, rounds: int, space) -> dict:
         try:
             staged.staged_mm(x, w, t, workspace=space, **kw)
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel
-            refused[str(t)] = f"{type(e).__name__}: {str(e)[:300]}"
+            refused[str(t)] = kernels.refusal(e)
             continue
         calls[f"staged {t.warps}w split{t.split}"] = [lambda c=c, t=t: staged.staged_mm(x, c, t, workspace=space, **kw)
                                                       for c in copies]

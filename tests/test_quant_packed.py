@@ -746,3 +746,7 @@ def test_a_tile_a_compiler_refuses_is_named_and_left_out_but_a_device_fault_stop
     # Triton words the same faults its own way; a launch it refuses leaves the context as it was.
     assert kernels.device_fault(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
     assert not kernels.device_fault(RuntimeError("Triton Error [CUDA]: too many resources requested for launch"))
+    # the tensor-core tiles' own refusals (kernels._REFUSED) are worded, and faults raised, the same way
+    assert kernels.refusal(RuntimeError("out of shared memory\nmore")) == "RuntimeError: out of shared memory"
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        kernels.refusal(RuntimeError("CUDA error: misaligned address"))

@@ -793,7 +793,7 @@ def tuned_config(x: torch.Tensor, codes, scales, zeros, layout: PackedGeometry) 
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
             if not _gluon(cfg):
                 raise
-            _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
+            _REFUSED[key] = refusal(e)
     _TUNED[key] = min(times, key=times.get)
     cache.put(PACKED_TILES, cache_key, _cache_fields(_TUNED[key]), ident)
     return _TUNED[key]
@@ -824,7 +824,7 @@ def _right_tiles(key: tuple, candidates: list[MmConfig], x: torch.Tensor, codes,
         except Exception as e:  # Gluon is experimental: a Triton that refuses the kernel keeps the Triton one
             if not _gluon(cfg):
                 raise
-            _REFUSED[key] = f"{type(e).__name__}: {str(e)[:300]}"
+            _REFUSED[key] = refusal(e)
             return None
 
     right, wrong = checked_tiles(candidates, product, reference_outputs(check, codes, scales, zeros, layout, outputs),
@@ -845,10 +845,7 @@ def checked_tiles(tiles, product: Callable, want: torch.Tensor, outputs: torch.T
         try:
             got = product(tile)
         except Exception as exc:  # noqa: BLE001 - any compiler's or launcher's refusal, named in the report
-            if device_fault(exc):
-                raise
-            said = str(exc).strip().splitlines()
-            wrong[tile] = f"could not be built or run here: {type(exc).__name__}" + (f": {said[0][:200]}" if said else "")
+            wrong[tile] = f"could not be built or run here: {refusal(exc)}"
             continue
         if got is None:
             continue
@@ -871,6 +868,15 @@ def device_fault(exc: BaseException) -> bool:
     refused (a launch asking for too many registers leaves the context as it was)."""
     said = str(exc).lower()
     return any(fault in said for fault in STICKY_FAULTS)
+
+
+def refusal(exc: BaseException) -> str:
+    """Why a tile could not be built or run, in a line: ``exc``'s type and its message's first line.
+    A fault of the device itself is raised instead (:func:`device_fault`): nothing after it would run."""
+    if device_fault(exc):
+        raise exc
+    said = str(exc).strip().splitlines()
+    return type(exc).__name__ + (f": {said[0][:200]}" if said else "")
 
 
 def _gluon(cfg: MmConfig | StagedGemvConfig) -> bool:
