@@ -1,8 +1,6 @@
 """Diagnostic probe (not a benchmark): the staged product at 2 to 16 rows (``staged.staged_mm``)
 against the few-row product the layers use now (``kernels.packed_mm`` with the tile its tuner
-chooses), on random 4-bit weights of Qwen2-VL-2B's shapes, bf16, groups of 128 (``--bits 8``: 8-bit codes,
-groups of 128, the ``lm_head`` shape with a scale a row as the int8 head has; ``EDGEINFER_STAGED_ROWS=0``
-keeps the staged tiles out of ``packed_mm``'s own tuning, so that it is the tile the layers used before).
+chooses), on random 4-bit weights of Qwen2-VL-2B's shapes, bf16, groups of 128.
 
 Each staged tile is first checked against torch as the tuner checks its tiles
 (``kernels.checked_tiles``); a wrong one, or one this Triton refuses, is reported (``wrong``) and
@@ -34,10 +32,8 @@ from edgeinfer.quant.launching import SplitWorkspace
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.testing.products import fused_inputs, random_packed
 
-SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960),
-          "lm_head": (151936, 1536)}
-FUSED = {"qkv": "norm+bias", "o": "residual", "gate_up": "norm+glu", "down": "residual",
-         "lm_head": "norm"}  # as the step fuses them (the head: at one row)
+SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+FUSED = {"qkv": "norm+bias", "o": "residual", "gate_up": "norm+glu", "down": "residual"}  # as the step fuses them
 
 
 def medians_in_turns(calls: dict, rounds: int) -> dict[str, float]:
@@ -73,8 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="4,8,16")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"of {', '.join(SHAPES)}")
-    parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT"))
     parser.add_argument("--fused", action="store_true", help="the staged tiles alone, with the step's fusions")
     args = parser.parse_args()
@@ -82,13 +77,11 @@ def main() -> None:
     torch.manual_seed(0)
     space = SplitWorkspace(dev)
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    out = {"gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(), "fused": args.fused, "bits": args.bits,
-           "staged_rows_in_packed_mm": os.environ.get("EDGEINFER_STAGED_ROWS", "1") != "0", "products": {}}
+    out = {"gpu": torch.cuda.get_device_name(), "load_before": os.getloadavg(), "fused": args.fused, "products": {}}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        group = k if name == "lm_head" else 128
-        w = random_packed(n, k, args.bits, group, dev)
-        copies = [w] + [PackedMatrix(w.codes.clone(), w.scales.clone(), None, args.bits, group, (n, k))
+        w = random_packed(n, k, 4, 128, dev)
+        copies = [w] + [PackedMatrix(w.codes.clone(), w.scales.clone(), None, 4, 128, (n, k))
                         for _ in range(cold_copies(w.nbytes, l2) - 1)]
         tiles = staged.tiles_that_fit(w, torch.bfloat16, False)  # what the few-row tuner times
         outputs = checked_outputs(n)

@@ -448,12 +448,10 @@ def staged_binary(given: dict, target: GPUTarget, warps: int):
     return triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": target.arch >= 90})
 
 
-@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("product", ["gate_up", "down", "qkv"])
-def test_the_staged_product_asks_for_every_word_before_its_first_wait(product, bits):
+def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
     """The staged batch-1 product (Gluon, ``edgeinfer.quant.staged``) compiles for Hopper and Orin
-    with the prologue and epilogues the step fuses, whole and split, with and without zero points,
-    for 4-bit and 8-bit codes (a chunk is 16 words a row either way: 128 columns or 64).
+    with the prologue and epilogues the step fuses, whole and split, with and without zero points.
     Each thread's words go to shared memory in 16-byte copies (``LDGSTS.128``, two a chunk: rows g and
     g + 8), all of them issued before the first wait, and on Hopper before the wait for the kernels
     before it; then one wait a chunk, so chunk i waits for the copies up to its own only. With
@@ -468,20 +466,18 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product, b
     n, k, fused = {"gate_up": (17920, 1536, dict(PROLOGUE=True, GLU=True, HAS_BIAS=False, HAS_RES=False)),
                    "down": (1536, 8960, dict(PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=True)),
                    "qkv": (2048, 1536, dict(PROLOGUE=True, GLU=False, HAS_BIAS=True, HAS_RES=False))}[product]
-    cols = staged.columns(bits)
-    tiles = [(c.warps, c.split) for c in (staged.StagedGemvConfig(nw, s) for nw in (1, 4) for s in range(1, 21))
-             if (k // cols) % c.split == 0 and k // cols // c.split <= staged.MAX_CHUNKS
-             and staged.shared_bytes(k, c.warps, c.split, bits=bits) <= staged.MAX_SHARED][:4]
+    tiles = [(c.warps, c.split) for c in (staged.StagedGemvConfig(nw, s) for nw in (1, 4) for s in range(1, 11))
+             if (k // staged.CHUNK) % c.split == 0 and k // staged.CHUNK // c.split <= staged.MAX_CHUNKS
+             and staged.shared_bytes(k, c.warps, c.split) <= staged.MAX_SHARED][:4]
     assert tiles and any(split > 1 for _, split in tiles), tiles
     for (label, target), (warps, split), (zeros, half) in itertools.product(
             TARGETS.items(), tiles, ((False, False), (True, False), (False, True))):
-        chunks = k // cols // split
+        chunks = k // staged.CHUNK // split
         early = max(1, chunks // 2) if half else chunks
         given = dict(GPS=chunks, XP=launching.pow2(chunks), NW=warps, SPLIT=split, EARLY=early, GS=128,
-                     XB=min(launching.pow2(k), 2048), HAS_Z=zeros, BF16=True, M=1, MP=1, BITS=bits,
-                     **fused)  # a launch takes 1 as a constant
+                     XB=min(launching.pow2(k), 2048), HAS_Z=zeros, BF16=True, M=1, MP=1, **fused)  # a launch takes 1 as a constant
         kernel = staged_binary(given, target, warps)
-        case = (label, product, bits, warps, split, zeros, early)
+        case = (label, product, warps, split, zeros, early)
         body = instructions(disassembled(kernel.asm["cubin"]))
         copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
         waits = [i for i, op in enumerate(body) if "DEPBAR.LE" in op]
@@ -494,12 +490,11 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product, b
         if early < chunks:  # the rest after x's 16-byte loads
             x_loads = [i for i, op in enumerate(body) if "LDG.E.128" in op]
             assert x_loads and min(x_loads) < copies[2 * early], case
-        assert kernel.metadata.shared == staged.shared_bytes(k, warps, split, bits=bits), case
+        assert kernel.metadata.shared == staged.shared_bytes(k, warps, split), case
 
 
-@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("product", ["gate_up", "down", "qkv"])
-def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(product, bits):
+def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(product):
     """``staged.staged_mm`` (the staged kernel with M rows of x, up to ``MP``) compiles for Hopper and Orin,
     whole and split, with and without zero points, plain and with what the few-row layers fuse
     (each row's RMSNorm, bias, SiLU·up, residual). Every copy of the words goes
@@ -514,8 +509,8 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
         pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
 
     n, k = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536)}[product]
-    chunks_whole = k // staged.columns(bits)
-    split = next(s for s in range(1, 21) if chunks_whole % s == 0 and chunks_whole // s <= staged.MAX_CHUNKS)
+    chunks_whole = k // staged.CHUNK
+    split = next(s for s in range(1, 11) if chunks_whole % s == 0 and chunks_whole // s <= staged.MAX_CHUNKS)
     fused = {"gate_up": dict(PROLOGUE=True, GLU=True, HAS_BIAS=False, HAS_RES=False),
              "down": dict(PROLOGUE=False, GLU=False, HAS_BIAS=False, HAS_RES=True),
              "qkv": dict(PROLOGUE=True, GLU=False, HAS_BIAS=True, HAS_RES=False)}[product]
@@ -526,10 +521,9 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
         mmas = {}
         for rows in (8, 16):  # any count of rows up to MP, an argument
             given = dict(GPS=chunks, XP=launching.pow2(chunks), NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
-                         HAS_Z=zeros, BF16=True, MP=rows, KC=k // staged.CHUNK if fuses["PROLOGUE"] else 0, BITS=bits,
-                         **fuses)
+                         HAS_Z=zeros, BF16=True, MP=rows, KC=chunks_whole if fuses["PROLOGUE"] else 0, **fuses)
             kernel = staged_binary(given, target, warps)
-            case = (label, product, bits, warps, split, zeros, rows, fuses)
+            case = (label, product, warps, split, zeros, rows, fuses)
             body = instructions(disassembled(kernel.asm["cubin"]))
             copies = [i for i, op in enumerate(body) if "LDGSTS" in op]
             waits = [i for i, op in enumerate(body) if "DEPBAR.LE" in op]
@@ -538,6 +532,6 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
             if target.arch >= 90:
                 assert ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.cg.shared.global") == 2 * chunks, case
             mmas[rows] = sum("HMMA" in op for op in body)
-            assert kernel.metadata.shared <= staged.shared_bytes(k, warps, split, bits=bits), case
+            assert kernel.metadata.shared <= staged.shared_bytes(k, warps, split), case
         per_chunk = 8 * 2  # the codes, and the bias (or -Σx with zero points): 8 k-steps of 16 each
         assert mmas[8] == per_chunk * chunks and mmas[16] == 2 * mmas[8], (label, product, warps, zeros, mmas)

@@ -1,4 +1,4 @@
-"""The 4-bit and 8-bit products whose words wait in shared memory (``edgeinfer.quant.staged``).
+"""The batch-1 4-bit product whose words wait in shared memory (``edgeinfer.quant.staged``).
 
 Which products and tiles it takes, and that the tuner times it only where it is turned on, are
 checked on any machine; its outputs against torch's need a GPU (Gluon kernels do not run in
@@ -27,37 +27,24 @@ def test_a_product_outside_the_kernel_is_named_with_its_limit():
     fits = packed(17920, 1536)
     assert unfit(fits, torch.bfloat16, True, StagedGemvConfig(1)) is None
     assert unfit(packed(1536, 8960), torch.bfloat16, False, StagedGemvConfig(4, 5)) is None
-    # 8-bit codes: chunks of 64 columns, so twice as many a row (a scale a row, or groups of 64 and more)
-    assert unfit(packed(151936, 1536, bits=8, group=1536), torch.bfloat16, False, StagedGemvConfig(4, 2)) is None
-    assert unfit(packed(1536, 8960, bits=8, group=64, dtype=torch.float16), torch.float16, False,
-                 StagedGemvConfig(2, 10)) is None
     w = fits
     misaligned = torch.zeros(64 * 192 + 1, dtype=torch.int32)[1:].view(64, 192)  # 4 bytes past a 16-byte line
-    two_bit = PackedMatrix(torch.zeros(64, 96, dtype=torch.int32), w.scales[:64], None, 2, 128, (64, 1536))
     cases = [
-        (two_bit, torch.bfloat16, False, StagedGemvConfig(1), "2-bit codes (the kernel reads 4-bit and 8-bit codes)"),
+        (packed(64, 1536, bits=8, group=1536), torch.bfloat16, False, StagedGemvConfig(1), "8-bit codes"),
         (w, torch.float32, True, StagedGemvConfig(1), "torch.float32 activations"),
         (packed(64, 1536, dtype=torch.float16), torch.bfloat16, False, StagedGemvConfig(1), "torch.float16 scales"),
         (packed(64, 1536, group=64), torch.bfloat16, False, StagedGemvConfig(1), "groups of 64 over 1536"),
-        (packed(64, 1536, bits=8, group=32), torch.bfloat16, False, StagedGemvConfig(1),
-         "chunks of 64 must each lie in one group"),
         (packed(64, 1000, group=1000), torch.bfloat16, False, StagedGemvConfig(1), "over 1000 columns"),
         (PackedMatrix(misaligned, w.scales[:64], None, 4, 128, (64, 1536)), torch.bfloat16, False,
          StagedGemvConfig(1), "16-byte aligned"),
         (w, torch.bfloat16, True, StagedGemvConfig(1, 5), "12 chunks of 128 columns do not split 5 ways"),
         (packed(64, 128 * 34), torch.bfloat16, False, StagedGemvConfig(1), "34 chunks a program (at most 16)"),
-        (packed(64, 1536, bits=8, group=1536), torch.bfloat16, False, StagedGemvConfig(1),
-         "24 chunks a program (at most 16)"),
-        (packed(64, 1536, bits=8, group=1536), torch.bfloat16, False, StagedGemvConfig(1, 5),
-         "24 chunks of 64 columns do not split 5 ways"),
         (packed(40, 1536), torch.bfloat16, False, StagedGemvConfig(1), "40 rows in tiles of 16"),
         (packed(24, 1536), torch.bfloat16, True, StagedGemvConfig(1), "12 outputs in tiles of 8 (glu)"),
         (w, torch.bfloat16, True, StagedGemvConfig(1, 2, early=7), "7 chunks copied early of 6 a program"),
         (w, torch.bfloat16, True, StagedGemvConfig(1, 2, early=0), "0 chunks copied early of 6 a program"),
         (packed(64, 2048), torch.bfloat16, False, StagedGemvConfig(4),
          f"{16 * 4 * 16 * 64 + 16 * 256} bytes of shared memory a program (at most 65536)"),
-        (packed(64, 2048, bits=8, group=128), torch.bfloat16, False, StagedGemvConfig(4, 2),
-         f"{16 * 4 * 16 * 64 + 16 * 64 * 2} bytes of shared memory a program (at most 65536)"),
     ]
     for w, dtype, glu, config, reason in cases:
         got = unfit(w, dtype, glu, config)
@@ -92,11 +79,7 @@ def test_its_tiles_are_timed_unless_turned_off_and_on_a_gpu_that_runs_it(monkeyp
     got = staged.candidates(down, torch.bfloat16, False)  # 70 chunks: 5, 7 and 10 splits are the fewest of ≤ 16
     assert [(c.warps, c.split) for c in got] == [(w, s) for w in (1, 2, 4) for s in (5, 7, 10)]
     assert all(unfit(down, torch.bfloat16, False, c) is None for c in got)
-    # 8-bit: 24 chunks of 64 columns for K = 1536 (2, 3 and 4 splits the fewest of ≤ 16), 140 for 8960
-    got = staged.candidates(packed(151936, 1536, bits=8, group=1536), torch.bfloat16, False)
-    assert [(c.warps, c.split) for c in got] == [(w, s) for w in (1, 2, 4) for s in (2, 3, 4)]
-    got = staged.candidates(packed(1536, 8960, bits=8, group=128), torch.bfloat16, False)
-    assert [(c.warps, c.split) for c in got] == [(w, s) for w in (1, 2, 4) for s in (10, 14, 20)]
+    assert staged.candidates(packed(64, 1536, bits=8, group=1536), torch.bfloat16, False) == []
 
 
 def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
@@ -152,26 +135,23 @@ def _gpu_skip() -> str | None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
 @pytest.mark.parametrize("fused", ["plain", "norm bias", "norm glu", "residual"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fused, bits):
+def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fused):
     """Every tile, whole and split, with all its copies out before x is read or only the first
     chunk's, gives what the fused step's check takes (torch's product, rounded where the eager
-    layer rounds, at both ends of N and between: a code from the wrong nibble, a byte's halves
-    swapped, a chunk's x or scale from another chunk, or a gate paired with another output's up
-    row moves whole outputs), for a gate|up-like, a down-like (70 chunks of 4-bit codes, 140 of
-    8-bit) and a q|k|v-like product, 4-bit and 8-bit, with and without zero points; every split
-    product leaves its arrival counts at zero."""
+    layer rounds, at both ends of N and between: a code from the wrong nibble, a chunk's x or scale
+    from another chunk, or a gate paired with another output's up row moves whole outputs), for a
+    gate|up-like, a down-like (70 chunks) and a q|k|v-like product, with and without zero points;
+    every split product leaves its arrival counts at zero."""
     from edgeinfer.backends.torch import triton_decode
 
     torch.manual_seed(3)
     dev = torch.device("cuda")
     shapes = {"plain": (512, 1536), "norm bias": (2048, 1536), "norm glu": (1024, 1536), "residual": (256, 8960)}
     n, k = shapes[fused]
-    groups, chunks = k // 128, k // staged.columns(bits)
-    w = packed(n, k, bits, dtype=dtype, device="cuda")
+    groups = k // 128
+    w = packed(n, k, dtype=dtype, device="cuda")
     if zeros:
-        w = PackedMatrix(w.codes, w.scales, torch.randint(0, 2 ** bits, (n, groups), device=dev).to(dtype), bits, 128,
-                         (n, k))
+        w = PackedMatrix(w.codes, w.scales, torch.randint(0, 16, (n, groups), device=dev).to(dtype), 4, 128, (n, k))
     x = torch.randn(1, k, device=dev, dtype=dtype)
     kw = {}
     if "norm" in fused:
@@ -184,7 +164,7 @@ def test_the_staged_product_is_torch_s_within_the_step_s_check(dtype, zeros, fus
         kw["residual"] = torch.randn(1, n, device=dev, dtype=dtype)
     glu = kw.get("glu", False)
     tiles = [StagedGemvConfig(nw, s) for nw in (1, 2, 4) for s in (1, 2, 3, 5, 7, 10)
-             if chunks % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(nw, s)) is None]
+             if groups % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(nw, s)) is None]
     assert len(tiles) >= 3 and any(t.split > 1 for t in tiles)
     tiles += [StagedGemvConfig(t.warps, t.split, early=1) for t in tiles[:2]]  # the rest copied after x's loads
     space = SplitWorkspace(dev)
@@ -262,27 +242,24 @@ def test_several_rows_are_refused_outside_two_to_sixteen_before_anything_launche
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"the staged kernel cannot run here: {_gpu_skip()}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_several_rows_are_torch_s_product_within_the_tuner_s_check(dtype, zeros, bits):
+def test_several_rows_are_torch_s_product_within_the_tuner_s_check(dtype, zeros):
     """``staged_mm`` at 3 to 16 rows (one MMA of 8 columns, or two), whole and split, gives torch's
     product of the dequantized weight within the tuner's check (``kernels.divergence``, at both
     ends of N and between, every row of x: a row of x paired with another's column, a chunk's x
     from another chunk or a code from the wrong nibble moves whole outputs), for a q|k|v-like and a
-    down-like product (split), 4-bit and 8-bit; every split product leaves its arrival counts at
-    zero."""
+    down-like product (70 chunks, split); every split product leaves its arrival counts at zero."""
     from edgeinfer.quant.kernels import checked_outputs, checked_tiles, reference_outputs
 
     torch.manual_seed(5)
     dev = torch.device("cuda")
     space = SplitWorkspace(dev)
     for n, k in ((512, 1536), (256, 8960)):
-        groups, chunks = k // 128, k // staged.columns(bits)
-        w = packed(n, k, bits, dtype=dtype, device="cuda")
+        groups = k // 128
+        w = packed(n, k, dtype=dtype, device="cuda")
         if zeros:
-            w = PackedMatrix(w.codes, w.scales, torch.randint(0, 2 ** bits, (n, groups), device=dev).to(dtype), bits,
-                             128, (n, k))
+            w = PackedMatrix(w.codes, w.scales, torch.randint(0, 16, (n, groups), device=dev).to(dtype), 4, 128, (n, k))
         tiles = [StagedGemvConfig(nw, s) for nw in (1, 2, 4) for s in (1, 2, 3, 5, 7, 10)
-                 if chunks % s == 0 and unfit(w, dtype, False, StagedGemvConfig(nw, s)) is None][:3]
+                 if groups % s == 0 and unfit(w, dtype, False, StagedGemvConfig(nw, s)) is None][:3]
         assert tiles
         outputs = checked_outputs(n)
         for rows in (3, 8, 9, 16):  # one MMA of 8 columns, part used and whole; two, part used and whole
@@ -299,8 +276,7 @@ def test_several_rows_are_torch_s_product_within_the_tuner_s_check(dtype, zeros,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zeros", [False, True], ids=["symmetric", "zeros"])
 @pytest.mark.parametrize("fused", ["norm bias", "norm glu", "residual"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_several_rows_with_what_the_step_fuses_are_torch_s_within_its_check(dtype, zeros, fused, bits):
+def test_several_rows_with_what_the_step_fuses_are_torch_s_within_its_check(dtype, zeros, fused):
     """``staged_mm`` with the RMSNorm (each row's own), bias, SiLU·up or residual (each row's own) fused,
     as the few-row layers call it, at 3 to 16 rows, whole and split, gives what the fused step's check
     takes (:func:`triton_decode.right_tiles`: torch, rounded where the eager layer rounds, every row
@@ -312,11 +288,10 @@ def test_several_rows_with_what_the_step_fuses_are_torch_s_within_its_check(dtyp
     torch.manual_seed(7)
     dev = torch.device("cuda")
     n, k = {"norm bias": (2048, 1536), "norm glu": (1024, 1536), "residual": (256, 8960)}[fused]
-    groups, chunks = k // 128, k // staged.columns(bits)
-    w = packed(n, k, bits, dtype=dtype, device="cuda")
+    groups = k // 128
+    w = packed(n, k, dtype=dtype, device="cuda")
     if zeros:
-        w = PackedMatrix(w.codes, w.scales, torch.randint(0, 2 ** bits, (n, groups), device=dev).to(dtype), bits, 128,
-                         (n, k))
+        w = PackedMatrix(w.codes, w.scales, torch.randint(0, 16, (n, groups), device=dev).to(dtype), 4, 128, (n, k))
     kw = {}
     if "norm" in fused:
         kw.update(norm_weight=torch.empty(k, device=dev, dtype=dtype).uniform_(0.5, 1.5), eps=1e-6)
@@ -326,7 +301,7 @@ def test_several_rows_with_what_the_step_fuses_are_torch_s_within_its_check(dtyp
     if glu:
         kw["glu"] = True
     tiles = [StagedGemvConfig(nw, s) for nw in (1, 2, 4) for s in (1, 2, 3, 5, 7, 10)
-             if chunks % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(nw, s)) is None]
+             if groups % s == 0 and unfit(w, dtype, glu, StagedGemvConfig(nw, s)) is None]
     tiles = tiles[:2] + [t for t in tiles if t.split > 1][:1] + [t for t in tiles if t.warps == 4][:1]
     assert len(tiles) >= 3 and any(t.split > 1 for t in tiles), tiles
     space = SplitWorkspace(dev)

@@ -1,4 +1,4 @@
-"""The batch-1 4-bit and 8-bit product with a program's words waiting in shared memory: :func:`staged_gemv`.
+"""The batch-1 4-bit product with a program's words waiting in shared memory: :func:`staged_gemv`.
 
 Right on an H200 and faster alone for gate|up and ``down`` there. In an H200's step the tuner
 kept gate|up's staged tile and 4-bit batch-1 decode ran 1.02× faster (a reading); in an H100's
@@ -42,16 +42,9 @@ products at 4 to 16 rows, and batch-16 4-bit decode ran 1.03× faster with it
 layers run them fused (``triton_decode.FusedDecode.row_tiles``): batch-16 4-bit decode 10,078 tok/s
 against 7,739 unfused on an H100 (docs/results/probes/h100-fused-rows).
 
-8-bit codes take the same path: a chunk is 16 words a row either way (64 columns of 8-bit codes),
-and each byte's two halves are taken apart as two 4-bit codes, the high one 16 times the low one's
-weight (``2^m + q`` and ``16·(2^m + q)`` are both exact in bf16 and fp16), so one MMA of the chunk's
-x, each column given twice, sums the bytes (:func:`a_operand`, :func:`b_operand`). Twice the MMAs
-of 4-bit codes for the same columns, and no more instructions a word to take them apart.
-
-Scope: 4-bit or 8-bit codes, bf16 or fp16 activations with scales (and zero points) of the same
-dtype, groups of a multiple of a chunk's columns (or one a row), K a multiple of 128 and rows a
-multiple of the tile's; :func:`unfit` says why a product or tile falls outside, and
-``packed_gemv`` serves it.
+Scope: 4-bit codes, bf16 or fp16 activations with scales (and zero points) of the same dtype,
+groups of a multiple of 128 columns (or one a row), K a multiple of 128 and rows a multiple of
+the tile's; :func:`unfit` says why a product or tile falls outside, and ``packed_gemv`` serves it.
 """
 
 from __future__ import annotations
@@ -71,8 +64,7 @@ try:  # the import decides whether this kernel exists at all
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton; older Triton without Gluon
     gluon = None
 
-CHUNK = 128  # 4-bit codes' columns a commit group and a step of MMAs take: 16 words a row
-WORDS = 16  # words of a row a chunk takes, whatever the codes' width (a lane's four, 16 bytes, one copy)
+CHUNK = 128  # columns a commit group and a step of MMAs take: 16 words a row
 MAX_CHUNKS = 16  # a program's chunks (each one unrolled, with its own buffer and wait)
 MAX_SHARED = 64 * 1024  # a program's words and x in shared memory
 WARPS = (1, 2, 4)  # a tile is 16 rows a warp
@@ -107,17 +99,11 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-def columns(bits: int) -> int:
-    """The input columns a chunk of :data:`WORDS` words a row holds: 128 of 4-bit codes, 64 of 8-bit."""
-    return WORDS * 32 // bits
-
-
-def shared_bytes(k: int, warps: int, split: int, itemsize: int = 2, bits: int = 4) -> int:
+def shared_bytes(k: int, warps: int, split: int, itemsize: int = 2) -> int:
     """A program's shared memory: its words (``16·warps`` rows by its chunks) and x's chunks (rounded
     up to a power of two)."""
-    cols = columns(bits)
-    chunks = k // cols // split
-    return chunks * 16 * warps * WORDS * 4 + pow2(chunks) * cols * itemsize
+    chunks = k // CHUNK // split
+    return chunks * 16 * warps * CHUNK // 2 + pow2(chunks) * CHUNK * itemsize
 
 
 def unfit(w: PackedWeight, dtype: torch.dtype, glu: bool, config: StagedGemvConfig) -> str | None:
@@ -125,21 +111,19 @@ def unfit(w: PackedWeight, dtype: torch.dtype, glu: bool, config: StagedGemvConf
     else why not."""
     layout = w.layout
     n, k = layout.n, layout.k
-    if layout.bits not in (4, 8):
-        return f"{layout.bits}-bit codes (the kernel reads 4-bit and 8-bit codes)"
+    if layout.bits != 4:
+        return f"{layout.bits}-bit codes (the kernel reads 4-bit codes)"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"{dtype} activations (the kernel multiplies in bf16 or fp16)"
     if w.scales.dtype != dtype or (w.zeros is not None and w.zeros.dtype != dtype):
         return f"{w.scales.dtype} scales with {dtype} activations (the kernel takes them in one dtype)"
-    cols = columns(layout.bits)
-    if k % CHUNK or layout.group_constexpr % cols:
-        return (f"groups of {layout.group_constexpr} over {k} columns (K a multiple of {CHUNK}, and chunks of "
-                f"{cols} must each lie in one group)")
+    if k % CHUNK or layout.group_constexpr % CHUNK:
+        return f"groups of {layout.group_constexpr} over {k} columns (chunks of {CHUNK} must each lie in one group)"
     if not w.codes.is_contiguous() or w.codes.data_ptr() % 16:
         return "codes not contiguous and 16-byte aligned (the copies are 16 bytes)"
-    chunks = k // cols
+    chunks = k // CHUNK
     if config.split < 1 or chunks % config.split:
-        return f"{chunks} chunks of {cols} columns do not split {config.split} ways"
+        return f"{chunks} chunks of {CHUNK} columns do not split {config.split} ways"
     if chunks // config.split > MAX_CHUNKS:
         return f"{chunks // config.split} chunks a program (at most {MAX_CHUNKS})"
     if config.early is not None and not 1 <= config.early <= chunks // config.split:
@@ -149,7 +133,7 @@ def unfit(w: PackedWeight, dtype: torch.dtype, glu: bool, config: StagedGemvConf
         return f"{n // 2} outputs in tiles of {rows // 2} (glu)"
     if not glu and n % rows:
         return f"{n} rows in tiles of {rows}"
-    need = shared_bytes(k, config.warps, config.split, dtype.itemsize, layout.bits)
+    need = shared_bytes(k, config.warps, config.split, dtype.itemsize)
     if need > MAX_SHARED:
         return f"{need} bytes of shared memory a program (at most {MAX_SHARED})"
     return None
@@ -158,7 +142,7 @@ def unfit(w: PackedWeight, dtype: torch.dtype, glu: bool, config: StagedGemvConf
 def tiles_that_fit(w: PackedWeight, dtype: torch.dtype, glu: bool) -> list[StagedGemvConfig]:
     """For each warp count, the :data:`SPLITS_A_TILE` fewest splits that fit ``w`` (:func:`unfit`) with at
     least two chunks a program."""
-    chunks = w.layout.k // columns(w.layout.bits)
+    chunks = w.layout.k // CHUNK
     tiles = []
     for warps in WARPS:
         fits = [StagedGemvConfig(warps, s) for s in range(1, chunks // 2 + 1)
@@ -242,7 +226,7 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
     m = x.shape[0]
     layout = w.layout
     n, k = layout.n, layout.k
-    chunks = k // columns(layout.bits) // config.split
+    chunks = k // CHUNK // config.split
     tiles = n // (16 * config.warps)
     x = x.contiguous()
     x_rows = 1 if m == 1 else 8 if m <= 8 else 16  # x's rows as the MMAs take them: partial sums a weight row
@@ -252,13 +236,12 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
     launch(_staged_gemv_kernel, (tiles, config.split), warmup,
            x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
            bias if bias is not None else codes, residual if residual is not None else codes,
-           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k * layout.bits // 32,
-           layout.groups, eps, m, GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split,
+           norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps, m,
+           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split,
            EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
            XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
            HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
-           MP=x_rows, KC=k // CHUNK if m > 1 and norm_weight is not None else 0, BITS=layout.bits,
-           **launch_options(x.device),
+           MP=x_rows, KC=k // CHUNK if m > 1 and norm_weight is not None else 0, **launch_options(x.device),
            num_warps=config.warps)
 
 
@@ -281,15 +264,12 @@ if gluon is not None:
             warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)], block_bases=[], shape=[16 * nw, 16])
 
     @gluon.constexpr_function
-    def x_layout(nw, cols=128):
-        """A chunk's ``cols`` columns of x as stored (128, or 64 for 8-bit codes): lane c holds columns
-        c·cols/4 .. (c+1)·cols/4 - 1 (every row lane alike). (Stored in the operand's order instead and
-        read in its layout, x took more instructions a chunk.)"""
-        quarter = cols // 4
+    def x_layout(nw):
+        """A chunk's 128 columns of x as stored: lane c holds columns 32c .. 32c+31 (every row lane alike).
+        (Stored in the operand's order instead and read in its layout, x took more instructions a chunk.)"""
         return gl.DistributedLinearLayout(
-            reg_bases=[[1 << i] for i in range(quarter.bit_length() - 1)],
-            lane_bases=[[quarter], [2 * quarter], [0], [0], [0]],
-            warp_bases=[[0] for _ in range(nw.bit_length() - 1)], block_bases=[], shape=[cols])
+            reg_bases=[[1], [2], [4], [8], [16]], lane_bases=[[32], [64], [0], [0], [0]],
+            warp_bases=[[0] for _ in range(nw.bit_length() - 1)], block_bases=[], shape=[128])
 
     @gluon.constexpr_function
     def _plain(rank):
@@ -298,73 +278,57 @@ if gluon is not None:
         return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=list(range(rank - 1, -1, -1)))
 
     @gluon.constexpr_function
-    def _pair_asm(j, bf16, high=False):
-        """Nibbles j and j + 4 of a word into the mantissa of 2^m, two 16-bit floats in one register
-        (m = 7 for bf16, 10 for fp16). ``high`` (the high nibbles of 8-bit codes): into the mantissa of
-        2^(m+4), which is 16·(2^m + q) for the nibble q."""
-        if high:
-            magic = "0x45004500" if bf16 else "0x74007400"
-        else:
-            magic = "0x43004300" if bf16 else "0x64006400"
+    def _pair_asm(j, bf16):
+        """Codes j and j + 4 of a word into the mantissa of 2^m, two 16-bit floats in one register
+        (m = 7 for bf16, 10 for fp16)."""
+        magic = "0x43004300" if bf16 else "0x64006400"
         if j == 0:
             return f"lop3.b32 $0, $1, 0x000f000f, {magic}, 0xea;"
         return "{ .reg .b32 u; shr.u32 u, $1, %d; lop3.b32 $0, u, 0x000f000f, %s, 0xea; }" % (4 * j, magic)
 
     @gluon.jit
-    def _pair(words2, J: gl.constexpr, BF16: gl.constexpr, HIGH: gl.constexpr = False):
-        """Nibbles j and j + 4 of each word as 16-bit 2^m + q in one register, or with ``HIGH``
-        16·(2^m + q) (``words2`` holds each word twice: the two elements of a packed pair)."""
+    def _pair(words2, J: gl.constexpr, BF16: gl.constexpr):
+        """Codes j and j + 4 of each word as 16-bit 2^m + q in one register (``words2`` holds each
+        word twice: the two elements of a packed pair)."""
         if BF16:
-            pair = gl.inline_asm_elementwise(_pair_asm(J, True, HIGH), "=r,r,r", [words2], dtype=gl.bfloat16,
-                                             is_pure=True, pack=2)
+            pair = gl.inline_asm_elementwise(_pair_asm(J, True), "=r,r,r", [words2], dtype=gl.bfloat16, is_pure=True,
+                                             pack=2)
         else:
-            pair = gl.inline_asm_elementwise(_pair_asm(J, False, HIGH), "=r,r,r", [words2], dtype=gl.float16,
-                                             is_pure=True, pack=2)
+            pair = gl.inline_asm_elementwise(_pair_asm(J, False), "=r,r,r", [words2], dtype=gl.float16, is_pure=True,
+                                             pack=2)
         return pair
 
     @gluon.jit
-    def a_operand(words, A: gl.constexpr, BN: gl.constexpr, BF16: gl.constexpr = True, BITS: gl.constexpr = 4):
-        """A chunk's words [BN, 16] as the MMA's A operand [BN, 128]: column 32b + 8c + 2j + h holds
-        nibble j + 4h of word 4c + b as 2^m + q. 4-bit codes: the nibble is code j + 4h. 8-bit codes:
-        it is the low (j even) or high (j odd) half of byte j // 2 + 2h, the high one as 16·(2^m + q),
-        so that the two columns' sum is 2^m·17 + the byte (:func:`b_operand` gives both the byte's x)."""
+    def a_operand(words, A: gl.constexpr, BN: gl.constexpr, BF16: gl.constexpr = True):
+        """A chunk's words [BN, 16] as the MMA's A operand [BN, 128] of 2^m + q: column 32b + 8c + 2j + h
+        holds code j + 4h of word 4c + b."""
         w2 = gl.join(words, words)
-        H: gl.constexpr = BITS == 8
-        r = gl.join(gl.join(_pair(w2, 0, BF16), _pair(w2, 1, BF16, H)),
-                    gl.join(_pair(w2, 2, BF16), _pair(w2, 3, BF16, H)))  # [BN, 16, h, j0, j1]
+        r = gl.join(gl.join(_pair(w2, 0, BF16), _pair(w2, 1, BF16)),
+                    gl.join(_pair(w2, 2, BF16), _pair(w2, 3, BF16)))  # [BN, 16, h, j0, j1]
         r = gl.reshape(r, [BN, 4, 4, 2, 2, 2])  # word 4c + b
         r = gl.permute(r, [0, 2, 1, 5, 4, 3])  # [BN, b, c, j1, j0, h]
         return gl.convert_layout(gl.reshape(r, [BN, 128]), A, assert_trivial=True)
 
     @gluon.jit
-    def b_operand(x, B: gl.constexpr, BITS: gl.constexpr = 4):
-        """A chunk's x (as stored: 128 columns, or 64 for 8-bit codes) as the MMA's B operand [128, 8] in
-        the A operand's column order (its 8 columns alike); for 8-bit codes each column twice, beside
-        its byte's low and high halves (:func:`a_operand`)."""
-        if BITS == 8:  # column 16c + 4b + 2h + i -> [b, c, i, j0, h]: A's column 32b + 8c + 2(2i + j0) + h
-            xr = gl.reshape(x, [4, 4, 2, 2])
-            xr = gl.permute(gl.join(xr, xr), [1, 0, 3, 4, 2])
-        else:
-            xr = gl.permute(gl.reshape(x, [4, 4, 2, 4]), [1, 0, 3, 2])  # column 32c + 8b + 4h + j -> [b, c, j, h]
+    def b_operand(x, B: gl.constexpr):
+        """A chunk's x [128] (as stored) as the MMA's B operand [128, 8] in the A operand's column order
+        (its 8 columns alike)."""
+        xr = gl.permute(gl.reshape(x, [4, 4, 2, 4]), [1, 0, 3, 2])  # column 32c + 8b + 4h + j -> [b, c, j, h]
         xr = gl.convert_layout(gl.reshape(xr, [128]), gl.SliceLayout(1, B))
         return gl.broadcast(xr[:, None], gl.full([128, 8], 0.0, x.dtype, B))[0]
 
     @gluon.jit
-    def b_rows(x, B: gl.constexpr, BITS: gl.constexpr = 4):
-        """A chunk's x of 8 rows (as stored: [8, 128], or [8, 64] for 8-bit codes) as the MMA's B operand
-        [128, 8] in the A operand's column order: row r of x is column r."""
-        if BITS == 8:  # as b_operand, a row at a time
-            xr = gl.reshape(x, [8, 4, 4, 2, 2])
-            xr = gl.permute(gl.join(xr, xr), [0, 2, 1, 4, 5, 3])
-        else:
-            xr = gl.permute(gl.reshape(x, [8, 4, 4, 2, 4]), [0, 2, 1, 4, 3])  # as b_operand, a row at a time
+    def b_rows(x, B: gl.constexpr):
+        """A chunk's x of 8 rows [8, 128] (as stored) as the MMA's B operand [128, 8] in the A operand's
+        column order: row r of x is column r."""
+        xr = gl.permute(gl.reshape(x, [8, 4, 4, 2, 4]), [0, 2, 1, 4, 3])  # as b_operand, a row at a time
         return gl.convert_layout(gl.permute(gl.reshape(xr, [8, 128]), [1, 0]), B)
 
     @gluon.jit
     def _chunk_sums(a, less, b, scale, zero, MAGIC: gl.constexpr, HAS_Z: gl.constexpr, mma: gl.constexpr):
-        """A chunk's scaled sums [BN, 8] of A (codes as 2^m + q, :func:`a_operand`) by B: the bias and the
-        zero point taken off by a second MMA (``less``: the bias and the symmetric zero point as A
-        holds them, negated, or ``-Σx`` with zero points, :func:`_less`), then the chunk's scale."""
+        """A chunk's scaled sums [BN, 8] of A (codes as 2^m + q) by B: the bias and the zero point taken
+        off by a second MMA (``less``: the constant ``-(2^m + 2^(b-1))``, or -1 for ``-Σx`` with zero
+        points), then the chunk's scale."""
         d = mma_v2(a, b, gl.zeros([a.shape[0], 8], gl.float32, mma))
         if HAS_Z:
             minus_sum = mma_v2(less, b, gl.zeros([a.shape[0], 8], gl.float32, mma))
@@ -466,20 +430,19 @@ if gluon is not None:
                       zeros, bias, rows, Y, PARTS, ARRIVALS, tile, split, N, K, M, c0, eps, GPS: gl.constexpr,
                       NW: gl.constexpr, SPLIT: gl.constexpr, MP: gl.constexpr, KC: gl.constexpr, MAGIC: gl.constexpr,
                       PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
-                      GLU: gl.constexpr, BF16: gl.constexpr, mma: gl.constexpr, BITS: gl.constexpr):
+                      GLU: gl.constexpr, BF16: gl.constexpr, mma: gl.constexpr):
         """The chunks' MMAs and the rows' outputs of :func:`_staged_gemv_kernel` for M > 1 rows of x (at
         most ``MP``), with what :func:`_one_row` fuses: each chunk of x RMSNorm'd (its rows' RMS first,
         over the whole rows), and the bias, residual or SiLU·up on the way out."""
         BN: gl.constexpr = 16 * NW
-        CK: gl.constexpr = 16 * 32 // BITS  # x's columns a chunk
         dt: gl.constexpr = Y.dtype.element_ty
-        lx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // CK, CK // 8],
-                                            warps_per_cta=[NW, 1], order=[1, 0])
+        lx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
+                                            order=[1, 0])
         xm = gl.arange(0, 8, layout=gl.SliceLayout(1, lx))
-        xk = gl.arange(0, CK, layout=gl.SliceLayout(0, lx))
-        x_at = X + xm[:, None] * K + c0 * CK + xk[None, :]  # rows 0-7; rows 8-15 at 8·K past them
-        lo_ok = (xm[:, None] < M) & (xk[None, :] < CK)
-        hi_ok = (xm[:, None] + 8 < M) & (xk[None, :] < CK)
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, lx))
+        x_at = X + xm[:, None] * K + c0 * 128 + xk[None, :]  # rows 0-7; rows 8-15 at 8·K past them
+        lo_ok = (xm[:, None] < M) & (xk[None, :] < 128)
+        hi_ok = (xm[:, None] + 8 < M) & (xk[None, :] < 128)
         rstd_lo = gl.full([8], 1.0, gl.float32, gl.SliceLayout(1, lx))
         rstd_hi = rstd_lo
         if PROLOGUE:
@@ -490,28 +453,28 @@ if gluon is not None:
             hi_next = gl.load(x_at + 8 * K, mask=hi_ok, other=0.0)
         w_next = xk
         if PROLOGUE:
-            w_next = gl.load(NORM_W + c0 * CK + xk)
+            w_next = gl.load(NORM_W + c0 * 128 + xk)
         acc0 = gl.zeros([BN, 8], gl.float32, mma)
         acc1 = gl.zeros([BN, 8], gl.float32, mma)
         for i in gl.static_range(GPS):
             lo, hi, nw = lo_next, hi_next, w_next
             if i + 1 < GPS:  # the next chunk's x asked for before this chunk's MMAs
-                lo_next = gl.load(x_at + (i + 1) * CK, mask=lo_ok, other=0.0)
+                lo_next = gl.load(x_at + (i + 1) * 128, mask=lo_ok, other=0.0)
                 if MP == 16:
-                    hi_next = gl.load(x_at + 8 * K + (i + 1) * CK, mask=hi_ok, other=0.0)
+                    hi_next = gl.load(x_at + 8 * K + (i + 1) * 128, mask=hi_ok, other=0.0)
                 if PROLOGUE:
-                    w_next = gl.load(NORM_W + (c0 + i + 1) * CK + xk)
+                    w_next = gl.load(NORM_W + (c0 + i + 1) * 128 + xk)
             if PROLOGUE:
                 lo = _normed(lo, rstd_lo, nw, dt)
                 if MP == 16:
                     hi = _normed(hi, rstd_hi, nw, dt)
             async_copy.wait_group(GPS - 1 - i)  # this thread's copies up to chunk i have landed
             _cta_barrier()  # and every other thread's
-            a = a_operand(w_smem[i].load(lw), la, BN, BF16, BITS)
+            a = a_operand(w_smem[i].load(lw), la, BN, BF16)
             zero = zeros[i] if HAS_Z else 0.0
-            acc0 += _chunk_sums(a, less, b_rows(lo, lb, BITS), scales[i], zero, MAGIC, HAS_Z, mma)
+            acc0 += _chunk_sums(a, less, b_rows(lo, lb), scales[i], zero, MAGIC, HAS_Z, mma)
             if MP == 16:
-                acc1 += _chunk_sums(a, less, b_rows(hi, lb, BITS), scales[i], zero, MAGIC, HAS_Z, mma)
+                acc1 += _chunk_sums(a, less, b_rows(hi, lb), scales[i], zero, MAGIC, HAS_Z, mma)
         if SPLIT == 1:
             _finish_rows(acc0, 0, rows, bias, RES, Y, N, M, BN, GLU, HAS_BIAS, HAS_RES, mma)
             if MP == 16:
@@ -538,13 +501,13 @@ if gluon is not None:
                             GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
                             EARLY: gl.constexpr, GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
                             HAS_RES: gl.constexpr, HAS_Z: gl.constexpr, GLU: gl.constexpr, BF16: gl.constexpr,
-                            PDL: gl.constexpr, MP: gl.constexpr = 1, KC: gl.constexpr = 0, BITS: gl.constexpr = 4):
+                            PDL: gl.constexpr, MP: gl.constexpr = 1, KC: gl.constexpr = 0):
         """Y = f(X)·W (+ bias) (+ residual) for 16·NW weight rows (:func:`_weight_rows`) over chunks
-        [split·GPS, (split + 1)·GPS) of 16 words a row (128 columns of ``BITS`` 4, 64 of 8); ``KW`` =
-        K·BITS / 32 words a row (an argument of its own, so that a launch sees it a multiple of 16 where
-        it is: a lane's four words are then one 16-byte copy); scales and zero points ``[N, G]``,
-        groups of ``GS`` columns; XP = GPS rounded up to a power of two (x's buffer); the first
-        ``EARLY`` chunks' copies go out before x is read, the others after x's loads.
+        [split·GPS, (split + 1)·GPS) of 128 columns; ``KW`` = K / 8 words a row (an argument of its
+        own, so that a launch sees it a multiple of 16 where it is: a lane's four words are then one
+        16-byte copy); scales and zero points ``[N, G]``, groups of ``GS`` columns; XP = GPS rounded
+        up to a power of two (x's buffer); the first ``EARLY`` chunks' copies go out before x is
+        read, the others after x's loads.
 
         ``MP`` 8 or 16 (:func:`staged_mm`): X is [M, K], 2 to ``MP`` rows, Y [M, N] (or [M, N / 2] with
         ``GLU``) and RES [M, N], with the same fusions, each row its own (``KC``: K / 128, the chunks
@@ -554,9 +517,7 @@ if gluon is not None:
         at [split, row of x, weight row]. M is an argument, so that every count of rows up to ``MP``
         runs one compiled kernel (each batch size the decode captures would otherwise be a compile)."""
         BN: gl.constexpr = 16 * NW
-        CK: gl.constexpr = 16 * 32 // BITS  # x's columns a chunk
-        # 2^m, which a_operand adds to each code: for 8-bit codes 2^m for the low half, 16·2^m for the high
-        MAGIC: gl.constexpr = (128.0 if BF16 else 1024.0) * (17 if BITS == 8 else 1)
+        MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
         dt: gl.constexpr = Y.dtype.element_ty
         mma: gl.constexpr = mma_layout(NW)
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -581,7 +542,7 @@ if gluon is not None:
         scales = ()
         zeros = ()
         for i in gl.static_range(GPS):
-            g = (c0 + i) * CK // GS
+            g = (c0 + i) * 128 // GS
             scales = scales + (gl.load(S + rows * G + g).to(gl.float32),)
             if HAS_Z:
                 zeros = zeros + (gl.load(Z + rows * G + g).to(gl.float32),)
@@ -601,55 +562,34 @@ if gluon is not None:
                 xv = gl.load(X + rk, mask=rk < K, other=0.0).to(gl.float32)
                 ss += xv * xv
             rstd = 1.0 / gl.sqrt(gl.sum(ss, axis=0) / K + eps)
-        less = _less(BN, HAS_Z, BF16, BITS, MAGIC, dt, lw, la)
+        less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
+        if HAS_Z:
+            less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
         if MP > 1:
             _several_rows(X, NORM_W, RES, w_smem, lw, la, lb, less, scales, zeros, bias, rows, Y, PARTS, ARRIVALS, tile,
                           split, N, K, M, c0, eps, GPS, NW, SPLIT, MP, KC, MAGIC, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z, GLU,
-                          BF16, mma, BITS)
+                          BF16, mma)
         else:
             _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
                      bias, rows, rstd, tile, split, N, c0, GPS, XP, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,
-                     GLU, BF16, MAGIC, mma, BITS)
-
-    @gluon.jit
-    def _less(BN: gl.constexpr, HAS_Z: gl.constexpr, BF16: gl.constexpr, BITS: gl.constexpr, MAGIC: gl.constexpr,
-              dt: gl.constexpr, lw: gl.constexpr, la: gl.constexpr):
-        """The A operand [BN, 128] whose product with a chunk's B takes the bias and zero point off
-        (:func:`_chunk_sums`). Symmetric: each column's 2^m and the zero point 2^(b-1) as
-        :func:`a_operand` holds them, negated (for 8-bit codes the low half's -(2^m) and the high half's
-        -16·(2^m + 8): a column pair of byte 128). With zero points: -Σx (for 8-bit codes -1 beside
-        each byte's low half and 0 beside its high half, the difference of two words' A)."""
-        if BITS == 8:
-            if HAS_Z:
-                low_one = gl.full([BN, 16], 0x01010101, gl.int32, lw)
-                less = a_operand(gl.full([BN, 16], 0, gl.int32, lw), la, BN, BF16, BITS) \
-                    - a_operand(low_one, la, BN, BF16, BITS)
-            else:
-                byte_128 = gl.full([BN, 16], -0x7F7F7F80, gl.int32, lw)  # 0x80808080 as an int32
-                less = -a_operand(byte_128, la, BN, BF16, BITS)
-        else:
-            less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
-            if HAS_Z:
-                less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
-        return less
+                     GLU, BF16, MAGIC, mma)
 
     @gluon.jit
     def _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw: gl.constexpr, la: gl.constexpr,
                  lb: gl.constexpr, lv: gl.constexpr, less, scales, zeros, bias, rows, rstd, tile, split, N, c0,
                  GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
                  PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
-                 GLU: gl.constexpr, BF16: gl.constexpr, MAGIC: gl.constexpr, mma: gl.constexpr, BITS: gl.constexpr):
+                 GLU: gl.constexpr, BF16: gl.constexpr, MAGIC: gl.constexpr, mma: gl.constexpr):
         """The rest of :func:`_staged_gemv_kernel` for one row of x: x through shared memory, the later
         chunks' copies, the MMAs and the row's epilogue."""
         BN: gl.constexpr = 16 * NW
-        CK: gl.constexpr = 16 * 32 // BITS  # x's columns a chunk
         dt: gl.constexpr = Y.dtype.element_ty
         # f(x) of the split's chunks, rounded as the eager layer rounds, into shared memory once; unrolled,
         # so that every chunk's x is asked for at once (a loop waits for each chunk's in turn)
-        x_smem = gl.allocate_shared_memory(dt, [XP, CK], _plain(1))
-        xk = gl.arange(0, CK, layout=lv)
+        x_smem = gl.allocate_shared_memory(dt, [XP, 128], _plain(1))
+        xk = gl.arange(0, 128, layout=lv)
         for i in gl.static_range(GPS):
-            at = (c0 + i) * CK + xk
+            at = (c0 + i) * 128 + xk
             xv = gl.load(X + at)
             if PROLOGUE:
                 xn = (xv.to(gl.float32) * rstd).to(dt).to(gl.float32)
@@ -662,10 +602,10 @@ if gluon is not None:
         for i in gl.static_range(GPS):
             async_copy.wait_group(GPS - 1 - i)  # this thread's copies up to chunk i have landed
             _cta_barrier()  # and every other thread's, and x in shared memory
-            b = b_operand(x_smem.index(i).load(x_layout(NW, CK)), lb, BITS)
+            b = b_operand(x_smem.index(i).load(x_layout(NW)), lb)
             zero = zeros[i] if HAS_Z else 0.0
-            acc += _chunk_sums(a_operand(w_smem[i].load(lw), la, BN, BF16, BITS), less, b, scales[i], zero, MAGIC,
-                               HAS_Z, mma)
+            acc += _chunk_sums(a_operand(w_smem[i].load(lw), la, BN, BF16), less, b, scales[i], zero, MAGIC, HAS_Z,
+                               mma)
         n8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         y = gl.sum(gl.where(n8[None, :] == 0, acc, 0.0), axis=1)  # the 8 columns hold the same sums
         if SPLIT == 1:
