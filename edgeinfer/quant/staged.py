@@ -45,6 +45,9 @@ against 7,739 unfused on an H100 (docs/results/probes/h100-fused-rows).
 Scope: 4-bit codes, bf16 or fp16 activations with scales (and zero points) of the same dtype,
 groups of a multiple of 128 columns (or one a row), K a multiple of 128 and rows a multiple of
 the tile's; :func:`unfit` says why a product or tile falls outside, and ``packed_gemv`` serves it.
+8-bit codes were tried on this kernel (each byte as two 4-bit halves, ``ee06dfb``): right, and slower
+than ``packed_gemv`` and ``packed_mm`` on an H100 at one row and at 16
+(docs/results/probes/h100-w8-staged), so they were taken out again.
 """
 
 from __future__ import annotations
