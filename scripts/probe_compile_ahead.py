@@ -3,8 +3,13 @@ after another as their first launches compiled them, and on a pool of threads
 (``kernels.compile_ahead``). Without a GPU, the compiles alone, for Orin (sm_87) or Hopper (sm_90);
 with ``--gpu``, whole ``edgeinfer run`` processes on a GPU.
 
-    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N]
+    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N] [--staged]
     python scripts/probe_compile_ahead.py --gpu --out DIR [--pairs 2] [--cache /tmp/cache]
+
+``--staged``: instead of one after another against on threads, on threads without the staged kernel's
+tiles (``staged.tiles_that_fit`` of the four 4-bit products, what the batch-1 tuner adds on a GPU
+that runs them unless ``$EDGEINFER_STAGED_PRODUCTS=0``) against on threads with them: what they add to a
+first load's compiles. Writes ``DIR/compile-staged-smARCH.json``.
 
 ``--gpu``: the benchmark's 4-bit checkpoint of ``--shape`` (Qwen2-VL-2B; built once under ``--cache``,
 as ``probe_tile_cache.py`` builds it), one untimed ``edgeinfer run`` first (torch.compile's cache
@@ -64,23 +69,29 @@ def products():
 
 
 def child(way: str, arch: int, workers: int) -> None:
-    """One run: compile every product's candidate tiles ``way`` (serial or ahead); print the figures."""
+    """One run: compile every product's candidate tiles ``way`` (serial, ahead, or ahead with the staged
+    kernel's tiles too: ahead+staged); print the figures."""
     import torch
     from triton.backends.compiler import GPUTarget
 
     from edgeinfer.backends.torch import triton_decode
-    from edgeinfer.quant import kernels
+    from edgeinfer.quant import kernels, staged
     from edgeinfer.testing.triton_compile import binaries, compile_only
 
     calls = []
+    jitted = [triton_decode._packed_gemv_kernel]
     for w, kw in products().values():
         x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
         calls += [lambda c=c, w=w, x=x, kw=kw: triton_decode.packed_gemv(x, w, c, warmup=True, **kw)
                   for c in triton_decode.PACKED_GEMV_CANDIDATES]
-    jitted = [triton_decode._packed_gemv_kernel]
+        if way == "ahead+staged":  # staged.candidates on a GPU that runs the kernel (this CPU does not)
+            calls += [lambda c=c, w=w, x=x, kw=kw: staged.staged_gemv(x, w, c, warmup=True, **kw)
+                      for c in staged.tiles_that_fit(w, torch.bfloat16, bool(kw.get("glu")))]
+    if way == "ahead+staged":
+        jitted.append(staged._staged_gemv_kernel)
     with compile_only(GPUTarget("cuda", arch, 32), jitted):
         started = time.perf_counter()
-        if way == "ahead":
+        if way.startswith("ahead"):
             kernels.compile_ahead(calls, workers=workers)
         else:
             for call in calls:
@@ -136,7 +147,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--shape", default="qwen2-vl-2b", help="--gpu: the benchmark's checkpoint shape")
     parser.add_argument("--group-size", type=int, default=128, help="--gpu: the 4-bit checkpoint's groups")
-    parser.add_argument("--child", choices=("serial", "ahead"), help=argparse.SUPPRESS)
+    parser.add_argument("--staged", action="store_true",
+                        help="on threads, without the staged kernel's tiles against with them")
+    parser.add_argument("--child", choices=("serial", "ahead", "ahead+staged"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.arch, args.workers)
@@ -148,13 +161,14 @@ def main() -> None:
     import triton
 
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"compile-ahead-sm{args.arch}.json"
+    ways = ("ahead", "ahead+staged") if args.staged else ("serial", "ahead")
+    out = args.out / f"compile-{'staged' if args.staged else 'ahead'}-sm{args.arch}.json"
     runs = RunLog()
     record = {"arch": args.arch, "workers": args.workers, "cpus": os.cpu_count(), "triton": triton.__version__,
-              "shape": "qwen2-vl-2b w4a16 g128, 8-bit head", "runs": []}
+              "shape": "qwen2-vl-2b w4a16 g128, 8-bit head", "ways": ways, "runs": []}
     with LoadTracker() as tracker:  # our processes' share of the load, as the benchmarks judge quiet runs
         for pair in range(args.pairs):
-            for way in ("serial", "ahead"):
+            for way in ways:
                 with tempfile.TemporaryDirectory() as cache, runs.run(f"{way} #{pair}") as run:
                     env = {**os.environ, "TRITON_CACHE_DIR": cache, "TRITON_DEFAULT_FP_FUSION": "1"}
                     done = subprocess.run([sys.executable, __file__, "--child", way, "--arch", str(args.arch),
@@ -169,7 +183,7 @@ def main() -> None:
                 out.write_text(json.dumps(record, indent=1))
     record["quiet"] = judge(runs.records, tracker.share_at).to_dict()
     record["median_s"] = {way: statistics.median(r["seconds"] for r in record["runs"] if r["way"] == way)
-                          for way in ("serial", "ahead")}
+                          for way in ways}
     out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record["median_s"]), "quiet" if record["quiet"]["publishable"] else "NOT quiet", flush=True)
 
