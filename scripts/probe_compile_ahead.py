@@ -78,17 +78,16 @@ def child(way: str, arch: int, workers: int) -> None:
     from edgeinfer.quant import kernels, staged
     from edgeinfer.testing.triton_compile import binaries, compile_only
 
+    with_staged = way == "ahead+staged"
     calls = []
-    jitted = [triton_decode._packed_gemv_kernel]
+    jitted = [triton_decode._packed_gemv_kernel] + ([staged._staged_gemv_kernel] if with_staged else [])
     for w, kw in products().values():
         x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
         calls += [lambda c=c, w=w, x=x, kw=kw: triton_decode.packed_gemv(x, w, c, warmup=True, **kw)
                   for c in triton_decode.PACKED_GEMV_CANDIDATES]
-        if way == "ahead+staged":  # staged.candidates on a GPU that runs the kernel (this CPU does not)
+        if with_staged:  # staged.candidates on a GPU that runs the kernel (this CPU does not)
             calls += [lambda c=c, w=w, x=x, kw=kw: staged.staged_gemv(x, w, c, warmup=True, **kw)
                       for c in staged.tiles_that_fit(w, torch.bfloat16, bool(kw.get("glu")))]
-    if way == "ahead+staged":
-        jitted.append(staged._staged_gemv_kernel)
     with compile_only(GPUTarget("cuda", arch, 32), jitted):
         started = time.perf_counter()
         if way.startswith("ahead"):

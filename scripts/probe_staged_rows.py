@@ -5,7 +5,8 @@ chooses), on random 4-bit weights of Qwen2-VL-2B's shapes, bf16, groups of 128.
 Each staged tile is first checked against torch as the tuner checks its tiles
 (``kernels.checked_tiles``); a wrong one, or one this Triton refuses, is reported (``wrong``) and
 not timed. Each product is timed as the tuner times it: over copies of the weight that do not fit
-L2 together (``kernels.cold_copies``), replayed from one CUDA graph, µs a call. Every timing ``--rounds`` times, in turns; medians.
+L2 together (``kernels.cold_copies``), replayed from one CUDA graph, µs a call. Every timing
+``--rounds`` times, in turns; medians.
 
     OUT=probe.json python scripts/probe_staged_rows.py --rows 4,8,16 --rounds 3 --shapes gate_up,down
 
