@@ -231,36 +231,6 @@ def test_decode_bursts_give_the_step_by_step_tokens(checkpoint, family):
         assert engine.decoder_engine.fused_replays > 0
 
 
-@pytest.mark.parametrize("chain", [1, 3])
-def test_bursts_give_the_same_tokens_whatever_steps_a_graph_chains(checkpoint, monkeypatch, chain):
-    """A burst replays its graph of ``chain`` steps while as many are left, then its one-step graph:
-    3 leaves a remainder in every burst of 16 and at each row's end; 1 chains nothing."""
-    from edgeinfer.backends.torch.cuda_graphs import BURST_CHAIN_ENV
-
-    path = checkpoint("smolvlm")
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 23)]
-    questions = QUESTIONS[:2]
-    plain = engine_for(path, max_batch_size=4)
-    expected = plain.run_until_done([plain.submit(q, im, p) for (q, im), p in zip(questions, params)])
-
-    monkeypatch.setenv(BURST_CHAIN_ENV, str(chain))
-    engine = bursting_engine(path, block_size=16)
-    results = engine.run_until_done([engine.submit(q, im, p) for (q, im), p in zip(questions, params)])
-    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
-    decoder = engine.decoder_engine
-    assert decoder.burst_chain == chain and engine.counters["decode_bursts"] > 0
-    assert (decoder.chained_steps > 0) == (chain > 1)
-    assert decoder.chained_steps < engine.counters["decode_steps"]  # remainders ran one step a replay
-
-
-def test_a_burst_chain_that_is_not_a_number_is_refused_at_load(checkpoint, monkeypatch):
-    from edgeinfer.backends.torch.cuda_graphs import BURST_CHAIN_ENV
-
-    monkeypatch.setenv(BURST_CHAIN_ENV, "four")
-    with pytest.raises(ValueError, match=BURST_CHAIN_ENV):
-        bursting_engine(checkpoint("smolvlm"))
-
-
 def test_a_stop_token_inside_a_burst_ends_the_answer_there(checkpoint):
     path = checkpoint("smolvlm")
     question, images = QUESTIONS[0]

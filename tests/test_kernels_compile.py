@@ -394,8 +394,8 @@ def test_the_decode_kernels_build_for_jetson_thor():
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_step_s_ends_compile_for_every_branch(dtype):
     """The step's inputs (lookup and RoPE, or RoPE alone; scaled embeddings or not), the final norm at
-    several rows, and its greedy choice (ids alone, or plain and M-RoPE positions moved on, with or
-    without a burst's column of ids written too), as their wrappers launch them."""
+    several rows, and its greedy choice (ids alone, or plain and M-RoPE positions moved on), as their
+    wrappers launch them."""
     from edgeinfer.backends.torch import step_ends
 
     inputs = {**pointers(dtype, "EMBED", "X", "COS", "SIN"), "TOKENS": "*i64", "POS": "*i64", "INV_FREQ": "*fp32",
@@ -407,12 +407,11 @@ def test_the_step_s_ends_compile_for_every_branch(dtype):
     norm = {**pointers(dtype, "X", "W", "Y"), **dict.fromkeys(("stride_x", "stride_y", "H"), "i32"), "eps": "fp32"}
     for bh, warps in ((2048, 4), (8192, 8)):  # Qwen2-VL-2B's 1,536 columns, and up to 8,192
         assert all(compiled(step_ends._norm_kernel, norm, dict(BH=bh), warps=warps).values())
-    choose = {"LOGITS": f"*{dtype}", "PARTS": "*fp32", "ARRIVALS": "*i32", "IDS": "*i64", "REC": "*i64", "POS": "*i64",
-              "CTX": "*i64", "VALID": "*i64",
-              **dict.fromkeys(("V", "stride_l", "stride_rec", "stride_axis", "stride_pos"), "i32")}
-    for advance, axes, record in ((False, 1, False), (True, 1, False), (True, 3, False), (True, 1, True), (True, 3, True)):
+    choose = {"LOGITS": f"*{dtype}", "PARTS": "*fp32", "ARRIVALS": "*i32", "IDS": "*i64", "POS": "*i64",
+              "CTX": "*i64", "VALID": "*i64", **dict.fromkeys(("V", "stride_l", "stride_axis", "stride_pos"), "i32")}
+    for advance, axes in ((False, 1), (True, 1), (True, 3)):
         assert all(compiled(step_ends._choose_kernel, choose, dict(
-            AXES=axes, BV=step_ends.ARGMAX_BLOCK, P=128, ADVANCE=advance, RECORD=record)).values())
+            AXES=axes, BV=step_ends.ARGMAX_BLOCK, P=128, ADVANCE=advance)).values())
 
 
 def test_a_compile_that_fails_as_it_finishes_leaves_the_launches_to_compile(monkeypatch):

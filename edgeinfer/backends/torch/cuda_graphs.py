@@ -55,7 +55,6 @@ decoder to keep (``take_decoder=True``, as ``Engine.load`` does with the model i
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import OrderedDict
@@ -72,24 +71,6 @@ from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
 from edgeinfer.models.decoder import Decoder, DecoderLayer, layer_masks, past_reader, whole_block_slots_and_mask
 from edgeinfer.quant.launching import dependent_launch, staged_enabled
-
-
-# Steps a burst graph chains: a burst replays a graph of this many steps while as many are left
-# (its ids recorded in the graph), then the one-step graph for the rest. Inside a graph each
-# step's first kernels launch as dependents of the step before's last; between two replays the
-# next graph starts only once the last one has finished. ``$EDGEINFER_BURST_CHAIN=1``: one step a
-# graph, as before.
-BURST_CHAIN = 4
-BURST_CHAIN_ENV = "EDGEINFER_BURST_CHAIN"
-
-
-def burst_chain() -> int:
-    """Steps a burst graph chains (:data:`BURST_CHAIN`, or ``$EDGEINFER_BURST_CHAIN``, at least 1)."""
-    value = os.environ.get(BURST_CHAIN_ENV, "")
-    try:
-        return max(1, int(value)) if value else BURST_CHAIN
-    except ValueError:
-        raise ValueError(f"{BURST_CHAIN_ENV} must be a whole number of steps (1: one a graph), got {value!r}") from None
 
 
 # One compiled layer serves every (batch, width) bucket of every engine in the process; torch's
@@ -205,8 +186,6 @@ class _BurstGraph:
     context_lens: torch.Tensor
     valid: torch.Tensor  # [batch] 1 for real rows, 0 for padding
     sampling: SamplingStep | None = None  # None: every row takes the argmax
-    chain: Callable[[], None] | None = None  # ``ids.shape[1]`` steps in one replay (None: one step a replay)
-    ids: torch.Tensor | None = None  # [batch, chain] each chained step's ids, left by ``chain``
 
 
 class BurstTokens:
@@ -264,7 +243,6 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                  fused: bool = True, prefill_graphs: int = 8, *, take_decoder: bool = False,
                  step_tuning_s: float = 0.0) -> None:
         super().__init__(decoder)
-        self.burst_chain = burst_chain()
         self.step_tuning_s = step_tuning_s  # for the fused step's tiles, by whole-step time (0: none)
         self.batch_buckets = buckets(max_batch_size)
         self.width_buckets = buckets(max_blocks, start=8)
@@ -285,7 +263,6 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         self.fused_off = "turned off" if not fused else triton_decode.available(self.device)
         self._fused = None
         self.fused_replays = 0  # decode steps replayed through the fused kernels
-        self.chained_steps = 0  # burst steps replayed from a chained graph
         # A layer is a few dozen small kernels (norms, RoPE, residuals); compiled, they fuse.
         # Every layer has the same code and shapes, so one compilation serves all of them.
         self._layer_fn = _compiled(DecoderLayer.forward) if compile_layers else None
@@ -342,7 +319,6 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return {"fused": True, "gemv_rows": triton_decode.MAX_GEMV_ROWS, "fused_rows": self._fused.rows_report,
                 "fused_replays": self.fused_replays,
                 "dependent_launch": dependent_launch(self.device), "step_ends": self._fused.ends.kernels,
-                "burst_chain": self.burst_chain, "chained_steps": self.chained_steps,
                 "staged_products": staged_enabled(),  # whether the staged tiles were the step's candidates
                 "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
@@ -650,33 +626,20 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return self._replay_burst(key, b, steps)
 
     def _replay_burst(self, key, b: int, steps: int) -> BurstTokens:
-        """``steps`` steps of the burst graph ``key``: its chained graph while a whole chain is left,
-        then its one-step graph; each replay's ids copied into the burst's ids."""
         g = self._bursts[key]
         out = torch.empty(b, steps, dtype=torch.long, device=g.tokens.device)
-        i = 0
-        while i < steps:
-            if g.chain is not None and steps - i >= g.ids.shape[1]:
-                g.chain()
-                out[:, i:i + g.ids.shape[1]].copy_(g.ids[:b])
-                i += g.ids.shape[1]
-                self.chained_steps += g.ids.shape[1]
-            else:
-                g.replay()
-                out[:, i].copy_(g.tokens[:b])
-                i += 1
+        for i in range(steps):
+            g.replay()
+            out[:, i].copy_(g.tokens[:b])
         self.fused_replays += steps * (self._fused is not None)
         self._last_burst = (key, b)
         return BurstTokens(out)
 
     def _burst_step(self, tokens, positions, k_pool, v_pool, tables, context_lens, valid,
-                    sampling: SamplingStep | None = None, write: bool = True,
-                    record: torch.Tensor | None = None) -> None:
-        """One step on static buffers: embed, layers, K/V into the pool, the chosen ids back into
-        ``tokens`` (and into ``record`` [batch], a column of a chained burst's ids, where given).
+                    sampling: SamplingStep | None = None, write: bool = True) -> None:
+        """One step on static buffers: embed, layers, K/V into the pool, the chosen ids back into ``tokens``.
 
-        ``write=False`` (the warm-up before capture) leaves the pools and every buffer alone but
-        ``record``, which only a chained replay's reader looks at.
+        ``write=False`` (the warm-up before capture) leaves the pools and every buffer alone.
         """
         if self._fused is not None:  # the inputs in one kernel; the attention writes the new K/V itself
             ends = self._fused.ends
@@ -685,9 +648,9 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                                               valid if write else torch.zeros_like(valid))
             if sampling is None and ends.kernels:  # the argmax, and the valid rows moved on, in one kernel
                 if write:
-                    ends.choose(logits, tokens, positions, context_lens, valid, record)
+                    ends.choose(logits, tokens, positions, context_lens, valid)
                 else:
-                    ends.choose(logits, torch.empty_like(tokens), record=record)
+                    ends.choose(logits, torch.empty_like(tokens))
                 return
         else:
             embeds = self.decoder.embed_tokens(tokens)[:, None]
@@ -697,8 +660,6 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
             _choose(logits, sampling, advance=False, valid=valid)  # warms the sampler's kernels too
             return
         tokens.copy_(_choose(logits, sampling, advance=True, valid=valid))
-        if record is not None:
-            record.copy_(tokens)
         positions.add_(valid.view(tokens.shape[0], 1))  # valid rows move one position on
         context_lens.add_(valid)
 
@@ -738,37 +699,18 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                    torch.zeros(batch, dtype=torch.long, device=device),
                    torch.zeros(batch, dtype=torch.long, device=device))
         tokens, positions, tables, context_lens, valid = buffers
-        length = self.burst_chain
-        ids = torch.zeros(batch, length, dtype=torch.long, device=device) if length > 1 else None
-
-        def run(record: torch.Tensor | None = None, write: bool = True) -> None:
-            self._burst_step(tokens, positions, k_pool, v_pool, tables, context_lens, valid, step, write, record)
-
-        def chained() -> None:
-            for column in range(length):
-                run(ids[:, column])
-
-        if not k_pool.is_cuda:  # no graphs off the GPU: the same steps, run eagerly
-            g = _BurstGraph(run, *buffers, step, chained if ids is not None else None, ids)
+        if not k_pool.is_cuda:  # no graphs off the GPU: the same step, run eagerly
+            g = _BurstGraph(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:], step), *buffers, step)
             self._bursts[key] = g
             return g
-
-        def warm() -> None:  # every column: the greedy choice's variants (a column's alignment) compile here
-            for record in [None] + ([] if ids is None else list(ids.unbind(1))):
-                run(record, write=False)
-
         # Warm-up without writing: the pools hold other sequences' K/V. (The capture itself
         # only records; nothing runs until a replay.)
-        self._warm_up(warm, device)
-        graph, _ = capture_graph(run, self._pool)
+        self._warm_up(lambda: self._burst_step(*buffers[:2], k_pool, v_pool, *buffers[2:], step, write=False), device)
+        graph, _ = capture_graph(lambda: self._burst_step(tokens, positions, k_pool, v_pool, tables, context_lens,
+                                                          valid, step), self._pool)
         self._pool = graph.pool()
         self.captures += 1
-        chain = None
-        if ids is not None:
-            chain_graph, _ = capture_graph(chained, self._pool)  # counted with its one-step graph: one burst key
-            self._pool = chain_graph.pool()
-            chain = chain_graph.replay
-        g = _BurstGraph(graph.replay, *buffers, step, chain, ids)
+        g = _BurstGraph(graph.replay, tokens, positions, tables, context_lens, valid, step)
         self._bursts[key] = g
         return g
 

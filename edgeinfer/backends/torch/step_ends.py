@@ -89,13 +89,13 @@ if triton is not None:
         return tl.where(has_nan, float("nan"), top), tl.where(has_nan, first_nan, first_top)
 
     @triton.jit
-    def _choose_kernel(LOGITS, PARTS, ARRIVALS, IDS, REC, POS, CTX, VALID, V, stride_l, stride_rec, stride_axis,
-                       stride_pos, AXES: tl.constexpr, BV: tl.constexpr, P: tl.constexpr, ADVANCE: tl.constexpr,
-                       RECORD: tl.constexpr, PDL: tl.constexpr):
+    def _choose_kernel(LOGITS, PARTS, ARRIVALS, IDS, POS, CTX, VALID, V, stride_l, stride_axis, stride_pos,
+                       AXES: tl.constexpr, BV: tl.constexpr, P: tl.constexpr, ADVANCE: tl.constexpr,
+                       PDL: tl.constexpr):
         """Block ``program_id(1)`` of row ``program_id(0)``'s logits: its first maximum into
         ``PARTS`` [rows, 2, P] (value, index); the last block of the row to arrive takes the first
-        maximum of the blocks' into ``IDS`` (and, with ``RECORD``, into ``REC`` too), and with
-        ``ADVANCE`` moves each of the row's ``AXES`` positions and its context length on by ``VALID``."""
+        maximum of the blocks' into ``IDS``, and with ``ADVANCE`` moves each of the row's ``AXES``
+        positions and its context length on by ``VALID``."""
         row = tl.program_id(0)
         block = tl.program_id(1)
         blocks = tl.num_programs(1)
@@ -113,8 +113,6 @@ if triton is not None:
             ats = tl.load(base + P + rp, mask=p_ok, other=_NO_INDEX, cache_modifier=".cg").to(tl.int32)
             _, chosen = _first_max(tops, ats)
             tl.store(IDS + row, chosen.to(IDS.dtype.element_ty))
-            if RECORD:
-                tl.store(REC + row * stride_rec, chosen.to(REC.dtype.element_ty))
             if ADVANCE:
                 step = tl.load(VALID + row)
                 for a in tl.static_range(AXES):
@@ -205,11 +203,10 @@ class StepEnds:
         return final_norm(x, norm.weight, norm.eps)
 
     def choose(self, logits: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None = None,
-               context_lens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-               record: torch.Tensor | None = None) -> None:
+               context_lens: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
         """:func:`choose_greedy` in the step's workspace (with :attr:`kernels` only: without, the
         caller's sampler path chooses)."""
-        choose_greedy(logits, ids, self.workspace, positions, context_lens, valid, record)
+        choose_greedy(logits, ids, self.workspace, positions, context_lens, valid)
 
 
 def final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,11 +224,10 @@ def final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 def choose_greedy(logits: torch.Tensor, ids: torch.Tensor, workspace: SplitWorkspace,
                   positions: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
-                  valid: torch.Tensor | None = None, record: torch.Tensor | None = None) -> None:
+                  valid: torch.Tensor | None = None) -> None:
     """Each row's argmax of ``logits`` [B, vocab] into ``ids`` [B], in one kernel (its arrival counts
     in ``workspace``). With ``positions`` ([B, 1] or [3, B, 1]), ``context_lens`` and ``valid`` [B],
-    each row's positions and context length also move on by its ``valid``. With ``record`` [B] (a
-    column of a burst's ids, any stride) the ids go there too."""
+    each row's positions and context length also move on by its ``valid``."""
     advance = positions is not None
     if advance and (context_lens is None or valid is None):
         raise ValueError("moving the rows on needs their context lengths and which are valid")
@@ -242,7 +238,6 @@ def choose_greedy(logits: torch.Tensor, ids: torch.Tensor, workspace: SplitWorks
     pos = positions if advance else ids
     mrope = advance and pos.dim() == 3
     _choose_kernel[(rows, blocks)](
-        logits, parts, arrivals, ids, ids if record is None else record, pos, context_lens if advance else ids,
-        valid if advance else ids, vocab, logits.stride(0), 0 if record is None else record.stride(0),
-        pos.stride(0) if mrope else 0, pos.stride(-2) if advance else 0, AXES=pos.shape[0] if mrope else 1,
-        BV=ARGMAX_BLOCK, P=p, ADVANCE=advance, RECORD=record is not None, **launch_options(logits.device))
+        logits, parts, arrivals, ids, pos, context_lens if advance else ids, valid if advance else ids, vocab,
+        logits.stride(0), pos.stride(0) if mrope else 0, pos.stride(-2) if advance else 0,
+        AXES=pos.shape[0] if mrope else 1, BV=ARGMAX_BLOCK, P=p, ADVANCE=advance, **launch_options(logits.device))
