@@ -123,7 +123,8 @@ def test_the_final_norm_is_the_decoder_s_norm_row_by_row(dtype):
     with torch.no_grad():
         want = norm(x).float()
         got = step_ends.final_norm(x, norm.weight, norm.eps).float()
-        # rows as a strided view (every other column of a wider tensor): read where they lie
+        # rows as a strided view (every other column of a wider tensor): copied to contiguous rows
+        # first, the same values
         wide = torch.zeros(rows, 2 * hidden, dtype=dtype, device=DEVICE)
         wide[:, ::2] = x
         assert torch.equal(step_ends.final_norm(wide[:, ::2], norm.weight, norm.eps).float(), got)
