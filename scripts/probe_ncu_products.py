@@ -10,7 +10,9 @@ symmetric bf16 scales, at the tiles the H200's tuner chose in run K (the raw fil
 ``diagnostics.kernels.products``), the int8 ``lm_head``, and beside them the bf16 GEMV of gate|up
 and down at their chosen tiles the tensor-core kernel on gate|up's one row, and gate|up's and down's tiles again with the register
 caps tried on the H200 and not kept (``ONLY=/r`` selects those;
-docs/results/probes/h200-register-caps-same-call). Each is launched
+docs/results/probes/h200-register-caps-same-call), and the staged kernel's tiles that were the fastest
+alone on an H100 with gate|up's unsplit one-warp tile (``ONLY=staged``; docs/results/probes/h100-fused-mlp and
+h100-ncu-staged). Each is launched
 twice before the range (its compile and first use), then once inside it, in the order of
 ``KERNELS``, which the report's rows follow. Nsight Compute empties the caches before each of its
 replays, so every weight comes from memory as in a step.
@@ -20,7 +22,7 @@ import os
 import torch
 
 from edgeinfer.backends.torch import triton_decode as td
-from edgeinfer.quant import kernels
+from edgeinfer.quant import kernels, staged
 from edgeinfer.testing.products import fused_inputs, random_packed
 
 dev, bf = torch.device("cuda"), torch.bfloat16
@@ -36,6 +38,12 @@ def packed_call(n, k, bits, gs, kind, config):
 def dense_call(n, k, kind, config):
     w, (x, kw) = torch.randn(n, k, device=dev, dtype=bf), fused_inputs(kind, n, k, dev)
     return lambda: td.gemv(x, w, config=config, **kw)
+
+
+def staged_call(n, k, kind, config):
+    w, (x, kw) = random_packed(n, k, 4, 128, dev), fused_inputs(kind, n, k, dev)
+    workspace = td.SplitWorkspace(dev)
+    return lambda: staged.staged_gemv(x, w, config, workspace=workspace, **kw)
 
 
 def tensor_core_call(n, k, config):
@@ -57,6 +65,11 @@ KERNELS = {  # name: the call, at run K's tiles
     "bf16 gate_up 8x128/2w/4s": dense_call(17920, 1536, "norm+glu", td.GemvConfig(8, 128, 2, 4)),
     "bf16 down 4x1024/8w/2s": dense_call(1536, 8960, "residual", td.GemvConfig(4, 1024, 8, 2)),
     "w4 gate_up tensor core 128x64/s1": tensor_core_call(17920, 1536, kernels.MmConfig(128, 64, 1, stages=2, mma=True)),
+    # the staged tiles fastest alone on an H100 (probes/h100-fused-mlp), and gate|up's unsplit one-warp tile
+    "w4 gate_up staged/4w/split3": staged_call(17920, 1536, "norm+glu", staged.StagedGemvConfig(4, 3)),
+    "w4 gate_up staged/1w/split1": staged_call(17920, 1536, "norm+glu", staged.StagedGemvConfig(1, 1)),
+    "w4 down staged/1w/split10": staged_call(1536, 8960, "residual", staged.StagedGemvConfig(1, 10)),
+    "w4 down staged/4w/split10": staged_call(1536, 8960, "residual", staged.StagedGemvConfig(4, 10)),
 }
 
 if __name__ == "__main__":
