@@ -73,9 +73,6 @@ FUSED_ROWS_ENV = "EDGEINFER_FUSED_ROWS"
 # "0": the fused step's inputs (lookup, RoPE), greedy choice and final norm at several rows run as
 # torch ops, not as one kernel each (backends/torch/step_ends.py)
 STEP_ENDS_ENV = "EDGEINFER_STEP_ENDS"
-# "1": the batch-1 tuner also times each packed tile with a thread's words side by side, four words a
-# 16-byte load (``triton_decode.PackedGemvConfig.vec``)
-VEC_WORDS_ENV = "EDGEINFER_VEC_WORDS"
 
 
 def interpreting() -> bool:
@@ -87,11 +84,6 @@ def interpreting() -> bool:
 def staged_enabled() -> bool:
     """Whether the batch-1 tuner times the staged products' tiles (unless ``$EDGEINFER_STAGED_PRODUCTS=0``)."""
     return os.environ.get(STAGED_ENV, "1") != "0"
-
-
-def vec_words_enabled() -> bool:
-    """Whether the batch-1 tuner also times the packed tiles with four words a load (``$EDGEINFER_VEC_WORDS=1``)."""
-    return os.environ.get(VEC_WORDS_ENV) == "1"
 
 
 def staged_mma_enabled() -> bool:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
@@ -79,7 +79,6 @@ from edgeinfer.quant.launching import (
     fused_rows_enabled,
     step_ends_enabled,
     interpreting,
-    vec_words_enabled,
     launch,
     launch_options,
     pow2,
@@ -274,8 +273,7 @@ if triton is not None:
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                             HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
                             ONE_GROUP: tl.constexpr, POW2_GROUPS: tl.constexpr, XB: tl.constexpr,
-                            GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False,
-                            VEC: tl.constexpr = 1):
+                            GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
@@ -298,11 +296,9 @@ if triton is not None:
         itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
         order (the same sum whichever arrives last), finishes the row and sets the count back to
         zero. With ``GLU`` a tile is BN // 2 outputs' gate and up rows (:func:`_tile_rows`) and
-        writes SiLU(gate)·up. ``VEC`` (1 or 4): the words' alignment the loads may assume, in words;
-        at 4 a thread holds four words of a row side by side and asks for them in one 16-byte load,
-        where at 1 it holds one word of each of more rows. A step's words and scales are read while
-        the step before it multiplies, the first step's before the kernels before this one have
-        finished (``PDL``, :func:`await_inputs`)."""
+        writes SiLU(gate)·up. A step's words and scales are read while the step before it
+        multiplies, the first step's before the kernels before this one have finished (``PDL``,
+        :func:`await_inputs`)."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
@@ -311,11 +307,10 @@ if triton is not None:
         BKW: tl.constexpr = BK // PER  # words a row per K step
         start = split * per_split
         end = tl.minimum(start + per_split, K)
-        rw = tl.multiple_of(start // PER, VEC) + tl.arange(0, BKW)
-        # with VEC 1 one word a thread (per row): the tile's words then lie across threads as x's columns
-        # do, and no step moves x or the sums between layouts through shared memory; with VEC 4 a thread's
-        # four words of a row come in one load, and it takes apart x's columns for four words
-        words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, VEC) + rw[None, :]
+        rw = start // PER + tl.arange(0, BKW)
+        # one word a thread (per row): the tile's words then lie across threads as x's columns do, and
+        # no step moves x or the sums between layouts through shared memory
+        words_at = W + rn[:, None].to(tl.int64) * tl.multiple_of(K // PER, 1) + rw[None, :]
         words = load_where(words_at, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
         NG: tl.constexpr = BK // GS if BK >= GS else 1  # groups a step meets (POW2_GROUPS)
         if POW2_GROUPS:  # the first step's groups' addresses, moved a step at a time
@@ -352,7 +347,6 @@ if triton is not None:
             # the next step's words and scales (the last step reads its own again, not past its columns)
             ahead = tl.where(k0 + BK < end, BK, 0)
             stepped += ahead // PER
-            stepped = tl.multiple_of(stepped, VEC)
             rw += ahead // PER
             words = load_where(words_at + stepped, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
             if not ONE_GROUP:
@@ -477,7 +471,6 @@ class PackedGemvConfig:
     warps: int
     split: int = 1
     registers: int | None = None  # a cap on registers a thread (``maxnreg``): more programs resident
-    vec: int = 1  # words a thread loads side by side (4: one 16-byte load), where the rows allow it
 
 
 # Candidates timed per packed product at load: tiles of 4 to 32 rows by 256 to 2048 columns (a
@@ -508,10 +501,7 @@ def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None
     follow where it is enabled and fits (:func:`staged.candidates`)."""
     if not isinstance(w, PackedMatrix):
         return GEMV_CANDIDATES
-    packed = PACKED_GEMV_CANDIDATES
-    if vec_words_enabled():
-        packed += tuple(replace(c, vec=4) for c in PACKED_GEMV_CANDIDATES)
-    return packed + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
+    return PACKED_GEMV_CANDIDATES + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
 
 
 def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, bias: torch.Tensor | None = None,
@@ -537,8 +527,6 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
     prologue = RMSNORM if norm_weight is not None else NONE
     codes, gs = w.codes, layout.group_constexpr
     registers = {"maxnreg": config.registers} if config.registers else {}
-    per = 32 // layout.bits
-    vec = config.vec if (k // per) % config.vec == 0 and (bk // per) % config.vec == 0 else 1
     launch(_packed_gemv_kernel, (tiles, splits), warmup,
            x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
            bias if bias is not None else codes, residual if residual is not None else codes,
@@ -548,7 +536,7 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
            SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
            ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and pow2(gs) == gs,
            XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(),
-           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, VEC=vec, **launch_options(x.device),
+           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, **launch_options(x.device),
            num_warps=config.warps, **registers)
     return None if warmup else y
 
@@ -595,8 +583,7 @@ def _config_name(c: Tile) -> str:
     if isinstance(c, StagedGemvConfig):
         return f"staged/{c.warps}w/split{c.split}" + (f"/early{c.early}" if c.early is not None else "")
     if isinstance(c, PackedGemvConfig):
-        return (f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
-                + (f"/v{c.vec}" if c.vec > 1 else ""))
+        return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
     return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s"
 
 
@@ -697,8 +684,7 @@ class FusedDecode:
     def tiles_key(self) -> dict:
         """What the tiles were timed for: each product's shape, weight format and what it fuses, the
         layers the step runs (the step's attention is timed with them), and whether the staged
-        kernel's tiles (:func:`staged.enabled`) and the packed tiles with four words a load
-        (:func:`vec_words_enabled`) were among the candidates."""
+        kernel's tiles were among the candidates (:func:`staged.enabled`)."""
         cfg = self.cfg
         products = {}
         for name, (weights, kw) in self._products().items():
@@ -710,7 +696,7 @@ class FusedDecode:
                               "glu": bool(kw.get("glu"))}
         return {"products": products, "dtype": str(self.decoder.norm.weight.dtype), "layers": cfg.num_layers,
                 "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                "qk_norm": cfg.qk_norm, "staged": staged.enabled(), "vec_words": vec_words_enabled()}
+                "qk_norm": cfg.qk_norm, "staged": staged.enabled()}
 
     def kept(self, step_budget_s: float) -> dict:
         """The tiles and their timings as :meth:`restore` takes them back."""
