@@ -167,14 +167,13 @@ def _fused_mlp_kernel(X, NORM_W, GU, S_GU, Z_GU, D, S_D, Z_D, Y, TOTALS, ARRIVAL
 
 
 class Totals:
-    """The fused kernel's int64 totals and arrival count, left at zero by every launch."""
+    """The fused kernel's int64 totals and arrival count, left at zero by every launch, and the room of
+    the diagnostic sums: float32 totals (``how`` 1), or the shares of up to ``programs`` programs (2)."""
 
-    def __init__(self, h: int, device: torch.device) -> None:
+    def __init__(self, h: int, programs: int, device: torch.device) -> None:
         self.totals = torch.zeros(h, dtype=torch.int64, device=device)
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=device)
-        # the diagnostic sums' room: float32 totals (``SUM`` 1), or every program's share (2)
-        self.shares = torch.zeros(h * (INTER // 8 if device.type == "cuda" else 64), dtype=torch.float32,
-                                  device=device)
+        self.shares = torch.zeros(h * programs, dtype=torch.float32, device=device)
 
 
 def fused_mlp(x, norm_w, eps, gu, down, tile, totals: Totals, out=None, warmup=False, how=0):
@@ -190,6 +189,7 @@ def fused_mlp(x, norm_w, eps, gu, down, tile, totals: Totals, out=None, warmup=F
     z_gu = gu.zeros if gu.zeros is not None else gu.scales
     z_d = down.zeros if down.zeros is not None else down.scales
     grid = (i // ci,)
+    assert how != 2 or totals.shares.numel() >= grid[0] * h
     args = (x, norm_w, gu.codes, gu.scales, z_gu, down.codes, down.scales, z_d, y, totals.totals, totals.arrivals,
             h, i, gu.scales.shape[1], down.scales.shape[1], eps)
     kw = dict(CI=ci, BK=bk, HB=hb, XB=pow2(h), GS=gs, HAS_Z=gu.zeros is not None, ASM=not interpreting(),
@@ -223,7 +223,7 @@ def check(device, h=256, i=512, tiles=((8, 128, 128, 4), (16, 256, 256, 4), (32,
         x = torch.randn(1, h, device=device, dtype=torch.bfloat16)
         norm_w = (torch.rand(h, device=device) + 0.5).to(torch.bfloat16)
         want = reference(x, norm_w, 1e-6, gu, down)
-        totals = Totals(h, device)
+        totals = Totals(h, i // min(t[0] for t in tiles), device)
         for tile in tiles:
             got = fused_mlp(x, norm_w, 1e-6, gu, down, tile, totals)
             again = fused_mlp(x, norm_w, 1e-6, gu, down, tile, totals)  # the totals were left at zero
@@ -257,12 +257,8 @@ def pair_tiles(x, norm_w, eps, gu_ws, down_ws, space):
 
 
 def product(x, w, c, out, space, warmup=False, **kw):
-    """One product as ``FusedDecode`` dispatches a tile."""
-    from edgeinfer.quant import staged
-
-    if isinstance(c, staged.StagedGemvConfig):
-        return staged.staged_gemv(x, w, c, out=out, workspace=space, warmup=warmup, **kw)
-    return td.packed_gemv(x, w, c, out=out, workspace=space, warmup=warmup, **kw)
+    """One product as the decode step dispatches a tile."""
+    return td.one_row_product(x, w, c, out=out, workspace=space, warmup=warmup, **kw)
 
 
 def run(rounds: int):
@@ -279,7 +275,7 @@ def run(rounds: int):
     res["mb_a_layer"] = (gu_ws[0].nbytes + down_ws[0].nbytes) / 1e6
     x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
     norm_w = (torch.rand(HIDDEN, device=dev) + 0.5).to(torch.bfloat16)
-    eps, space, totals = 1e-6, SplitWorkspace(dev), Totals(HIDDEN, dev)
+    eps, space, totals = 1e-6, SplitWorkspace(dev), Totals(HIDDEN, INTER // min(t[0] for t in TILES), dev)
     t0 = time.time()
     kernels.compile_ahead([lambda t=t, how=how: fused_mlp(x, norm_w, eps, gu_ws[0], down_ws[0], t, totals,
                                                           warmup=True, how=how)

@@ -81,10 +81,8 @@ def product(which):
     theirs = list(td.PACKED_GEMV_CANDIDATES)
     outs = [torch.empty(1, n // 2 if glu else n, dtype=x.dtype, device=dev) for _ in ws]
 
-    def fused(w, c, out, warmup=False):  # as FusedDecode._product dispatches a tile
-        if isinstance(c, staged.StagedGemvConfig):
-            return staged.staged_gemv(x, w, c, out=out, workspace=space, warmup=warmup, **kw)
-        return td.packed_gemv(x, w, c, out=out, workspace=space, warmup=warmup, **kw)
+    def fused(w, c, out, warmup=False):  # as the decode step dispatches a tile
+        return td.one_row_product(x, w, c, out=out, workspace=space, warmup=warmup, **kw)
 
     warm = [lambda c=c: fused(ws[0], c, outs[0], True) for c in theirs + ours]
     warm += [lambda c=c: staged.staged_gemv(x, ws[0], c, workspace=space, warmup=True) for c in plain_ours]

@@ -541,6 +541,17 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
     return None if warmup else y
 
 
+def one_row_product(x: torch.Tensor, w: torch.Tensor | PackedMatrix, config: Tile, *,
+                    workspace: SplitWorkspace | None = None, **kw) -> torch.Tensor | None:
+    """One row's product on ``config``'s kernel: :func:`staged_gemv` for a staged tile, :func:`packed_gemv`
+    for a packed weight, :func:`gemv` for a dense one; ``kw``: what it fuses, its output, ``warmup``."""
+    if isinstance(config, StagedGemvConfig):
+        return staged_gemv(x, w, config, workspace=workspace, **kw)
+    if isinstance(w, PackedMatrix):
+        return packed_gemv(x, w, config, workspace=workspace, **kw)
+    return gemv(x, w, config=config, **kw)
+
+
 def reference_product(x: torch.Tensor, w: torch.Tensor | PackedMatrix, outputs: torch.Tensor, *,
                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                       norm_weight: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False) -> torch.Tensor:
@@ -835,11 +846,7 @@ class FusedDecode:
         return lambda: self.layers(x, cos, sin, k_pool, v_pool, tables, context_lens, valid)
 
     def _product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
-        if isinstance(config, StagedGemvConfig):
-            return staged_gemv(x, w, config, workspace=self.workspace, **kw)
-        if isinstance(w, PackedMatrix):
-            return packed_gemv(x, w, config, workspace=self.workspace, **kw)
-        return gemv(x, w, config=config, **kw)
+        return one_row_product(x, w, config, workspace=self.workspace, **kw)
 
     def _gemv(self, name, x, w, **kw):
         if not self.configs:
