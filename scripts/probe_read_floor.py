@@ -37,8 +37,8 @@ import triton.language as tl
 
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
-from edgeinfer.quant.kernels import await_inputs
-from edgeinfer.quant.launching import SplitWorkspace, launch_options
+from edgeinfer.quant.kernels import and_or, await_inputs
+from edgeinfer.quant.launching import SplitWorkspace, interpreting, launch_options
 
 LAYERS, GS = 28, 128
 # Qwen2-VL-2B's products: (name, N, K, what the step fuses into it)
@@ -49,16 +49,31 @@ READ_TILES = [t for t in itertools.product((512, 1024, 2048), (1, 2, 3, 6), (4, 
               if not (t[4] and t[1] == 1)]  # one step depends on nothing
 # ``packed_gemv`` tiles the tuner does not time, timed beside its own: more rows a thread (x's work
 # shared by more of them), or fewer registers (more programs an SM); none spills on sm_90
+WORKS = (2, 4, 7, 10, 14)  # rounds of ``_work`` a word: 6 to 42 instructions, ``packed_gemv``'s K step spending 34–41
 EXTRA_TILES = tuple(td.PackedGemvConfig(*t) for t in (
     (32, 128, 4), (64, 128, 4), (64, 256, 4), (64, 256, 8), (32, 256, 2), (32, 128, 2),
     (32, 128, 4, 8), (64, 128, 4, 8), (32, 256, 4, 8), (32, 128, 4, 4)))
 
 
 @triton.jit
-def _read_kernel(W, S, SINK, n_words, n_scales, scales_a_program, BLOCK: tl.constexpr, STEPS: tl.constexpr,
-                 SB: tl.constexpr, VEC: tl.constexpr, DEP: tl.constexpr, PDL: tl.constexpr):
+def _work(words, acc, WORK: tl.constexpr, ASM: tl.constexpr):
+    """WORK rounds of a shift, an and-or (one ``lop3``) and a multiply-add on every word, into ``acc``
+    (float32): three instructions a word a round, the mix of a 4-bit product's
+    (``kernels.biased_codes_at``). Each round's shift and constant differ, so none is shared."""
+    for j in tl.static_range(WORK):
+        f = and_or(words >> (j % 31 + 1), 0x000F000F, 0x4B004B00 + j, ASM).to(tl.float32, bitcast=True)
+        acc = f * 1.0001 + acc
+    return acc
+
+
+@triton.jit
+def _read_kernel(W, S, SINK, WORKED, n_words, n_scales, scales_a_program, BLOCK: tl.constexpr,
+                 STEPS: tl.constexpr, SB: tl.constexpr, VEC: tl.constexpr, DEP: tl.constexpr, WORK: tl.constexpr,
+                 ASM: tl.constexpr, PDL: tl.constexpr):
     """Program p reads words [p·STEPS·BLOCK, (p+1)·STEPS·BLOCK) of ``W`` and its share of the
-    scales ``S`` (int32 views), folds them with xor and writes the result to ``SINK[p]``."""
+    scales ``S`` (int32 views), folds them with xor and writes the result to ``SINK[p]``. With
+    ``WORK``, each word also goes through :func:`_work` once the kernels before have finished, as a
+    product multiplies once x is there, and the sum goes to ``WORKED[p]``."""
     pid = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     if VEC == 1:  # a thread's words not side by side: 4-byte loads, still coalesced across a warp
@@ -70,28 +85,34 @@ def _read_kernel(W, S, SINK, n_words, n_scales, scales_a_program, BLOCK: tl.cons
     s_ok = (si < n_scales) & (tl.arange(0, SB) < scales_a_program)
     scales = tl.load(S + si, mask=s_ok, other=0)
     await_inputs(PDL)
+    worked = _work(acc, tl.zeros([BLOCK], tl.float32), WORK, ASM)
     for s in tl.static_range(1, STEPS):
         at = base + s * BLOCK + i
         if DEP:  # the step's address waits for the step before's words (the term is zero unless every word
             # is -1), in whole steps, so that the loads stay as wide as without it
             at += (tl.max(acc, axis=0) == -1).to(tl.int64) * BLOCK
-        acc ^= tl.load(W + at, mask=at < n_words, other=0)
+        words = tl.load(W + at, mask=at < n_words, other=0)
+        acc ^= words
+        worked = _work(words, worked, WORK, ASM)
     total = tl.xor_sum(acc, axis=0) ^ tl.xor_sum(scales, axis=0)
     tl.store(SINK + pid, total)
+    if WORK:
+        tl.store(WORKED + pid, tl.sum(worked, axis=0))
 
 
 def read_call(words: torch.Tensor, scales: torch.Tensor, sink: torch.Tensor, tile, warmup=False):
-    """The read kernel over ``words`` and ``scales`` (int32 views) at ``tile``; writes ``sink``."""
-    block, steps, warps, vec, dep = tile
+    """The read kernel over ``words`` and ``scales`` (int32 views) at ``tile`` (BLOCK, STEPS, warps,
+    VEC, DEP[, WORK]); writes ``sink`` (int32, and with WORK its float32 view past the programs')."""
+    block, steps, warps, vec, dep, work = (*tile, 0)[:6]
     n, ns = words.numel(), scales.numel()
     programs = triton.cdiv(n, block * steps)
     per = triton.cdiv(ns, programs)
-    args = (words, scales, sink, n, ns, per)
-    kw = dict(BLOCK=block, STEPS=steps, SB=triton.next_power_of_2(max(per, 1)), VEC=vec, DEP=dep,
-              **launch_options(words.device), num_warps=warps)
+    args = (words, scales, sink, sink[programs:].view(torch.float32), n, ns, per)
+    kw = dict(BLOCK=block, STEPS=steps, SB=triton.next_power_of_2(max(per, 1)), VEC=vec, DEP=dep, WORK=work,
+              ASM=not interpreting(), **launch_options(words.device), num_warps=warps)
     if warmup:
         return _read_kernel.warmup(*args, grid=(programs,), **kw)
-    assert sink.numel() >= programs
+    assert sink.numel() >= 2 * programs
     _read_kernel[(programs,)](*args, **kw)
 
 
@@ -130,7 +151,8 @@ def check(device) -> dict:
     w = random_packed(96, 1280, 4, GS, device)
     words, scales = int32_views(w)
     found = {}
-    for tile in [(64, s, 1, v, d) for s in (1, 3) for v in (4, 1) for d in (0, 1) if not (d and s == 1)]:
+    for tile in [(64, s, 1, v, d) for s in (1, 3) for v in (4, 1) for d in (0, 1) if not (d and s == 1)] + [
+            (64, 3, 1, 1, 1, 2)]:
         sink = torch.zeros(words.numel(), dtype=torch.int32, device=device)
         read_call(words, scales, sink, tile)
         want = expected(words, scales, tile)
@@ -172,7 +194,7 @@ def run(rounds: int):
     words0, scales0 = views["gate_up"][0]
     kernels.compile_ahead([lambda t=t: read_call(words0, scales0, sink, t, warmup=True) for t in READ_TILES])
     res["compile_s"] = round(time.time() - t0, 1)
-    res["products"], best_read, best_ours, best_extra = {}, {}, {}, {}
+    res["products"], best_read, best_ours, best_extra, best_packed = {}, {}, {}, {}, {}
     for name, n, k, kind in PRODUCTS:
         x, kw = fused_inputs(kind, n, k, dev)
         outs_n = n // 2 if kw.get("glu") else n
@@ -204,18 +226,26 @@ def run(rounds: int):
         entry["ours"] = {"tile": td._config_name(c), "us": round(ours[c], 2),
                          "tb_s": round(ws[name][0].nbytes / ours[c] / 1e6, 2)}
         entry["ours_with_extra"] = {"tile": td._config_name(extra), "us": round(ours[extra], 2)}
-        if isinstance(c, td.PackedGemvConfig):  # the same tile bare, and the read tile of its shape
-            bare_outs = [torch.empty(1, n, dtype=x.dtype, device=dev) for _ in range(LAYERS)]
-            entry["ours_bare_us"] = round(graph_us(product_calls(x, ws[name], c, bare_outs, space)), 2)
-            bk = max(32, min(c.bk, triton.next_power_of_2(k)))
-            steps = triton.cdiv(triton.cdiv(k, bk), c.split)
-            block = c.bn * bk // 8  # words of a program's step
-            shaped = (block, steps, c.warps, 1, int(steps > 1))
-            if block >= 32 * c.warps and shaped not in reads:
-                read_call(*views[name][0], sink, shaped)
-                reads[shaped] = graph_us(read_calls(views[name], sink, shaped))
-            if shaped in reads:
-                entry["read_shaped"] = {"tile": shaped, "us": round(reads[shaped], 2)}
+        c = best_packed[name] = min((t for t in ours if t in tuner and isinstance(t, td.PackedGemvConfig)),
+                                    key=ours.get)
+        entry["ours_packed"] = {"tile": td._config_name(c), "us": round(ours[c], 2)}
+        bases = [best]
+        # the fastest packed_gemv tile bare, and the read tile of its shape
+        bare_outs = [torch.empty(1, n, dtype=x.dtype, device=dev) for _ in range(LAYERS)]
+        entry["ours_bare_us"] = round(graph_us(product_calls(x, ws[name], c, bare_outs, space)), 2)
+        bk = max(32, min(c.bk, triton.next_power_of_2(k)))
+        steps = triton.cdiv(triton.cdiv(k, bk), c.split)
+        block = c.bn * bk // 8  # words of a program's step
+        shaped = (block, steps, c.warps, 1, int(steps > 1))
+        if block >= 32 * c.warps and shaped not in reads:
+            read_call(*views[name][0], sink, shaped)
+            reads[shaped] = graph_us(read_calls(views[name], sink, shaped))
+        if shaped in reads:
+            entry["read_shaped"] = {"tile": shaped, "us": round(reads[shaped], 2)}
+            bases.append(shaped)
+        worked = [(*t, work) for t in bases for work in WORKS]  # the read tiles again, with work on each word
+        kernels.compile_ahead([lambda t=t, v=views[name][0]: read_call(*v, sink, t, warmup=True) for t in worked])
+        entry["read_worked"] = {str(t): round(graph_us(read_calls(views[name], sink, t)), 2) for t in worked}
         res["products"][name] = entry
         print(name, json.dumps({k: v for k, v in entry.items() if not k.endswith("_all")}), flush=True)
 
@@ -226,12 +256,14 @@ def run(rounds: int):
                 per_product.append(read_calls(views[name], sink, best_read[name]))
             else:
                 c, x, kw, outs = best_ours[name]
-                per_product.append(product_calls(x, ws[name], best_extra[name] if kind == "extra" else c, outs, space,
-                                                 **kw))
+                c = {"extra": best_extra, "packed": best_packed}.get(kind, {name: c})[name]
+                per_product.append(product_calls(x, ws[name], c, outs, space, **kw))
         calls = [f for layer in zip(*per_product) for f in layer]  # a layer's products in order, layer by layer
         return calls
 
     variants = {"read": chain("read"), "ours": chain("ours")}
+    if any(best_packed[name] != best_ours[name][0] for name in best_ours):
+        variants["ours, packed_gemv's tiles"] = chain("packed")
     if any(best_extra[name] != best_ours[name][0] for name in best_ours):
         variants["ours with the extra tiles"] = chain("extra")
     times = {k: [] for k in variants}
