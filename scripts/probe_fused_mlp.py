@@ -47,6 +47,7 @@ from edgeinfer.quant.kernels import (
     code_exponent,
 )
 from edgeinfer.quant.launching import SplitWorkspace, interpreting, launch_options, pow2
+from edgeinfer.testing.products import check_or_run
 
 LAYERS, GS, HIDDEN, INTER = 28, 128, 1536, 8960  # Qwen2-VL-2B's MLP
 FIXED = 2.0 ** 32  # a share's units in the 64-bit totals
@@ -368,11 +369,7 @@ def main():
         for arch in (90, 87):
             sass(arch)
         return
-    if "--check" in sys.argv:
-        found = check(torch.device("cpu"))
-        print(json.dumps(found, indent=1))
-        sys.exit(1 if any(v is not None for v in found.values()) else 0)
-    run(int(os.environ.get("ROUNDS", "5")))
+    check_or_run(check, run)
 
 
 if __name__ == "__main__":

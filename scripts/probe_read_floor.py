@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -39,6 +38,7 @@ from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
 from edgeinfer.quant.kernels import and_or, await_inputs
 from edgeinfer.quant.launching import SplitWorkspace, interpreting, launch_options
+from edgeinfer.testing.products import check_or_run
 
 LAYERS, GS = 28, 128
 # Qwen2-VL-2B's products: (name, N, K, what the step fuses into it)
@@ -281,11 +281,7 @@ def run(rounds: int):
 
 
 def main():
-    if "--check" in sys.argv:
-        found = check(torch.device("cpu"))
-        print(json.dumps(found, indent=1))
-        sys.exit(1 if any(v is not None for v in found.values()) else 0)
-    run(int(os.environ.get("ROUNDS", "5")))
+    check_or_run(check, run)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ fused step gives a product besides it: ``kind`` names the prologue and epilogues
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from collections.abc import Callable
+
 import torch
 
 from edgeinfer.quant.packed import PackedMatrix
@@ -36,3 +41,14 @@ def fused_inputs(kind: str, n: int, k: int, device: torch.device,
     if "glu" in kind:
         kw["glu"] = True
     return x, kw
+
+
+def check_or_run(check: Callable[[torch.device], dict], run: Callable[[int], None]) -> None:
+    """A GPU probe's command line: with ``--check``, ``check`` on the CPU (under Triton's interpreter),
+    its findings printed and exit status 1 where any is not None; otherwise ``run`` with ``$ROUNDS``
+    rounds (5)."""
+    if "--check" in sys.argv:
+        found = check(torch.device("cpu"))
+        print(json.dumps(found, indent=1))
+        sys.exit(1 if any(v is not None for v in found.values()) else 0)
+    run(int(os.environ.get("ROUNDS", "5")))
