@@ -30,20 +30,15 @@ torch.manual_seed(0)
 
 
 def packed_call(n, k, bits, gs, kind, config):
+    """A packed product as the decode step dispatches its tile (``td.one_row_product``: a staged tile on the staged kernel)."""
     w, (x, kw) = random_packed(n, k, bits, gs, dev), fused_inputs(kind, n, k, dev)
     workspace = td.SplitWorkspace(dev)
-    return lambda: td.packed_gemv(x, w, config, workspace=workspace, **kw)
+    return lambda: td.one_row_product(x, w, config, workspace=workspace, **kw)
 
 
 def dense_call(n, k, kind, config):
     w, (x, kw) = torch.randn(n, k, device=dev, dtype=bf), fused_inputs(kind, n, k, dev)
     return lambda: td.gemv(x, w, config=config, **kw)
-
-
-def staged_call(n, k, kind, config):
-    w, (x, kw) = random_packed(n, k, 4, 128, dev), fused_inputs(kind, n, k, dev)
-    workspace = td.SplitWorkspace(dev)
-    return lambda: staged.staged_gemv(x, w, config, workspace=workspace, **kw)
 
 
 def tensor_core_call(n, k, config):
@@ -66,10 +61,10 @@ KERNELS = {  # name: the call, at run K's tiles
     "bf16 down 4x1024/8w/2s": dense_call(1536, 8960, "residual", td.GemvConfig(4, 1024, 8, 2)),
     "w4 gate_up tensor core 128x64/s1": tensor_core_call(17920, 1536, kernels.MmConfig(128, 64, 1, stages=2, mma=True)),
     # the staged tiles fastest alone on an H100 (probes/h100-fused-mlp), and gate|up's unsplit one-warp tile
-    "w4 gate_up staged/4w/split3": staged_call(17920, 1536, "norm+glu", staged.StagedGemvConfig(4, 3)),
-    "w4 gate_up staged/1w/split1": staged_call(17920, 1536, "norm+glu", staged.StagedGemvConfig(1, 1)),
-    "w4 down staged/1w/split10": staged_call(1536, 8960, "residual", staged.StagedGemvConfig(1, 10)),
-    "w4 down staged/4w/split10": staged_call(1536, 8960, "residual", staged.StagedGemvConfig(4, 10)),
+    "w4 gate_up staged/4w/split3": packed_call(17920, 1536, 4, 128, "norm+glu", staged.StagedGemvConfig(4, 3)),
+    "w4 gate_up staged/1w/split1": packed_call(17920, 1536, 4, 128, "norm+glu", staged.StagedGemvConfig(1, 1)),
+    "w4 down staged/1w/split10": packed_call(1536, 8960, 4, 128, "residual", staged.StagedGemvConfig(1, 10)),
+    "w4 down staged/4w/split10": packed_call(1536, 8960, 4, 128, "residual", staged.StagedGemvConfig(4, 10)),
 }
 
 if __name__ == "__main__":
