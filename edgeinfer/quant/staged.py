@@ -24,10 +24,9 @@ them differently:
 * The arithmetic is on the tensor cores (``mma.sync`` m16n8k16, Ampere's, so Orin's sm_87 runs
   it too): a lane's four words of a chunk side by side are taken apart into 16-bit ``2^m + q``
   pairs already in the A operand's registers (:func:`a_operand`), x is the B operand in the same
-  permutation of the chunk's columns (:func:`b_operand`). The bias and the zero point come off the
-  chunk's float32 sums as ``(2^m + z)·Σx``, Σx summed as x is read (a second MMA of the constant
-  ``-(2^m + z)`` did it before: as many MMAs again as the product's own). The chunk's scale
-  multiplies what is left.
+  permutation of the chunk's columns (:func:`b_operand`), and a second MMA of the constant
+  ``-(2^m + z)`` takes off the bias and the zero point (with zero points, ``(2^m + z)·Σx``
+  from an MMA of ones). The chunk's scale multiplies its float32 sums.
 * K is split where N alone gives too few programs; each split writes its partial sums and the
   last to arrive adds them in split order (the same bits on every run). With ``glu`` each 16
   rows are 8 outputs' gate rows and then their up rows, so a lane holds an output's gate and up
@@ -329,20 +328,15 @@ if gluon is not None:
         return gl.convert_layout(gl.permute(gl.reshape(xr, [8, 128]), [1, 0]), B)
 
     @gluon.jit
-    def _chunk_sums(a, b, x_sums, scale, zero, MAGIC: gl.constexpr, HAS_Z: gl.constexpr, mma: gl.constexpr):
-        """A chunk's scaled sums [BN, 8] of A (codes as 2^m + q) by B: the MMA's sums less the bias and
-        the zero point, ``(2^m + z)·Σx`` (``x_sums``: the chunk's Σx, one for all of B's columns or
-        [1, 8], one a column), then the chunk's scale. Σx is summed in float32 as x is read, where a
-        second MMA of a constant by B took as many MMAs again as the product."""
+    def _chunk_sums(a, less, b, scale, zero, MAGIC: gl.constexpr, HAS_Z: gl.constexpr, mma: gl.constexpr):
+        """A chunk's scaled sums [BN, 8] of A (codes as 2^m + q) by B: the bias and the zero point taken
+        off by a second MMA (``less``: the constant ``-(2^m + 2^(b-1))``, or -1 for ``-Σx`` with zero
+        points), then the chunk's scale."""
         d = mma_v2(a, b, gl.zeros([a.shape[0], 8], gl.float32, mma))
         if HAS_Z:
-            return scale[:, None] * (d - (MAGIC + zero)[:, None] * x_sums)
-        return scale[:, None] * (d - (MAGIC + 8.0) * x_sums)  # symmetric: 2^m + 2^(b-1) off each code
-
-    @gluon.jit
-    def _row_sums(x, mma: gl.constexpr):
-        """Σ of each row of a chunk of x [8, 128] in float32, as [1, 8] along the accumulator's columns."""
-        return gl.convert_layout(gl.sum(x.to(gl.float32), axis=1), gl.SliceLayout(0, mma))[None, :]
+            minus_sum = mma_v2(less, b, gl.zeros([a.shape[0], 8], gl.float32, mma))
+            return scale[:, None] * (d + (MAGIC + zero)[:, None] * minus_sum)
+        return scale[:, None] * mma_v2(less, b, d)
 
     @gluon.jit
     def _store_rows(acc0, acc1, rows, Y, N, M, MP: gl.constexpr, mma: gl.constexpr):
@@ -435,7 +429,7 @@ if gluon is not None:
         return (xn * w.to(gl.float32)[None, :]).to(dt)
 
     @gluon.jit
-    def _several_rows(X, NORM_W, RES, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, scales,
+    def _several_rows(X, NORM_W, RES, w_smem, lw: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, less, scales,
                       zeros, bias, rows, Y, PARTS, ARRIVALS, tile, split, N, K, M, c0, eps, GPS: gl.constexpr,
                       NW: gl.constexpr, SPLIT: gl.constexpr, MP: gl.constexpr, KC: gl.constexpr, MAGIC: gl.constexpr,
                       PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
@@ -481,9 +475,9 @@ if gluon is not None:
             _cta_barrier()  # and every other thread's
             a = a_operand(w_smem[i].load(lw), la, BN, BF16)
             zero = zeros[i] if HAS_Z else 0.0
-            acc0 += _chunk_sums(a, b_rows(lo, lb), _row_sums(lo, mma), scales[i], zero, MAGIC, HAS_Z, mma)
+            acc0 += _chunk_sums(a, less, b_rows(lo, lb), scales[i], zero, MAGIC, HAS_Z, mma)
             if MP == 16:
-                acc1 += _chunk_sums(a, b_rows(hi, lb), _row_sums(hi, mma), scales[i], zero, MAGIC, HAS_Z, mma)
+                acc1 += _chunk_sums(a, less, b_rows(hi, lb), scales[i], zero, MAGIC, HAS_Z, mma)
         if SPLIT == 1:
             _finish_rows(acc0, 0, rows, bias, RES, Y, N, M, BN, GLU, HAS_BIAS, HAS_RES, mma)
             if MP == 16:
@@ -527,6 +521,7 @@ if gluon is not None:
         runs one compiled kernel (each batch size the decode captures would otherwise be a compile)."""
         BN: gl.constexpr = 16 * NW
         MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
+        dt: gl.constexpr = Y.dtype.element_ty
         mma: gl.constexpr = mma_layout(NW)
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -570,18 +565,21 @@ if gluon is not None:
                 xv = gl.load(X + rk, mask=rk < K, other=0.0).to(gl.float32)
                 ss += xv * xv
             rstd = 1.0 / gl.sqrt(gl.sum(ss, axis=0) / K + eps)
+        less = gl.full([BN, 128], -(MAGIC + 8.0), dt, la)  # symmetric: 2^m + 2^(b-1) off each code
+        if HAS_Z:
+            less = gl.full([BN, 128], -1.0, dt, la)  # -Σx, for (2^m + z)·Σx
         if MP > 1:
-            _several_rows(X, NORM_W, RES, w_smem, lw, la, lb, scales, zeros, bias, rows, Y, PARTS, ARRIVALS, tile,
+            _several_rows(X, NORM_W, RES, w_smem, lw, la, lb, less, scales, zeros, bias, rows, Y, PARTS, ARRIVALS, tile,
                           split, N, K, M, c0, eps, GPS, NW, SPLIT, MP, KC, MAGIC, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z, GLU,
                           BF16, mma)
         else:
-            _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, scales, zeros,
+            _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
                      bias, rows, rstd, tile, split, N, c0, GPS, XP, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,
                      GLU, BF16, MAGIC, mma)
 
     @gluon.jit
     def _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw: gl.constexpr, la: gl.constexpr,
-                 lb: gl.constexpr, lv: gl.constexpr, scales, zeros, bias, rows, rstd, tile, split, N, c0,
+                 lb: gl.constexpr, lv: gl.constexpr, less, scales, zeros, bias, rows, rstd, tile, split, N, c0,
                  GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
                  PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
                  GLU: gl.constexpr, BF16: gl.constexpr, MAGIC: gl.constexpr, mma: gl.constexpr):
@@ -593,7 +591,6 @@ if gluon is not None:
         # so that every chunk's x is asked for at once (a loop waits for each chunk's in turn)
         x_smem = gl.allocate_shared_memory(dt, [XP, 128], _plain(1))
         xk = gl.arange(0, 128, layout=lv)
-        x_sums = ()  # each chunk's Σx (float32), for the bias and zero point the codes carry
         for i in gl.static_range(GPS):
             at = (c0 + i) * 128 + xk
             xv = gl.load(X + at)
@@ -601,7 +598,6 @@ if gluon is not None:
                 xn = (xv.to(gl.float32) * rstd).to(dt).to(gl.float32)
                 xv = (xn * gl.load(NORM_W + at).to(gl.float32)).to(dt)
             x_smem.index(i).store(xv)
-            x_sums = x_sums + (gl.sum(xv.to(gl.float32), axis=0),)
         for i in gl.static_range(EARLY, GPS):  # the later chunks' copies, a commit group each, in order
             _async_load(w_smem[i], words_at + i * 16)
             async_copy.commit_group()
@@ -611,7 +607,7 @@ if gluon is not None:
             _cta_barrier()  # and every other thread's, and x in shared memory
             b = b_operand(x_smem.index(i).load(x_layout(NW)), lb)
             zero = zeros[i] if HAS_Z else 0.0
-            acc += _chunk_sums(a_operand(w_smem[i].load(lw), la, BN, BF16), b, x_sums[i], scales[i], zero, MAGIC, HAS_Z,
+            acc += _chunk_sums(a_operand(w_smem[i].load(lw), la, BN, BF16), less, b, scales[i], zero, MAGIC, HAS_Z,
                                mma)
         n8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         y = gl.sum(gl.where(n8[None, :] == 0, acc, 0.0), axis=1)  # the 8 columns hold the same sums
