@@ -22,7 +22,8 @@ product as the step fuses it (the fastest alone of every tile the tuner times) a
 without its prologue and epilogue, and beside the tuner's tiles a few it does not time
 (``EXTRA_TILES``). Then a layer's four products in the step's order over 28 layers, read kernels
 against the products (and against the products on the fastest tiles with the extra ones, where
-those differ), in turns, ``ROUNDS`` times; medians. The attention is not in the chain. Writes ``$OUT/probe-read-floor.json`` (load averages before and after).
+those differ), in turns, ``ROUNDS`` times; medians. The attention is not in the chain. Writes
+``$OUT/probe-read-floor.json`` (load averages before and after).
 """
 import itertools
 import json
@@ -38,18 +39,16 @@ from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
 from edgeinfer.quant.kernels import and_or, await_inputs
 from edgeinfer.quant.launching import SplitWorkspace, interpreting, launch_options
-from edgeinfer.testing.products import check_or_run
+from edgeinfer.testing.products import QWEN2_VL_2B as PRODUCTS
+from edgeinfer.testing.products import check_or_run, layer_calls, right_one_row_tiles
 
 LAYERS, GS = 28, 128
-# Qwen2-VL-2B's products: (name, N, K, what the step fuses into it)
-PRODUCTS = (("qkv", 2048, 1536, "norm+bias"), ("o", 1536, 1536, "residual"),
-            ("gate_up", 17920, 1536, "norm+glu"), ("down", 1536, 8960, "residual"))
 # (BLOCK words a step, STEPS a program, warps, VEC words a load, DEP)
 READ_TILES = [t for t in itertools.product((512, 1024, 2048), (1, 2, 3, 6), (4, 8), (4, 1), (0, 1))
               if not (t[4] and t[1] == 1)]  # one step depends on nothing
+WORKS = (2, 4, 7, 10, 14)  # rounds of ``_work`` a word: 6 to 42 instructions, ``packed_gemv``'s K step spending 34–41
 # ``packed_gemv`` tiles the tuner does not time, timed beside its own: more rows a thread (x's work
 # shared by more of them), or fewer registers (more programs an SM); none spills on sm_90
-WORKS = (2, 4, 7, 10, 14)  # rounds of ``_work`` a word: 6 to 42 instructions, ``packed_gemv``'s K step spending 34–41
 EXTRA_TILES = tuple(td.PackedGemvConfig(*t) for t in (
     (32, 128, 4), (64, 128, 4), (64, 256, 4), (64, 256, 8), (32, 256, 2), (32, 128, 2),
     (32, 128, 4, 8), (64, 128, 4, 8), (32, 256, 4, 8), (32, 128, 4, 4)))
@@ -170,12 +169,6 @@ def read_calls(views: list, sink: torch.Tensor, tile) -> list:
     return [lambda v=v: read_call(v[0], v[1], sink, tile) for v in views]
 
 
-def product_calls(x: torch.Tensor, weights: list, tile, outs: list, space: SplitWorkspace, **kw) -> list:
-    """The product at ``tile`` over each layer's copy of the weight, as the decode step dispatches it."""
-    return [lambda w=w, o=o: td.one_row_product(x, w, tile, out=o, workspace=space, **kw)
-            for w, o in zip(weights, outs)]
-
-
 def run(rounds: int):
     from edgeinfer.testing.products import fused_inputs, random_packed
 
@@ -210,12 +203,10 @@ def run(rounds: int):
                               "tb_s": round(ws[name][0].nbytes / reads[best] / 1e6, 2)}
         tuner = td._candidates(ws[name][0], x.dtype, kw.get("glu", False))
         cands = tuner + tuple(c for c in EXTRA_TILES if c not in tuner)
-        kernels.compile_ahead([f for c in cands for f in product_calls(x, ws[name][:1], c, outs, space, warmup=True,
+        kernels.compile_ahead([f for c in cands for f in layer_calls(x, ws[name][:1], c, outs, space, warmup=True,
                                                                         **kw)])
-        right, wrong = td.right_tiles(x, ws[name][0], cands, outs[0],
-                                      lambda _x, w, c, out, **k: td.one_row_product(_x, w, c, out=out,
-                                                                                    workspace=space, **k), **kw)
-        ours = {c: graph_us(product_calls(x, ws[name], c, outs, space, **kw)) for c in right}
+        right, wrong = right_one_row_tiles(x, ws[name][0], cands, outs[0], space, **kw)
+        ours = {c: graph_us(layer_calls(x, ws[name], c, outs, space, **kw)) for c in right}
         extra = min(ours, key=ours.get)
         c = min((t for t in ours if t in tuner), key=ours.get)
         best_ours[name] = (c, x, kw, outs)
@@ -232,7 +223,7 @@ def run(rounds: int):
         bases = [best]
         # the fastest packed_gemv tile bare, and the read tile of its shape
         bare_outs = [torch.empty(1, n, dtype=x.dtype, device=dev) for _ in range(LAYERS)]
-        entry["ours_bare_us"] = round(graph_us(product_calls(x, ws[name], c, bare_outs, space)), 2)
+        entry["ours_bare_us"] = round(graph_us(layer_calls(x, ws[name], c, bare_outs, space)), 2)
         bk = max(32, min(c.bk, triton.next_power_of_2(k)))
         steps = triton.cdiv(triton.cdiv(k, bk), c.split)
         block = c.bn * bk // 8  # words of a program's step
@@ -257,7 +248,7 @@ def run(rounds: int):
             else:
                 c, x, kw, outs = best_ours[name]
                 c = {"extra": best_extra, "packed": best_packed}.get(kind, {name: c})[name]
-                per_product.append(product_calls(x, ws[name], c, outs, space, **kw))
+                per_product.append(layer_calls(x, ws[name], c, outs, space, **kw))
         calls = [f for layer in zip(*per_product) for f in layer]  # a layer's products in order, layer by layer
         return calls
 

@@ -24,16 +24,9 @@ import triton
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels, staged
 from edgeinfer.quant.launching import SplitWorkspace
-from edgeinfer.testing.products import fused_inputs, random_packed
+from edgeinfer.testing.products import QWEN2_VL_2B, fused_inputs, layer_calls, random_packed, right_one_row_tiles
 
 LAYERS, GS = 28, 128
-PRODUCTS = (("qkv", 2048, 1536, "norm+bias"), ("o", 1536, 1536, "residual"),
-            ("gate_up", 17920, 1536, "norm+glu"), ("down", 1536, 8960, "residual"))
-
-
-def calls(x, weights, tile, outs, space, **kw) -> list:
-    """The product at ``tile`` over each layer's copy, as the decode step dispatches it."""
-    return [lambda w=w, o=o: td.one_row_product(x, w, tile, out=o, workspace=space, **kw) for w, o in zip(weights, outs)]
 
 
 def main():
@@ -44,28 +37,25 @@ def main():
     torch.manual_seed(0)
     space = SplitWorkspace(dev)
     t0 = time.time()
-    for name, n, k, kind in PRODUCTS:
+    for name, n, k, kind in QWEN2_VL_2B:
         x, kw = fused_inputs(kind, n, k, dev)
         ws = [random_packed(n, k, 4, GS, dev) for _ in range(LAYERS)]
         outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=x.dtype, device=dev) for _ in range(LAYERS)]
         tiles = staged.tiles_that_fit(ws[0], x.dtype, kw.get("glu", False))
-        kernels.compile_ahead([f for t in tiles for f in calls(x, ws[:1], t, outs, space, warmup=True, **kw)])
+        kernels.compile_ahead([f for t in tiles for f in layer_calls(x, ws[:1], t, outs, space, warmup=True, **kw)])
         if os.environ.get("CHECK", "1") == "0":  # a kernel altered to time a floor: wrong outputs by design
             right, wrong = tiles, {}
         else:
-            right, wrong = td.right_tiles(x, ws[0], tiles, outs[0],
-                                          lambda _x, w, c, out, **k: td.one_row_product(_x, w, c, out=out,
-                                                                                        workspace=space, **k), **kw)
+            right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)
         times = {t: [] for t in right}
         for _ in range(rounds):
             for t in right:
-                times[t].append(kernels.graph_time_us(calls(x, ws, t, outs, space, **kw), 10))
-        med = {td._config_name(t): round(statistics.median(v), 2) for t, v in times.items()}
+                times[t].append(kernels.graph_time_us(layer_calls(x, ws, t, outs, space, **kw), 10))
+        named = {td._config_name(t): v for t, v in times.items()}
+        med = {t: round(statistics.median(v), 2) for t, v in named.items()}
         best = min(med, key=med.get) if med else None
-        res["products"][name] = {"us": med, "runs": {td._config_name(t): [round(u, 2) for u in v]
-                                                    for t, v in times.items()},
-                                 "wrong": wrong,
-                                 "best": best, "best_us": med.get(best)}
+        res["products"][name] = {"us": med, "runs": {t: [round(u, 2) for u in v] for t, v in named.items()},
+                                 "wrong": wrong, "best": best, "best_us": med.get(best)}
         print(name, best, med.get(best), "wrong:", len(wrong), flush=True)
         del ws
     res["seconds"] = round(time.time() - t0, 1)

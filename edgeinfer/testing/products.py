@@ -4,6 +4,8 @@
 from memory, not from the values); :func:`fused_inputs` is x (a row, or several) and what the
 fused step gives a product besides it: ``kind`` names the prologue and epilogues (``"norm"``,
 ``"bias"``, ``"residual"``, ``"glu"``, joined by ``+``), as in ``"norm+bias"`` for q|k|v.
+:data:`QWEN2_VL_2B` names a layer's four products that way; :func:`layer_calls` and
+:func:`right_one_row_tiles` run and check a tile as the decode step dispatches it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from collections.abc import Callable
 import torch
 
 from edgeinfer.quant.packed import PackedMatrix
+
+# Qwen2-VL-2B's products at batch 1: (name, N, K, what the step fuses into it)
+QWEN2_VL_2B = (("qkv", 2048, 1536, "norm+bias"), ("o", 1536, 1536, "residual"),
+               ("gate_up", 17920, 1536, "norm+glu"), ("down", 1536, 8960, "residual"))
 
 
 def random_packed(n: int, k: int, bits: int, group: int, device: torch.device,
@@ -41,6 +47,25 @@ def fused_inputs(kind: str, n: int, k: int, device: torch.device,
     if "glu" in kind:
         kw["glu"] = True
     return x, kw
+
+
+def layer_calls(x: torch.Tensor, weights: list, tile, outs: list, workspace, **kw) -> list:
+    """The product at ``tile`` over each layer's copy of the weight into that layer's ``outs``, as the
+    decode step dispatches a tile (``triton_decode.one_row_product``)."""
+    from edgeinfer.backends.torch.triton_decode import one_row_product
+
+    return [lambda w=w, o=o: one_row_product(x, w, tile, out=o, workspace=workspace, **kw)
+            for w, o in zip(weights, outs)]
+
+
+def right_one_row_tiles(x: torch.Tensor, w: PackedMatrix, tiles, out: torch.Tensor, workspace,
+                        **kw) -> tuple[list, dict[str, str]]:
+    """``triton_decode.right_tiles`` for ``tiles`` as the decode step dispatches them: the right ones,
+    and each other one's first divergence by name."""
+    from edgeinfer.backends.torch.triton_decode import one_row_product, right_tiles
+
+    return right_tiles(x, w, tiles, out, lambda _x, _w, tile, out, **k: one_row_product(
+        _x, _w, tile, out=out, workspace=workspace, **k), **kw)
 
 
 def check_or_run(check: Callable[[torch.device], dict], run: Callable[[int], None]) -> None:
