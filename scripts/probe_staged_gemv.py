@@ -149,7 +149,7 @@ def sass_report():
                             or staged.shared_bytes(k, nw, split) > staged.MAX_SHARED:
                         continue
                     gps = chunks // split
-                    given = dict(GPS=gps, XP=pow2(gps), NW=nw, SPLIT=split, EARLY=gps, GS=GS, XB=min(pow2(k), 2048),
+                    given = dict(GPS=gps, NW=nw, SPLIT=split, EARLY=gps, GS=GS, XB=min(pow2(k), 2048),
                                  PROLOGUE="norm" in kind, HAS_BIAS="bias" in kind, HAS_RES="residual" in kind,
                                  HAS_Z=False, GLU=glu, BF16=True, PDL=arch >= 90, M=1, MP=1)
                     source = GluonASTSource(fn, {a: types.get(a, "constexpr") for a in names},

@@ -455,8 +455,10 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
     Each thread's words go to shared memory in 16-byte copies (``LDGSTS.128``, two a chunk: rows g and
     g + 8), all of them issued before the first wait, and on Hopper before the wait for the kernels
     before it; then one wait a chunk, so chunk i waits for the copies up to its own only. With
-    ``early`` copies, only the first chunks' go out before that wait, and the rest after x's loads.
-    The program takes the shared memory :func:`staged.shared_bytes` counts. (Some one-warp tiles
+    ``early`` copies, only the first chunks' go out before that wait, and the rest after x's loads (4 bytes
+    a load or more, where a scale takes 2).
+    x's chunks, all asked for at once, reach shared memory with no barrier between them. The program
+    takes the shared memory :func:`staged.shared_bytes` counts. (Some one-warp tiles
     spill up to about a hundred bytes a thread: docs/results/probes/sass-staged-gemv.txt.)"""
     from edgeinfer.quant import staged
 
@@ -474,7 +476,7 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
             TARGETS.items(), tiles, ((False, False), (True, False), (False, True))):
         chunks = k // staged.CHUNK // split
         early = max(1, chunks // 2) if half else chunks
-        given = dict(GPS=chunks, XP=launching.pow2(chunks), NW=warps, SPLIT=split, EARLY=early, GS=128,
+        given = dict(GPS=chunks, NW=warps, SPLIT=split, EARLY=early, GS=128,
                      XB=min(launching.pow2(k), 2048), HAS_Z=zeros, BF16=True, M=1, MP=1, **fused)  # a launch takes 1 as a constant
         kernel = staged_binary(given, target, warps)
         case = (label, product, warps, split, zeros, early)
@@ -487,9 +489,13 @@ def test_the_staged_product_asks_for_every_word_before_its_first_wait(product):
         if target.arch >= 90:  # the (early) copies go out while the kernels before this one finish
             before = ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.cg.shared.global")
             assert before == 2 * early, (case, before)
-        if early < chunks:  # the rest after x's 16-byte loads
-            x_loads = [i for i, op in enumerate(body) if "LDG.E.128" in op]
+        if early < chunks:  # the rest after x's loads
+            x_loads = [i for i, op in enumerate(body) if op.startswith("LDG.E") and ".U16" not in op]  # not the scales
             assert x_loads and min(x_loads) < copies[2 * early], case
+        # x's chunks go to shared memory without a barrier between them: before the first wait only the
+        # RMSNorm's sum across warps meets any (three), none without a norm or with one warp
+        bars = sum(op.startswith("BAR.SYNC") for op in body[:min(waits)])
+        assert bars == (3 if fused["PROLOGUE"] and warps > 1 else 0), (case, bars)
         assert kernel.metadata.shared == staged.shared_bytes(k, warps, split), case
 
 
@@ -520,7 +526,7 @@ def test_the_staged_product_of_several_rows_takes_each_chunk_s_words_apart_once(
         chunks = chunks_whole // split
         mmas = {}
         for rows in (8, 16):  # any count of rows up to MP, an argument
-            given = dict(GPS=chunks, XP=launching.pow2(chunks), NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
+            given = dict(GPS=chunks, NW=warps, SPLIT=split, EARLY=chunks, GS=128, XB=2048,
                          HAS_Z=zeros, BF16=True, MP=rows, KC=chunks_whole if fuses["PROLOGUE"] else 0, **fuses)
             kernel = staged_binary(given, target, warps)
             case = (label, product, warps, split, zeros, rows, fuses)

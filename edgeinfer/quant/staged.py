@@ -103,10 +103,9 @@ def unavailable(device: torch.device) -> str | None:
 
 
 def shared_bytes(k: int, warps: int, split: int, itemsize: int = 2) -> int:
-    """A program's shared memory: its words (``16·warps`` rows by its chunks) and x's chunks (rounded
-    up to a power of two)."""
+    """A program's shared memory at one row: its words (``16·warps`` rows by its chunks) and x's chunks."""
     chunks = k // CHUNK // split
-    return chunks * 16 * warps * CHUNK // 2 + pow2(chunks) * CHUNK * itemsize
+    return chunks * 16 * warps * CHUNK // 2 + chunks * CHUNK * itemsize
 
 
 def unfit(w: PackedWeight, dtype: torch.dtype, glu: bool, config: StagedGemvConfig) -> str | None:
@@ -240,7 +239,7 @@ def _launch(caller: str, x: torch.Tensor, w: PackedWeight, config: StagedGemvCon
            x, codes, w.scales, w.zeros if w.zeros is not None else w.scales,
            bias if bias is not None else codes, residual if residual is not None else codes,
            norm_weight if norm_weight is not None else codes, y, parts, arrivals, n, k, k // 8, layout.groups, eps, m,
-           GPS=chunks, XP=pow2(chunks), NW=config.warps, SPLIT=config.split,
+           GPS=chunks, NW=config.warps, SPLIT=config.split,
            EARLY=chunks if config.early is None else config.early, GS=layout.group_constexpr,
            XB=min(pow2(k), 2048), PROLOGUE=norm_weight is not None, HAS_BIAS=bias is not None,
            HAS_RES=residual is not None, HAS_Z=w.zeros is not None, GLU=glu, BF16=x.dtype == torch.bfloat16,
@@ -501,16 +500,17 @@ if gluon is not None:
 
     @gluon.jit
     def _staged_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, KW, G, eps, M,
-                            GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
+                            GPS: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
                             EARLY: gl.constexpr, GS: gl.constexpr, XB: gl.constexpr, PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr,
                             HAS_RES: gl.constexpr, HAS_Z: gl.constexpr, GLU: gl.constexpr, BF16: gl.constexpr,
                             PDL: gl.constexpr, MP: gl.constexpr = 1, KC: gl.constexpr = 0):
         """Y = f(X)·W (+ bias) (+ residual) for 16·NW weight rows (:func:`_weight_rows`) over chunks
         [split·GPS, (split + 1)·GPS) of 128 columns; ``KW`` = K / 8 words a row (an argument of its
         own, so that a launch sees it a multiple of 16 where it is: a lane's four words are then one
-        16-byte copy); scales and zero points ``[N, G]``, groups of ``GS`` columns; XP = GPS rounded
-        up to a power of two (x's buffer); the first ``EARLY`` chunks' copies go out before x is
-        read, the others after x's loads.
+        16-byte copy); scales and zero points ``[N, G]``, groups of ``GS`` columns; the first ``EARLY`` chunks'
+        copies go out before x is read, the others after x's loads. At one row every chunk's x (and
+        the norm's weight) is asked for before the row's RMSNorm sums, so that one wait serves them
+        all, spread over the program's threads rather than all of it in every warp.
 
         ``MP`` 8 or 16 (:func:`staged_mm`): X is [M, K], 2 to ``MP`` rows, Y [M, N] (or [M, N / 2] with
         ``GLU``) and RES [M, N], with the same fusions, each row its own (``KC``: K / 128, the chunks
@@ -526,7 +526,8 @@ if gluon is not None:
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         lw: gl.constexpr = word_layout(NW)
-        lv: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+        lv: gl.constexpr = gl.BlockedLayout(size_per_thread=[max(2, 4 // NW)], threads_per_warp=[32], warps_per_cta=[NW],
+                                            order=[0])  # x spread over the warps, 4 bytes a load or more
         tile = gl.program_id(0)
         split = gl.program_id(1)
         c0 = split * GPS
@@ -555,6 +556,14 @@ if gluon is not None:
         if PDL:  # x and the residual are the kernels before this one's: wait for them, let the next launch
             gdc_wait()
             gdc_launch_dependents()
+        xs = ()  # one row: the split's chunks of x (and of the norm's weight), asked for with the row's sums
+        norms = ()
+        if MP == 1:
+            xk = gl.arange(0, 128, layout=lv)
+            for i in gl.static_range(GPS):
+                xs = xs + (gl.load(X + (c0 + i) * 128 + xk),)
+                if PROLOGUE:
+                    norms = norms + (gl.load(NORM_W + (c0 + i) * 128 + xk),)
         rstd = 1.0
         if PROLOGUE and MP == 1:  # RMSNorm over the whole row, whatever columns this program reads
             lr: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[NW],
@@ -573,31 +582,31 @@ if gluon is not None:
                           split, N, K, M, c0, eps, GPS, NW, SPLIT, MP, KC, MAGIC, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z, GLU,
                           BF16, mma)
         else:
-            _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
-                     bias, rows, rstd, tile, split, N, c0, GPS, XP, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,
+            _one_row(xs, norms, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
+                     bias, rows, rstd, tile, split, N, c0, GPS, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,
                      GLU, BF16, MAGIC, mma)
 
     @gluon.jit
-    def _one_row(X, NORM_W, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw: gl.constexpr, la: gl.constexpr,
+    def _one_row(xs, norms, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw: gl.constexpr, la: gl.constexpr,
                  lb: gl.constexpr, lv: gl.constexpr, less, scales, zeros, bias, rows, rstd, tile, split, N, c0,
-                 GPS: gl.constexpr, XP: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
+                 GPS: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
                  PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
                  GLU: gl.constexpr, BF16: gl.constexpr, MAGIC: gl.constexpr, mma: gl.constexpr):
-        """The rest of :func:`_staged_gemv_kernel` for one row of x: x through shared memory, the later
-        chunks' copies, the MMAs and the row's epilogue."""
+        """The rest of :func:`_staged_gemv_kernel` for one row of x, whose split's chunks ``xs`` (and the norm's
+        weight's, ``norms``) it was given: x through shared memory, the later chunks' copies, the MMAs and the
+        row's epilogue."""
         BN: gl.constexpr = 16 * NW
         dt: gl.constexpr = Y.dtype.element_ty
-        # f(x) of the split's chunks, rounded as the eager layer rounds, into shared memory once; unrolled,
-        # so that every chunk's x is asked for at once (a loop waits for each chunk's in turn)
-        x_smem = gl.allocate_shared_memory(dt, [XP, 128], _plain(1))
-        xk = gl.arange(0, 128, layout=lv)
+        # f(x) of the split's chunks, rounded as the eager layer rounds, into shared memory once, a buffer a
+        # chunk: stores into one buffer would each wait at a barrier for the one before
+        x_smem = ()
         for i in gl.static_range(GPS):
-            at = (c0 + i) * 128 + xk
-            xv = gl.load(X + at)
+            xv = xs[i]
             if PROLOGUE:
                 xn = (xv.to(gl.float32) * rstd).to(dt).to(gl.float32)
-                xv = (xn * gl.load(NORM_W + at).to(gl.float32)).to(dt)
-            x_smem.index(i).store(xv)
+                xv = (xn * norms[i].to(gl.float32)).to(dt)
+            x_smem = x_smem + (gl.allocate_shared_memory(dt, [128], _plain(1)),)
+            x_smem[i].store(xv)
         for i in gl.static_range(EARLY, GPS):  # the later chunks' copies, a commit group each, in order
             _async_load(w_smem[i], words_at + i * 16)
             async_copy.commit_group()
@@ -605,7 +614,7 @@ if gluon is not None:
         for i in gl.static_range(GPS):
             async_copy.wait_group(GPS - 1 - i)  # this thread's copies up to chunk i have landed
             _cta_barrier()  # and every other thread's, and x in shared memory
-            b = b_operand(x_smem.index(i).load(x_layout(NW)), lb)
+            b = b_operand(x_smem[i].load(x_layout(NW)), lb)
             zero = zeros[i] if HAS_Z else 0.0
             acc += _chunk_sums(a_operand(w_smem[i].load(lw), la, BN, BF16), less, b, scales[i], zero, MAGIC, HAS_Z,
                                mma)
