@@ -582,13 +582,13 @@ if gluon is not None:
                           split, N, K, M, c0, eps, GPS, NW, SPLIT, MP, KC, MAGIC, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z, GLU,
                           BF16, mma)
         else:
-            _one_row(xs, norms, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, lv, less, scales, zeros,
+            _one_row(xs, norms, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw, la, lb, less, scales, zeros,
                      bias, rows, rstd, tile, split, N, c0, GPS, NW, SPLIT, EARLY, PROLOGUE, HAS_BIAS, HAS_RES, HAS_Z,
                      GLU, BF16, MAGIC, mma)
 
     @gluon.jit
     def _one_row(xs, norms, BIAS, RES, Y, PARTS, ARRIVALS, w_smem, words_at, lw: gl.constexpr, la: gl.constexpr,
-                 lb: gl.constexpr, lv: gl.constexpr, less, scales, zeros, bias, rows, rstd, tile, split, N, c0,
+                 lb: gl.constexpr, less, scales, zeros, bias, rows, rstd, tile, split, N, c0,
                  GPS: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
                  PROLOGUE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_Z: gl.constexpr,
                  GLU: gl.constexpr, BF16: gl.constexpr, MAGIC: gl.constexpr, mma: gl.constexpr):
