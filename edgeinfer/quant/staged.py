@@ -18,9 +18,12 @@ them differently:
   first, one commit group a chunk of 128 columns, before it waits for the kernels before it
   (the words are not theirs to write). The copies hold no register, so a whole wave's bytes are
   in flight at once, as many as shared memory holds.
-* Then x's columns of the split, RMSNorm'd as the eager layer rounds where the product fuses
-  it, go to shared memory once; chunk i waits only for the copies up to its own
-  (``cp.async.wait_group``) and multiplies while the later chunks are still arriving.
+* Then x's columns of the split, all asked for at once with the row's RMSNorm sums and RMSNorm'd
+  as the eager layer rounds where the product fuses it, go to shared memory once, a buffer a
+  chunk (one buffer would put a barrier between the chunks' stores); chunk i waits only for the
+  copies up to its own (``cp.async.wait_group``) and multiplies while the later chunks are still
+  arriving. Taken apart on an H100, a program's fixed work (this prologue, the waits and the
+  epilogue) was half its time before x was asked for at once (docs/results/probes/h100-staged-x-once).
 * The arithmetic is on the tensor cores (``mma.sync`` m16n8k16, Ampere's, so Orin's sm_87 runs
   it too): a lane's four words of a chunk side by side are taken apart into 16-bit ``2^m + q``
   pairs already in the A operand's registers (:func:`a_operand`), x is the B operand in the same
