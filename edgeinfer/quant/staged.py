@@ -2,12 +2,12 @@
 
 Right on an H200 and faster alone for gate|up and ``down`` there. In an H200's step the tuner
 kept gate|up's staged tile and 4-bit batch-1 decode ran 1.02× faster (a reading); in an H100's
-step its descent took the staged tiles out again. Traced in an H100's chain of a layer's products, a
-program's copies, issued before its wait, held up the kernel before it, and a one-warp gate|up tile's
-programs did not all fit on the GPU at once (docs/results/probes/h100-chain-trace). The load-time tuner times its tiles unless
-``EDGEINFER_STAGED_PRODUCTS=0`` (:func:`enabled`); they are checked against torch before they are
-timed, as every tile is (``triton_decode.right_tiles``), and the step keeps one only where it makes
-the whole step faster.
+step its descent took the staged tiles out again. Traced in an H100's chain of a layer's
+products, a program's copies, issued before its wait, held up the kernel before it, and a one-warp
+gate|up tile's programs did not all fit on the GPU at once (docs/results/probes/h100-chain-trace).
+The load-time tuner times its tiles unless ``EDGEINFER_STAGED_PRODUCTS=0`` (:func:`enabled`); they
+are checked against torch before they are timed, as every tile is (``triton_decode.right_tiles``),
+and the step keeps one only where it makes the whole step faster.
 
 Under Nsight Compute the decode step's :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`
 was bound neither by bytes nor by issue (docs/quantization.md): the whole grid is resident at
