@@ -22,13 +22,7 @@ import triton
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels, staged
 from edgeinfer.quant.launching import SplitWorkspace
-from edgeinfer.testing.products import (
-    QWEN2_VL_2B,
-    fused_inputs,
-    layer_calls,
-    random_packed,
-    right_one_row_tiles,
-)
+from edgeinfer.testing.products import QWEN2_VL_2B, layer_calls, layer_case, right_one_row_tiles
 
 LAYERS, GS = 28, 128
 
@@ -42,9 +36,7 @@ def main():
     space = SplitWorkspace(dev)
     calls = {}  # product -> {"staged" | "packed": the 28 layers' calls on its fastest tile of that kind}
     for name, n, k, kind in QWEN2_VL_2B:
-        x, kw = fused_inputs(kind, n, k, dev)
-        ws = [random_packed(n, k, 4, GS, dev) for _ in range(LAYERS)]
-        outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=x.dtype, device=dev) for _ in range(LAYERS)]
+        x, kw, ws, outs = layer_case(kind, n, k, dev, LAYERS, GS)
         tiles = td.PACKED_GEMV_CANDIDATES + tuple(staged.tiles_that_fit(ws[0], x.dtype, kw.get("glu", False)))
         kernels.compile_ahead([f for t in tiles for f in layer_calls(x, ws[:1], t, outs, space, warmup=True, **kw)])
         right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)

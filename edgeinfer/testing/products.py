@@ -4,8 +4,9 @@
 from memory, not from the values); :func:`fused_inputs` is x (a row, or several) and what the
 fused step gives a product besides it: ``kind`` names the prologue and epilogues (``"norm"``,
 ``"bias"``, ``"residual"``, ``"glu"``, joined by ``+``), as in ``"norm+bias"`` for q|k|v.
-:data:`QWEN2_VL_2B` names a layer's four products that way; :func:`layer_calls` and
-:func:`right_one_row_tiles` run and check a tile as the decode step dispatches it.
+:data:`QWEN2_VL_2B` names a layer's four products that way; :func:`layer_case` builds one for 28
+layers' weights, and :func:`layer_calls` and :func:`right_one_row_tiles` run and check a tile as the
+decode step dispatches it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ def fused_inputs(kind: str, n: int, k: int, device: torch.device,
     if "glu" in kind:
         kw["glu"] = True
     return x, kw
+
+
+def layer_case(kind: str, n: int, k: int, device: torch.device, layers: int,
+               group: int = 128) -> tuple[torch.Tensor, dict, list, list]:
+    """One row's product of ``kind`` as the probes time it: x and what the step fuses (:func:`fused_inputs`),
+    ``layers`` copies of a random 4-bit [n, k] weight (:func:`random_packed`, so that reads come from memory)
+    and an output row for each copy."""
+    x, kw = fused_inputs(kind, n, k, device)
+    weights = [random_packed(n, k, 4, group, device) for _ in range(layers)]
+    outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=x.dtype, device=device) for _ in range(layers)]
+    return x, kw, weights, outs
 
 
 def layer_calls(x: torch.Tensor, weights: list, tile, outs: list, workspace, **kw) -> list:
