@@ -4,7 +4,8 @@ Right on an H200 and faster alone for gate|up and ``down`` there. In an H200's s
 kept gate|up's staged tile and 4-bit batch-1 decode ran 1.02× faster (a reading); in an H100's
 step its descent took the staged tiles out again. Traced in an H100's chain of a layer's
 products, a program's copies, issued before its wait, held up the kernel before it, and a one-warp
-gate|up tile's programs did not all fit on the GPU at once (docs/results/probes/h100-chain-trace).
+gate|up tile's programs did not all fit on the GPU at once (docs/results/probes/h100-chain-trace); its own
+carveout at all of shared memory did not change that (docs/results/probes/h200-chain-carveout-late).
 The load-time tuner times its tiles unless ``EDGEINFER_STAGED_PRODUCTS=0`` (:func:`enabled`); they
 are checked against torch before they are timed, as every tile is (``triton_decode.right_tiles``),
 and the step keeps one only where it makes the whole step faster.
