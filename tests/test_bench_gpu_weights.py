@@ -94,6 +94,36 @@ def test_each_engine_runs_once_per_sampling_mode_beside_greedy():
         GpuBenchSpec(Path("/m/x"), sampling=("top-p",))
 
 
+def test_the_first_batch_size_warms_up_for_warmup_s_and_the_others_by_count():
+    from edgeinfer.bench.gpu import measure
+    from edgeinfer.bench.quiet import RunLog
+
+    now = [0.0]
+
+    def call(batch, new_tokens, images):  # each call takes one second of the clock below
+        assert len(images) == batch
+        now[0] += 1.0
+        return 1.0, 0.5
+
+    def labels(**kw):
+        spec = GpuBenchSpec(Path("/m/x"), image_size=(8, 8), batch_sizes=(1, 2), new_tokens=2, repeats=2, **kw)
+        log = RunLog()
+        measure(spec, "ours", call, log, clock=lambda: now[0])
+        return [(r["label"], r["timed"]) for r in log.records]
+
+    # A pair takes 2 s: warm-ups start at 0, 2 and 4 s, then the 5 s have passed.
+    assert labels(warmup=1, warmup_s=5.0) == [
+        ("ours b=1 warm-up 0", False), ("ours b=1 warm-up 1", False), ("ours b=1 warm-up 2", False),
+        ("ours b=1 #0", True), ("ours b=1 #1", True),
+        ("ours b=2 warm-up 0", False), ("ours b=2 #0", True), ("ours b=2 #1", True)]
+    assert [label for label, _ in labels(warmup=2, warmup_s=0.0)][:3] == [
+        "ours b=1 warm-up 0", "ours b=1 warm-up 1", "ours b=1 #0"]
+    # No warm-up asked for: none, whatever warmup_s says.
+    assert all(timed for _, timed in labels(warmup=0, warmup_s=5.0))
+    with pytest.raises(ValueError, match="warmup_s must be >= 0"):
+        GpuBenchSpec(Path("/m/x"), warmup_s=-1.0)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--weights", "bf16,w2a16"], "w2a16"),
     (["--weights", "fp32"], "fp32 with --dtype bfloat16"),

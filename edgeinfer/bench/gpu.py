@@ -85,6 +85,11 @@ class GpuBenchSpec:
     # Untimed calls per batch size. One suffices: its decode steps call the compiled step
     # dozens of times, so compilation and CUDA graph recording are over when timing starts.
     warmup: int = 1
+    # With any warm-up, the first batch size's go on until this many seconds have passed since
+    # they began: after a load of under 20 s the host's preprocessing ran 5x slower for up to
+    # 3.8 s on an H100 machine (docs/results/probes/h100-first-token-after-load), inside which a
+    # run's timed calls used to fall.
+    warmup_s: float = 5.0
     bandwidth_mib: int = 1024  # buffer size of each bandwidth probe
     dtype: str = "bfloat16"
     device: str = "cuda"
@@ -108,6 +113,8 @@ class GpuBenchSpec:
             raise ValueError(f"group_size must be >= 1, not {self.group_size}")
         if not self.sampling or set(self.sampling) - {GREEDY, SAMPLED}:
             raise ValueError(f"sampling must name {GREEDY} and/or {SAMPLED}, not {list(self.sampling)}")
+        if self.warmup_s < 0:
+            raise ValueError(f"warmup_s must be >= 0, not {self.warmup_s}")
         if self.engine_timeout_s is not None and self.engine_timeout_s <= 0:
             raise ValueError(f"engine_timeout_s must be > 0, not {self.engine_timeout_s}")
 
@@ -166,18 +173,26 @@ def prompt_digest(ids: list[int]) -> str:
 Call = Callable[[int, int, list], tuple[float, float]]
 
 
-def measure(spec: GpuBenchSpec, kind: str, call: Call, log: RunLog) -> None:
+def measure(spec: GpuBenchSpec, kind: str, call: Call, log: RunLog,
+            clock: Callable[[], float] = time.perf_counter) -> None:
     """Warm-ups, then ``repeats`` timed pairs (``T_n``, ``T_1``) at every batch size, into ``log``;
-    the ``T_n`` call's own first tokens are kept too (``full_first_s``)."""
-    for batch in spec.batch_sizes:
+    the ``T_n`` call's own first tokens are kept too (``full_first_s``). Each batch size has
+    ``warmup`` warm-up pairs; the first one's go on until ``warmup_s`` seconds have passed since
+    they began (every one is in ``log``, untimed)."""
+    def pair(batch: int, images: list, label: str, timed: bool) -> None:
+        with log.run(label, timed=timed) as record:
+            full, full_first = call(batch, spec.new_tokens, images)
+            first, _ = call(batch, 1, images)
+            record.update(batch=batch, full_s=full, first_s=first, full_first_s=full_first)
+
+    for n, batch in enumerate(spec.batch_sizes):
         images = [bench_image(spec.image_size, seed=i) for i in range(batch)]
-        for i in range(spec.warmup + spec.repeats):
-            timed = i >= spec.warmup
-            label = f"{kind} b={batch} " + (f"#{i - spec.warmup}" if timed else f"warm-up {i}")
-            with log.run(label, timed=timed) as record:
-                full, full_first = call(batch, spec.new_tokens, images)
-                first, _ = call(batch, 1, images)
-                record.update(batch=batch, full_s=full, first_s=first, full_first_s=full_first)
+        started, i = clock(), 0
+        while i < spec.warmup or (n == 0 and spec.warmup and clock() - started < spec.warmup_s):
+            pair(batch, images, f"{kind} b={batch} warm-up {i}", timed=False)
+            i += 1
+        for i in range(spec.repeats):
+            pair(batch, images, f"{kind} b={batch} #{i}", timed=True)
 
 
 def run_figures(record: dict[str, Any], new_tokens: int) -> dict[str, float | None]:
@@ -506,9 +521,10 @@ def markdown(report: GpuReport) -> str:
     spec, summaries, speedups = report.spec, report.summaries(), compare(report.summaries())
     over_dense = compare_weights(summaries)
     batches = list(spec.batch_sizes)
+    at_least = f" (the first batch size's for at least {spec.warmup_s:g} s)" if spec.warmup and spec.warmup_s else ""
     lines = [f"Medians of {spec.repeats} timed pairs of calls (min–max) per batch size, after {spec.warmup} "
-             f"untimed; {spec.new_tokens} tokens; {spec.image_size[0]}×{spec.image_size[1]} pictures, one per "
-             "request.", ""]
+             f"untimed{at_least}; {spec.new_tokens} tokens; {spec.image_size[0]}×{spec.image_size[1]} pictures, "
+             "one per request.", ""]
     if any(map(is_quantized, spec.formats)):
         lines += [_weights_line(spec), ""]
     for key, title, scale, digits in (("decode_tok_s", "decode only (tok/s)", 1, 0),

@@ -138,6 +138,9 @@ def gpu(
     new_tokens: NewTokensOption = 64,
     repeats: RepeatsOption = 3,
     warmup: WarmupOption = 1,
+    warmup_s: Annotated[float, typer.Option(
+        min=0, help="With any warm-up, the first batch size's go on until this many seconds have passed: the "
+                    "host's work can run slow for seconds after a short load.")] = 5.0,
     dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (float16 on boards without "
                                             "fast bf16).")] = "bfloat16",
     device: Annotated[str, typer.Option(help="cuda, cuda:N (cpu only to check the code paths).")] = "cuda",
@@ -168,7 +171,7 @@ def gpu(
     with cli_errors():
         spec = _spec(GpuBenchSpec, _model(model, shape, cache), image_size=parse_size(image_size),
                      batch_sizes=_batch_sizes(batch_sizes), new_tokens=new_tokens, repeats=repeats, warmup=warmup,
-                     dtype=dtype, device=device, kinds=_kinds(kinds), bandwidth_mib=bandwidth_mib,
+                     warmup_s=warmup_s, dtype=dtype, device=device, kinds=_kinds(kinds), bandwidth_mib=bandwidth_mib,
                      weights=_spec(_weights, weights, dtype), group_size=group_size, sampling=_kinds(sampling),
                      engine_timeout_s=engine_timeout)
         checkpoints = _quantized_checkpoints(spec, cache)
