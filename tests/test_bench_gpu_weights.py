@@ -120,6 +120,11 @@ def test_the_first_batch_size_warms_up_for_warmup_s_and_the_others_by_count():
         "ours b=1 warm-up 0", "ours b=1 warm-up 1", "ours b=1 #0"]
     # No warm-up asked for: none, whatever warmup_s says.
     assert all(timed for _, timed in labels(warmup=0, warmup_s=5.0))
+    # The summary says how the warm-ups were counted.
+    summary = {s: markdown(GpuReport(GpuBenchSpec(Path("/m/x"), kinds=("ours",), warmup=1, warmup_s=s))).splitlines()[0]
+               for s in (5.0, 0.0)}
+    assert "after at least 1 untimed (the first batch size's for at least 5 s);" in summary[5.0]
+    assert "after 1 untimed;" in summary[0.0]
     with pytest.raises(ValueError, match="warmup_s must be >= 0"):
         GpuBenchSpec(Path("/m/x"), warmup_s=-1.0)
 

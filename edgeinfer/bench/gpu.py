@@ -521,10 +521,10 @@ def markdown(report: GpuReport) -> str:
     spec, summaries, speedups = report.spec, report.summaries(), compare(report.summaries())
     over_dense = compare_weights(summaries)
     batches = list(spec.batch_sizes)
-    at_least = f" (the first batch size's for at least {spec.warmup_s:g} s)" if spec.warmup and spec.warmup_s else ""
-    lines = [f"Medians of {spec.repeats} timed pairs of calls (min–max) per batch size, after {spec.warmup} "
-             f"untimed{at_least}; {spec.new_tokens} tokens; {spec.image_size[0]}×{spec.image_size[1]} pictures, "
-             "one per request.", ""]
+    warmups = (f"at least {spec.warmup} untimed (the first batch size's for at least {spec.warmup_s:g} s)"
+               if spec.warmup and spec.warmup_s else f"{spec.warmup} untimed")
+    lines = [f"Medians of {spec.repeats} timed pairs of calls (min–max) per batch size, after {warmups}; "
+             f"{spec.new_tokens} tokens; {spec.image_size[0]}×{spec.image_size[1]} pictures, one per request.", ""]
     if any(map(is_quantized, spec.formats)):
         lines += [_weights_line(spec), ""]
     for key, title, scale, digits in (("decode_tok_s", "decode only (tok/s)", 1, 0),
