@@ -25,6 +25,7 @@ import torch
 
 from edgeinfer.artifacts import prefix_cache_root
 from edgeinfer.backends.base import CompilableVision, DecoderEngine, Engines, VisionEngine
+from edgeinfer.backends.torch import compile_workers
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.inputs import Inputs, Message, PreparedPrompt, image_key
 from edgeinfer.engine.output import GenerationResult, Output
@@ -65,7 +66,8 @@ class LoadTimings:
     """Where :meth:`Engine.load` spent its seconds: reading the checkpoint onto the device
     (``model_s``), opening the backend's engines (``engines_s``: on a GPU, compiling and timing
     the kernels' tiles, unless the tile cache holds them), building the engine and its KV pool
-    (``engine_s``) and the profile's start-up graph captures (``capture_s``)."""
+    (``engine_s``) and the profile's start-up graph captures, then letting go of torch.compile's
+    compile workers on a GPU (``capture_s``; :mod:`edgeinfer.backends.torch.compile_workers`)."""
 
     model_s: float
     engines_s: float
@@ -236,6 +238,7 @@ class Engine:
             model, engines = self._weights_back()
             self._assemble(model, engines)
         self._capture_again()
+        compile_workers.release(self.config.device)
         seconds = time.perf_counter() - started
         stats = self.sleep_stats
         stats.level, stats.wakes = int(SleepLevel.AWAKE), stats.wakes + 1
@@ -355,7 +358,9 @@ class Engine:
         ``backend`` ``auto`` runs the fastest engines built and fresh for the profile under
         ``engines_root`` (None: ``$EDGEINFER_ENGINES``, else ``./engines``), else torch; a named
         backend must be installed (:mod:`edgeinfer.backends.registry` decides). The loaded model
-        belongs to the engine: its backend may re-lay out or free the weights it replaces.
+        belongs to the engine: its backend may re-lay out or free the weights it replaces. On a GPU,
+        torch.compile's compile workers start as the load begins and stop once it ends
+        (:mod:`edgeinfer.backends.torch.compile_workers`).
         """
         from edgeinfer.backends.registry import Backend, open_engines, require_backend
 
@@ -371,17 +376,18 @@ class Engine:
             device_profile = _profile(profile, overrides)
             config = replace(config, profile_name=device_profile.name)
         marks = [time.perf_counter()]
-        model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
-        marks.append(time.perf_counter())
-        engines = open_engines(chosen, model, device_profile, config, engines_root)
-        marks.append(time.perf_counter())
-        if device_profile is not None and engines.backend == Backend.TORCH.value:
-            # The profile's plan left room for dense weights: what packed ones save goes to the KV pool.
-            config = config.grown_by(bytes_saved(model.decoder, config.torch_dtype))
-        recipe = LoadRecipe(Path(path), chosen, device_profile, engines_root, trust_remote_code)
-        engine = cls(model, config, engines, profile=device_profile, recipe=recipe)
-        marks.append(time.perf_counter())
-        engine.capture_graphs()
+        with compile_workers.around_load(config.device):
+            model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
+            marks.append(time.perf_counter())
+            engines = open_engines(chosen, model, device_profile, config, engines_root)
+            marks.append(time.perf_counter())
+            if device_profile is not None and engines.backend == Backend.TORCH.value:
+                # The profile's plan left room for dense weights: what packed ones save goes to the KV pool.
+                config = config.grown_by(bytes_saved(model.decoder, config.torch_dtype))
+            recipe = LoadRecipe(Path(path), chosen, device_profile, engines_root, trust_remote_code)
+            engine = cls(model, config, engines, profile=device_profile, recipe=recipe)
+            marks.append(time.perf_counter())
+            engine.capture_graphs()
         marks.append(time.perf_counter())
         engine.load_timings = LoadTimings(*(b - a for a, b in zip(marks, marks[1:])))
         return engine

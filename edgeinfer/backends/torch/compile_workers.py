@@ -1,0 +1,61 @@
+"""torch.compile's compile workers: started as a load begins, let go once it ends.
+
+Inductor compiles its Triton kernels in a pool of worker processes (one a core, up to 32),
+which it starts at the first compile: near the end of an engine's load, where the vision
+tower is compiled. The pool's first process then imports torch at a full core for several
+seconds. After a short load those seconds fell on the first requests: torch's host threads,
+one a core, waited for a CPU, and a picture's preprocessing took 5x as long
+(docs/results/probes/h100-first-token-after-load). Started as the load begins, that start
+overlaps reading the checkpoint.
+
+Once the load has compiled and captured what its budget allows, requests compile only what
+that budget left out, while the pool keeps its processes: about 140 MiB for the first and 80
+MiB a worker beside it (measured on 2 cores), some 1.4 GiB on 16 cores, memory that a board's
+KV pool needs. So the load lets the pool go once it is up (a short load leaves it to finish
+its start, since stopping it would wait for that); inductor starts it again at its next compile,
+and until it is up compiles in the process itself. A wake from sleep starts none, and lets go of
+one that its compiles started.
+
+Torch's own switches still rule: ``TORCHINDUCTOR_COMPILE_THREADS=1`` (no pool) and
+``TORCH_WARM_POOL=0`` (no pool before the first compile) leave nothing here to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def start(device: str) -> None:
+    """Start inductor's compile workers now, as torch does at its first compile, on a GPU
+    (``device`` ``cuda...``), where the engines compile; nothing where torch would start none
+    (no Triton, one compile thread, ``TORCH_WARM_POOL=0``)."""
+    if device.startswith("cuda"):
+        from torch._inductor.async_compile import maybe_warm_pool
+
+        maybe_warm_pool()
+
+
+def release(device: str) -> bool:
+    """Stop the compile workers, once they are up, and wait for their processes to end (about a
+    second); whether they were stopped. Workers still starting are left to finish: stopping them
+    would wait for their start. Inductor starts new ones at its next compile."""
+    if not device.startswith("cuda"):
+        return False
+    from torch._inductor import async_compile
+
+    ready = async_compile.AsyncCompile._ready_future  # set when torch starts a pool, done once it is up
+    if ready is None or not ready.done():
+        return False
+    async_compile.shutdown_compile_workers()
+    return True
+
+
+@contextmanager
+def around_load(device: str) -> Iterator[None]:
+    """The block with the compile workers started before it and, once up, let go after it."""
+    start(device)
+    try:
+        yield
+    finally:
+        release(device)
