@@ -1,17 +1,16 @@
 """torch.compile's compile workers: started as a load begins, let go once it ends.
 
 Inductor compiles its Triton kernels in a pool of worker processes (one a core, up to 32),
-which it starts at the first compile: near the end of an engine's load, where the vision
-tower is compiled. The pool's first process then imports torch at a full core for several
-seconds. After a short load those seconds fell on the first requests: torch's host threads,
-one a core, waited for a CPU, and a picture's preprocessing took 5x as long
-(docs/results/probes/h100-first-token-after-load). Started as the load begins, that start
-overlaps reading the checkpoint.
+which it starts at the first compile, late in an engine's load. The pool's first process then
+imports torch at a full core for a few seconds. After a short load those seconds fell on the
+first requests: torch's host threads, one a core, waited for a CPU, and a picture's
+preprocessing took 5x as long (docs/results/probes/h100-compile-workers). Started as the load
+begins, that start overlaps reading the checkpoint.
 
 Once the load has compiled and captured what its budget allows, requests compile only what
-that budget left out, while the pool keeps its processes: about 140 MiB for the first and 80
-MiB a worker beside it (measured on 2 cores), some 1.4 GiB on 16 cores, memory that a board's
-KV pool needs. So the load lets the pool go once it is up (a short load leaves it to finish
+that budget left out, while the pool keeps its processes: 141 MiB of PSS for the first and 80
+MiB a worker beside it (measured with 2 workers), so about 1.4 GiB with 16 by the same figures,
+memory that a board's KV pool needs. So the load lets the pool go once it is up (a short load leaves it to finish
 its start, since stopping it would wait for that); inductor starts it again at its next compile,
 and until it is up compiles in the process itself. A wake from sleep starts none, and lets go of
 one that its compiles started.
