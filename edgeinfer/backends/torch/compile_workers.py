@@ -29,10 +29,11 @@ def start(device: str) -> None:
     """Start inductor's compile workers now, as torch does at its first compile, on a GPU
     (``device`` ``cuda...``), where the engines compile; nothing where torch would start none
     (no Triton, one compile thread, ``TORCH_WARM_POOL=0``)."""
-    if device.startswith("cuda"):
-        from torch._inductor.async_compile import maybe_warm_pool
-
-        maybe_warm_pool()
+    if not device.startswith("cuda"):
+        return
+    warm = getattr(_async_compile(), "maybe_warm_pool", None)
+    if warm is not None:
+        warm()
 
 
 def release(device: str) -> bool:
@@ -41,13 +42,23 @@ def release(device: str) -> bool:
     would wait for their start. Inductor starts new ones at its next compile."""
     if not device.startswith("cuda"):
         return False
-    from torch._inductor import async_compile
-
-    ready = async_compile.AsyncCompile._ready_future  # set when torch starts a pool, done once it is up
+    module = _async_compile()
+    # set when torch starts a pool, done once it is up
+    ready = getattr(getattr(module, "AsyncCompile", None), "_ready_future", None)
     if ready is None or not ready.done():
         return False
-    async_compile.shutdown_compile_workers()
+    module.shutdown_compile_workers()
     return True
+
+
+def _async_compile():
+    """Inductor's ``async_compile`` module, whose functions torch itself uses around its compile
+    workers (private to torch: a torch without them leaves the workers as torch runs them)."""
+    try:
+        from torch._inductor import async_compile
+    except ImportError:
+        return None
+    return async_compile if hasattr(async_compile, "shutdown_compile_workers") else None
 
 
 @contextmanager
