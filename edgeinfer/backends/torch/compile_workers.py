@@ -10,10 +10,10 @@ begins, that start overlaps reading the checkpoint.
 Once the load has compiled and captured what its budget allows, requests compile only what
 that budget left out, while the pool keeps its processes: 141 MiB of PSS for the first and 80
 MiB a worker beside it (measured with 2 workers), so about 1.4 GiB with 16 by the same figures,
-memory that a board's KV pool needs. So the load lets the pool go once it is up (a short load leaves it to finish
-its start, since stopping it would wait for that); inductor starts it again at its next compile,
-and until it is up compiles in the process itself. A wake from sleep starts none, and lets go of
-one that its compiles started.
+memory that a board's KV pool needs. So the load lets the pool go once it is up (a short load
+leaves it to finish its start, since stopping it would wait for that); inductor starts it again
+at its next compile, and until it is up compiles in the process itself. A wake from sleep starts
+none, and lets go of one that its compiles started.
 
 Torch's own switches still rule: ``TORCHINDUCTOR_COMPILE_THREADS=1`` (no pool) and
 ``TORCH_WARM_POOL=0`` (no pool before the first compile) leave nothing here to start.
