@@ -87,8 +87,10 @@ class GpuBenchSpec:
     warmup: int = 1
     # With any warm-up, the first batch size's go on until this many seconds have passed since
     # they began: after a load of under 20 s the host's preprocessing ran 5x slower for up to
-    # 3.8 s on an H100 machine (docs/results/probes/h100-first-token-after-load), inside which a
-    # run's timed calls used to fall.
+    # 3.8 s on an H100 machine, while torch.compile's compile workers started beside it
+    # (docs/results/probes/h100-compile-workers), and a run's timed calls used to fall inside that.
+    # Our engine now starts them as its load begins; a peer that compiles starts them at its first
+    # compile, so both keep the warm-up.
     warmup_s: float = 5.0
     bandwidth_mib: int = 1024  # buffer size of each bandwidth probe
     dtype: str = "bfloat16"

@@ -140,7 +140,8 @@ def gpu(
     warmup: WarmupOption = 1,
     warmup_s: Annotated[float, typer.Option(
         min=0, help="With any warm-up, the first batch size's go on until this many seconds have passed: the "
-                    "host's work can run slow for seconds after a short load.")] = 5.0,
+                    "host's work can run slow for seconds after a short load, while torch.compile's compile "
+                    "workers start.")] = 5.0,
     dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16 (float16 on boards without "
                                             "fast bf16).")] = "bfloat16",
     device: Annotated[str, typer.Option(help="cuda, cuda:N (cpu only to check the code paths).")] = "cuda",
