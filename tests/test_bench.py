@@ -295,6 +295,9 @@ def test_the_gpu_benchmark_keeps_each_engines_own_first_tokens(checkpoint, tmp_p
     parts = [r["parts"] for r in data["runs"]["ours"]]  # ours also says where its first tokens went
     assert len(parts) == 1 and parts[0]["full"]["first_token_s"] == data["runs"]["ours"][0]["full_first_s"]
     assert all(0 < p["submit_s"] < p["first_token_s"] and p["prefill_s"] > 0 for p in parts[0].values())
+    # and what each call compiled, captured and tuned: on the CPU, nothing.
+    assert [set(p["during"].values()) for p in parts[0].values()] == [{0}, {0}]
+    assert set(parts[0]["full"]["during"]) >= {"compiled_graphs", "decoder_captures", "packed_tiles_chosen"}
     assert "decode in the call (tok/s) b=1" in next(tmp_path.glob("gpu-*.md")).read_text()
 
 

@@ -57,7 +57,8 @@ def test_a_tiny_run_answers_every_request_and_records_refusals():
     assert report["open_loop"][0]["summary"]["requests"] == 2
     assert "| 50 |" in markdown(report)
     # The CPU profile compiles and captures nothing on live traffic.
-    assert report["burst"]["summary"]["during"] == {"compiled_graphs": 0, "decoder_captures": 0, "tower_graphs": 0}
+    assert report["burst"]["summary"]["during"] == {"compiled_graphs": 0, "decoder_captures": 0, "tower_graphs": 0,
+                                                   "packed_tiles_chosen": 0, "fused_row_tiles": 0}
 
 
 def test_a_part_counts_what_was_compiled_during_it():
@@ -68,7 +69,8 @@ def test_a_part_counts_what_was_compiled_during_it():
     with counting(engine, counted):
         torch.compile(lambda x: x * 3 + 1, backend="eager", fullgraph=True)(torch.ones(2))
         engine.vision_engine.captured_signatures = {("a",), ("b",)}
-    assert counted["during"] == {"compiled_graphs": 1, "decoder_captures": 0, "tower_graphs": 1}
+    assert counted["during"] == {"compiled_graphs": 1, "decoder_captures": 0, "tower_graphs": 1,
+                                 "packed_tiles_chosen": 0, "fused_row_tiles": 0}
 
 
 def test_spec_refuses_what_cannot_run():

@@ -319,6 +319,7 @@ def ours_config(dtype: str, device: str, image_size: tuple[int, int], max_batch:
 
 
 def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
+    from edgeinfer.bench.serve import counting
     from edgeinfer.engine import Engine, SamplingParams
 
     engine = Engine.load(spec.model, config=ours_config(spec.dtype, spec.device, spec.image_size,
@@ -332,19 +333,21 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
                                  **settings) for i in range(len(images))]
         engine.vision_cache.clear()
         sync(spec.device)
-        started = time.perf_counter()
-        seqs = [engine.submit(QUESTION, [image], p) for image, p in zip(images, params)]
-        submitted = time.perf_counter()
-        results = engine.run_until_done(seqs)
-        sync(spec.device)
-        seconds = time.perf_counter() - started
+        counted: dict[str, Any] = {}
+        with counting(engine, counted):
+            started = time.perf_counter()
+            seqs = [engine.submit(QUESTION, [image], p) for image, p in zip(images, params)]
+            submitted = time.perf_counter()
+            results = engine.run_until_done(seqs)
+            sync(spec.device)
+            seconds = time.perf_counter() - started
         if any(len(r.token_ids) != new_tokens for r in results):
             raise RuntimeError(f"ours generated {[len(r.token_ids) for r in results]} tokens, not {new_tokens}")
         prompts.append(seqs[0].prompt_ids)
         first = max(s.timings.first_token for s in seqs) - started  # stamped as the host takes it
         parts.append({"submit_s": submitted - started, "first_token_s": first,
                       "vision_s": max(s.timings.vision_s for s in seqs),
-                      "prefill_s": max(s.timings.prefill_s for s in seqs)})
+                      "prefill_s": max(s.timings.prefill_s for s in seqs), "during": counted["during"]})
         return seconds, first
 
     log = RunLog()
@@ -352,7 +355,8 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
     # Where each call's first token went (a diagnostic): ``submit_s`` the host's submits (each
     # row's preprocessing and prompt, then its vision launched), ``vision_s`` the slowest row's
     # vision launch alone, ``prefill_s`` the slowest row's prefill, its waits for the device
-    # included.
+    # included; ``during`` what the call compiled, captured and tuned (``serve.compile_state``:
+    # the engine loads without start-up captures, so a batch size's first call does that work).
     for record, full, one in zip(log.records, parts[::2], parts[1::2], strict=True):
         record["parts"] = {"full": full, "one": one}
     decoder = engine.model.decoder

@@ -170,16 +170,21 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
 
 
 def compile_state(engine) -> dict[str, int]:
-    """What the engine has compiled and captured so far: torch's compiled graphs in this process,
-    the decoder's CUDA graphs and the tower's graphs. A part that changes these compiled or
-    captured on live traffic."""
+    """What the engine has compiled, captured and tuned so far: torch's compiled graphs in this
+    process, the decoder's CUDA graphs, the tower's graphs, the packed products' row tiles chosen
+    (``kernels.tuned_config``, timed or from the tile cache) and the few-row step's row tiles
+    decided. A part that changes these did that work on live traffic."""
     from torch._dynamo.utils import counters
+
+    from edgeinfer.quant.kernels import tuned_choices
 
     decoder = engine.decoder_engine
     state = getattr(decoder, "capture_state", None)
+    state = state() if state is not None else {}
     return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
-            "decoder_captures": state()["captures"] if state is not None else 0,
-            "tower_graphs": len(getattr(engine.vision_engine, "captured_signatures", ()))}
+            "decoder_captures": state.get("captures", 0),
+            "tower_graphs": len(getattr(engine.vision_engine, "captured_signatures", ())),
+            "packed_tiles_chosen": len(tuned_choices()), "fused_row_tiles": state.get("fused_row_tiles", 0)}
 
 
 @contextlib.contextmanager

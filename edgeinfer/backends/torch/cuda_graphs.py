@@ -330,7 +330,8 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
         return {"captures": self.captures, "decode_graphs": len(self._graphs), "prefill_graphs": len(self._prefills),
                 "burst_graphs": len(self._bursts), "prefill_replays": self.prefill_replays,
                 "compiled_prompt_layers": int(self._prompt_layer_fn is not None),
-                "fused_tuned": int(self._fused is not None and bool(self._fused.configs))}
+                "fused_tuned": int(self._fused is not None and bool(self._fused.configs)),
+                "fused_row_tiles": len(self._fused.rows_report) if self._fused is not None else 0}
 
     # --- start-up -------------------------------------------------------------------------------
     def capture_plan(self, samplings: Seq[BurstSampling | None],
