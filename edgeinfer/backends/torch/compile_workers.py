@@ -5,15 +5,16 @@ which it starts at the first compile, late in an engine's load. The pool's first
 imports torch at a full core for a few seconds. After a short load those seconds fell on the
 first requests: torch's host threads, one a core, waited for a CPU, and a picture's
 preprocessing took 5x as long (docs/results/probes/h100-compile-workers). Started as the load
-begins, that start overlaps reading the checkpoint.
+begins, that start overlaps reading the checkpoint and slows it instead: on an H100 machine a
+warm load took 4 s longer, and torch's threads then waited for a CPU 33-65 ms in the 6 s after
+it, not 1.7-2.0 s (docs/results/probes/h100-compile-workers-check).
 
 Once the load has compiled and captured what its budget allows, requests compile only what
-that budget left out, while the pool keeps its processes: 141 MiB of PSS for the first and 80
-MiB a worker beside it (measured with 2 workers), so about 1.4 GiB with 16 by the same figures,
-memory that a board's KV pool needs. So the load lets the pool go once it is up (a short load
-leaves it to finish its start, since stopping it would wait for that); inductor starts it again
-at its next compile, and until it is up compiles in the process itself. A wake from sleep starts
-none, and lets go of one that its compiles started.
+that budget left out, while the pool keeps its processes: 556-557 MiB of PSS with 16 workers on
+that machine, memory that a board's KV pool needs. So the load lets the pool go once it is up
+(a short load leaves it to finish its start, since stopping it would wait for that); inductor
+starts it again at its next compile, and until it is up compiles in the process itself. A wake
+from sleep starts none, and lets go of one that its compiles started.
 
 Torch's own switches still rule: ``TORCHINDUCTOR_COMPILE_THREADS=1`` (no pool) and
 ``TORCH_WARM_POOL=0`` (no pool before the first compile) leave nothing here to start.
