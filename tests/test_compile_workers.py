@@ -1,19 +1,23 @@
-"""torch.compile's compile workers around a load: started at once on a GPU, stopped once up.
+"""torch.compile's compile workers around a load that captures at start-up: started at once on a
+GPU, stopped once up.
 
 Torch starts its compile-worker pool only where Triton is installed; no GPU is needed for
-the pool itself, so these run wherever Triton imports."""
+the pool itself, so the tests that start one run wherever Triton imports."""
+import importlib.util
 import os
 import time
 from pathlib import Path
 
 import pytest
+from torch._inductor import async_compile
 
-pytest.importorskip("triton", reason="torch starts compile workers only where Triton is installed (the CPU torch "
-                                     "of CI has none)")
+from edgeinfer.backends.torch import compile_workers
 
-from torch._inductor import async_compile  # noqa: E402
-
-from edgeinfer.backends.torch import compile_workers  # noqa: E402
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="torch starts compile workers only where Triton is installed (the CPU torch "
+                                         "of CI has none)")
+pool = pytest.mark.skipif(async_compile.get_compile_threads() <= 1,
+                          reason="torch runs one compile thread here: no pool")
 
 
 def children() -> list[int]:
@@ -52,7 +56,8 @@ def no_pool_left():
     async_compile.shutdown_compile_workers()
 
 
-@pytest.mark.skipif(async_compile.get_compile_threads() <= 1, reason="torch runs one compile thread here: no pool")
+@needs_triton
+@pool
 def test_a_load_s_workers_start_at_once_and_are_gone_once_released():
     assert children() == []
     compile_workers.start("cuda")
@@ -62,7 +67,8 @@ def test_a_load_s_workers_start_at_once_and_are_gone_once_released():
     assert until(lambda: children() == [], 10), f"processes left: {children()}"
 
 
-@pytest.mark.skipif(async_compile.get_compile_threads() <= 1, reason="torch runs one compile thread here: no pool")
+@needs_triton
+@pool
 def test_workers_still_starting_are_left_to_start():
     compile_workers.start("cuda")
     assert not compile_workers.release("cuda")  # importing torch takes the new process seconds
@@ -75,3 +81,18 @@ def test_a_cpu_load_starts_and_stops_nothing():
     compile_workers.start("cpu")
     assert children() == []
     assert not compile_workers.release("cpu")
+
+
+def test_only_a_gpu_load_that_captures_at_start_up_manages_the_workers():
+    assert compile_workers.managed("cuda", 120.0) and compile_workers.managed("cuda:1", 0.5)
+    assert not compile_workers.managed("cuda", 0.0)  # edgeinfer run, the benchmarks: its requests compile
+    assert not compile_workers.managed("cpu", 120.0)
+
+
+@needs_triton
+@pool
+def test_a_load_that_captures_on_first_use_leaves_the_workers_to_torch():
+    with compile_workers.around_load("cuda", 0.0):
+        assert children() == [] and async_compile.AsyncCompile._ready_future is None
+    with compile_workers.around_load("cuda", 30.0):
+        assert children(), "a load that captures at start-up started no compile workers"

@@ -67,7 +67,8 @@ class LoadTimings:
     (``model_s``), opening the backend's engines (``engines_s``: on a GPU, compiling and timing
     the kernels' tiles, unless the tile cache holds them), building the engine and its KV pool
     (``engine_s``) and the profile's start-up graph captures, then letting go of torch.compile's
-    compile workers on a GPU (``capture_s``; :mod:`edgeinfer.backends.torch.compile_workers`)."""
+    compile workers on a GPU where it captured (``capture_s``;
+    :mod:`edgeinfer.backends.torch.compile_workers`)."""
 
     model_s: float
     engines_s: float
@@ -238,7 +239,8 @@ class Engine:
             model, engines = self._weights_back()
             self._assemble(model, engines)
         self._capture_again()
-        compile_workers.release(self.config.device)
+        if compile_workers.managed(self.config.device, self.config.capture_budget_s):
+            compile_workers.release(self.config.device)
         seconds = time.perf_counter() - started
         stats = self.sleep_stats
         stats.level, stats.wakes = int(SleepLevel.AWAKE), stats.wakes + 1
@@ -359,7 +361,8 @@ class Engine:
         ``engines_root`` (None: ``$EDGEINFER_ENGINES``, else ``./engines``), else torch; a named
         backend must be installed (:mod:`edgeinfer.backends.registry` decides). The loaded model
         belongs to the engine: its backend may re-lay out or free the weights it replaces. On a GPU,
-        torch.compile's compile workers start as the load begins and stop once it ends
+        a load that captures at start-up (``capture_budget_s`` over 0) starts torch.compile's compile
+        workers as it begins and stops them once it ends
         (:mod:`edgeinfer.backends.torch.compile_workers`).
         """
         from edgeinfer.backends.registry import Backend, open_engines, require_backend
@@ -376,7 +379,7 @@ class Engine:
             device_profile = _profile(profile, overrides)
             config = replace(config, profile_name=device_profile.name)
         marks = [time.perf_counter()]
-        with compile_workers.around_load(config.device):
+        with compile_workers.around_load(config.device, config.capture_budget_s):
             model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
             marks.append(time.perf_counter())
             engines = open_engines(chosen, model, device_profile, config, engines_root)

@@ -6,8 +6,9 @@ imports torch at a full core for a few seconds. After a short load those seconds
 first requests: torch's host threads, one a core, waited for a CPU, and a picture's
 preprocessing took 5x as long (docs/results/probes/h100-compile-workers). Started as the load
 begins, that start overlaps reading the checkpoint and slows it instead: on an H100 machine a
-warm load took 4 s longer, and torch's threads then waited for a CPU 33-65 ms in the 6 s after
-it, not 1.7-2.0 s (docs/results/probes/h100-compile-workers-check).
+warm load (the bench's, which captures nothing at start-up) took 4 s longer, and torch's threads
+then waited for a CPU 33-65 ms in the 6 s after it, not 1.7-2.0 s
+(docs/results/probes/h100-compile-workers-check).
 
 Once the load has compiled and captured what its budget allows, requests compile only what
 that budget left out, while the pool keeps its processes: 556-557 MiB of PSS with 16 workers on
@@ -15,6 +16,12 @@ that machine, memory that a board's KV pool needs. So the load lets the pool go 
 (a short load leaves it to finish its start, since stopping it would wait for that); inductor
 starts it again at its next compile, and until it is up compiles in the process itself. A wake
 from sleep starts none, and lets go of one that its compiles started.
+
+Only a load that captures at start-up does this (``runtime.capture_budget_s`` over 0: the daemon's
+profiles), since after it live traffic compiles nothing. A load that leaves its graphs to first use
+(``edgeinfer run``, the benchmarks) leaves the workers to torch: its first requests compile, and
+would start the workers again right after the load had stopped them, and the early start costs
+its load the seconds above.
 
 Torch's own switches still rule: ``TORCHINDUCTOR_COMPILE_THREADS=1`` (no pool) and
 ``TORCH_WARM_POOL=0`` (no pool before the first compile) leave nothing here to start.
@@ -62,9 +69,19 @@ def _async_compile():
     return async_compile if hasattr(async_compile, "shutdown_compile_workers") else None
 
 
+def managed(device: str, capture_budget_s: float) -> bool:
+    """Whether a load on ``device`` that captures for ``capture_budget_s`` seconds at start-up starts
+    the compile workers as it begins and lets them go once it ends: on a GPU, where it captures."""
+    return device.startswith("cuda") and capture_budget_s > 0
+
+
 @contextmanager
-def around_load(device: str) -> Iterator[None]:
-    """The block with the compile workers started before it and, once up, let go after it."""
+def around_load(device: str, capture_budget_s: float) -> Iterator[None]:
+    """The block with the compile workers started before it and, once up, let go after it, where
+    :func:`managed`; else as torch runs them."""
+    if not managed(device, capture_budget_s):
+        yield
+        return
     start(device)
     try:
         yield
