@@ -12,6 +12,7 @@ import pytest
 from torch._inductor import async_compile
 
 from edgeinfer.backends.torch import compile_workers
+from edgeinfer.engine import EngineConfig
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="torch starts compile workers only where Triton is installed (the CPU torch "
@@ -84,15 +85,19 @@ def test_a_cpu_load_starts_and_stops_nothing():
 
 
 def test_only_a_gpu_load_that_captures_at_start_up_manages_the_workers():
-    assert compile_workers.managed("cuda", 120.0) and compile_workers.managed("cuda:1", 0.5)
-    assert not compile_workers.managed("cuda", 0.0)  # edgeinfer run, the benchmarks: its requests compile
-    assert not compile_workers.managed("cpu", 120.0)
+    def captures(device, budget, cuda_graphs=True):
+        return EngineConfig(device=device, capture_budget_s=budget, cuda_graphs=cuda_graphs).captures_at_start
+
+    assert captures("cuda", 120.0) and captures("cuda:1", 0.5)
+    assert not captures("cuda", 0.0)  # edgeinfer run, the benchmarks: its requests compile
+    assert not captures("cpu", 120.0)
+    assert not captures("cuda", 120.0, cuda_graphs=False)  # nothing captured, so its requests compile
 
 
 @needs_triton
 @pool
 def test_a_load_that_captures_on_first_use_leaves_the_workers_to_torch():
-    with compile_workers.around_load("cuda", 0.0):
+    with compile_workers.around_load("cuda", captures_at_start=False):
         assert children() == [] and async_compile.AsyncCompile._ready_future is None
-    with compile_workers.around_load("cuda", 30.0):
+    with compile_workers.around_load("cuda", captures_at_start=True):
         assert children(), "a load that captures at start-up started no compile workers"

@@ -89,8 +89,8 @@ class GpuBenchSpec:
     # they began: after a load of under 20 s the host's preprocessing ran 5x slower for up to
     # 3.8 s on an H100 machine, while torch.compile's compile workers started beside it
     # (docs/results/probes/h100-compile-workers), and a run's timed calls used to fall inside that.
-    # Our engine now starts them as its load begins; a peer that compiles starts them at its first
-    # compile, so both keep the warm-up.
+    # Our engine's load here captures nothing at start-up, so it leaves them to torch, which starts
+    # them at the first compile, as a peer that compiles does: both keep the warm-up.
     warmup_s: float = 5.0
     bandwidth_mib: int = 1024  # buffer size of each bandwidth probe
     dtype: str = "bfloat16"

@@ -69,6 +69,12 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
+    @property
+    def captures_at_start(self) -> bool:
+        """Whether a load captures graphs at start-up (``Engine.capture_graphs``): CUDA graphs on a
+        GPU with a capture budget. After those captures live traffic compiles nothing new."""
+        return self.cuda_graphs and self.capture_budget_s > 0 and self.device.startswith("cuda")
+
     def device_blocks(self, decoder_cfg) -> int:
         """The KV pool's length for a decoder of ``decoder_cfg``: the configured count, else the
         budget over one block's bytes (the one rule, in ``kv.sizing``)."""

@@ -239,7 +239,7 @@ class Engine:
             model, engines = self._weights_back()
             self._assemble(model, engines)
         self._capture_again()
-        if compile_workers.managed(self.config.device, self.config.capture_budget_s):
+        if self.config.captures_at_start:
             compile_workers.release(self.config.device)
         seconds = time.perf_counter() - started
         stats = self.sleep_stats
@@ -360,8 +360,8 @@ class Engine:
         ``backend`` ``auto`` runs the fastest engines built and fresh for the profile under
         ``engines_root`` (None: ``$EDGEINFER_ENGINES``, else ``./engines``), else torch; a named
         backend must be installed (:mod:`edgeinfer.backends.registry` decides). The loaded model
-        belongs to the engine: its backend may re-lay out or free the weights it replaces. On a GPU,
-        a load that captures at start-up (``capture_budget_s`` over 0) starts torch.compile's compile
+        belongs to the engine: its backend may re-lay out or free the weights it replaces. A load
+        that captures at start-up (``EngineConfig.captures_at_start``) starts torch.compile's compile
         workers as it begins and stops them once it ends
         (:mod:`edgeinfer.backends.torch.compile_workers`).
         """
@@ -379,7 +379,7 @@ class Engine:
             device_profile = _profile(profile, overrides)
             config = replace(config, profile_name=device_profile.name)
         marks = [time.perf_counter()]
-        with compile_workers.around_load(config.device, config.capture_budget_s):
+        with compile_workers.around_load(config.device, config.captures_at_start):
             model = load_model(path, config.torch_dtype, config.device, trust_remote_code)
             marks.append(time.perf_counter())
             engines = open_engines(chosen, model, device_profile, config, engines_root)
@@ -406,7 +406,7 @@ class Engine:
         new in decode nor for a prompt's first chunk. None where the profile asks for none or the
         engines capture no graphs. What it did is kept in :attr:`startup_capture`."""
         capture_all = getattr(self.engines.bursts, "capture_all", None)
-        if self.config.capture_budget_s <= 0 or capture_all is None or not self.kv.k.is_cuda:
+        if not self.config.captures_at_start or capture_all is None:
             return None
         from edgeinfer.progress import stderr_bars
 

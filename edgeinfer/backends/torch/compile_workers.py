@@ -17,8 +17,8 @@ that machine, memory that a board's KV pool needs. So the load lets the pool go 
 starts it again at its next compile, and until it is up compiles in the process itself. A wake
 from sleep starts none, and lets go of one that its compiles started.
 
-Only a load that captures at start-up does this (``runtime.capture_budget_s`` over 0: the daemon's
-profiles), since after it live traffic compiles nothing. A load that leaves its graphs to first use
+Only a load that captures at start-up does this (CUDA graphs with ``runtime.capture_budget_s``
+over 0: the daemon's profiles), since after it live traffic compiles nothing. A load that leaves its graphs to first use
 (``edgeinfer run``, the benchmarks) leaves the workers to torch: its first requests compile, and
 would start the workers again right after the load had stopped them, and the early start costs
 its load the seconds above.
@@ -69,17 +69,11 @@ def _async_compile():
     return async_compile if hasattr(async_compile, "shutdown_compile_workers") else None
 
 
-def managed(device: str, capture_budget_s: float) -> bool:
-    """Whether a load on ``device`` that captures for ``capture_budget_s`` seconds at start-up starts
-    the compile workers as it begins and lets them go once it ends: on a GPU, where it captures."""
-    return device.startswith("cuda") and capture_budget_s > 0
-
-
 @contextmanager
-def around_load(device: str, capture_budget_s: float) -> Iterator[None]:
-    """The block with the compile workers started before it and, once up, let go after it, where
-    :func:`managed`; else as torch runs them."""
-    if not managed(device, capture_budget_s):
+def around_load(device: str, captures_at_start: bool) -> Iterator[None]:
+    """The block with the compile workers started before it and, once up, let go after it, for a
+    load that captures at start-up; else the workers run as torch runs them."""
+    if not captures_at_start:
         yield
         return
     start(device)
