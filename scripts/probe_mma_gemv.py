@@ -4,7 +4,7 @@ batch-1 product the decode step runs (``triton_decode.packed_gemv``), on a GPU.
     OUT=folder python scripts/probe_mma_gemv.py [gate_up,down,qkv,o]
 
 The decode step's ``packed_gemv`` spends 35-42 instructions a packed word of its K step
-(docs/quantization.md): a shift, an ``lop3`` and a float32 multiply-add for each of a word's
+(docs/gpu-kernels.md): a shift, an ``lop3`` and a float32 multiply-add for each of a word's
 eight values, and x, the scales and the addresses around them. Here (Gluon, Triton's explicit
 layouts) each word becomes its eight values as bf16 128 + q in four ``lop3`` and three shifts, two
 to a register, already in the layout ``mma.sync`` m16n8k16 reads its A operand from, and the

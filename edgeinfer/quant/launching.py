@@ -59,13 +59,13 @@ class PackedParts(NamedTuple):
 DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
 # "0": the batch-1 tuner leaves out the staged products' tiles (quant/staged.py, fused into the step).
 # On by default: on an H200 the step kept gate|up's staged tile and decode ran 1.02x faster; on an H100
-# the step's descent took them out again, so there they cost only their timing (docs/quantization.md)
+# the step's descent took them out again, so there they cost only their timing (docs/gpu-kernels.md)
 STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
 # "1": the few-row tuner also times the tensor-core kernel's ``STAGED`` tiles (quant/tensor_core.py):
 # right, but no faster at 16 rows on an H200, so off by default
 STAGED_MMA_ENV = "EDGEINFER_STAGED_MMA"
 # "0": the few-row tuner leaves out the staged kernel's tiles for 2 to 16 rows (quant/staged.py's
-# staged_mm), which made batch-16 4-bit decode 1.03× faster on an H100 (docs/quantization.md)
+# staged_mm), which made batch-16 4-bit decode 1.03× faster on an H100 (docs/gpu-kernels.md)
 STAGED_ROWS_ENV = "EDGEINFER_STAGED_ROWS"
 # "0": 2 to 16 rows of 4-bit weights run the layer's own compiled products and norms, not the staged
 # products with the norms, bias, residual and SiLU·up fused (triton_decode.FusedDecode.row_tiles)

@@ -11,7 +11,7 @@ are checked against torch before they are timed, as every tile is (``triton_deco
 and the step keeps one only where it makes the whole step faster.
 
 Under Nsight Compute the decode step's :func:`~edgeinfer.backends.torch.triton_decode.packed_gemv`
-was bound neither by bytes nor by issue (docs/quantization.md): the whole grid is resident at
+was bound neither by bytes nor by issue (docs/gpu-kernels.md): the whole grid is resident at
 once, and each SM's programs ask for a step's words, wait, multiply and ask again together, so
 a product of S steps waits S memory latencies. Words held in registers cannot both be all in
 flight and be multiplied as they arrive. This kernel (Gluon, Triton's explicit layouts) asks for

@@ -32,7 +32,7 @@ dialect, so the layouts are chosen rather than inferred:
   before the first multiply, a commit group a step, and step i waits for the copies up to its own:
   every byte of a program is in flight at once without holding a register, and the arithmetic
   follows the copies as they land (:mod:`edgeinfer.quant.staged` does so at one row). Right on an
-  H200 but no faster there at 16 rows (docs/quantization.md): the tuner times these tiles only
+  H200 but no faster there at 16 rows (docs/gpu-kernels.md): the tuner times these tiles only
   with ``EDGEINFER_STAGED_MMA=1``.
 * K is split when N alone gives too few programs; each split writes its partial sums and the
   last to arrive adds them in split order (the same bits on every run) and writes the output,

@@ -279,7 +279,7 @@ if triton is not None:
 
         A decode product reads too few bytes to stream at the memory's rate: it is held back by
         the loads it has in flight and its programs' chains of waits (a tensor-core kernel that
-        issued a third of these instructions a word was no faster, docs/quantization.md). Still,
+        issued a third of these instructions a word was no faster, docs/gpu-kernels.md). Still,
         a weight costs only a shift, an and-or and a multiply-add (an 8-bit one with bf16 activations,
         ``WIDE``, a byte permute and a multiply-add): each word's ``sum_i (2^b + q_i)·x_i``
         is taken with the codes biased (:func:`biased_codes_at`; with ``EXACT``, the activations'
