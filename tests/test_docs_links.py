@@ -3,6 +3,7 @@ section, a heading of that file: a section moved to another file must take its l
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -15,7 +16,7 @@ PARSER = MarkdownIt("commonmark").enable("table")
 
 
 def documents() -> list[Path]:
-    """The tracked Markdown files: the README, docs/ (the benchmark and probe records included), jetson/."""
+    """Our Markdown files: the README, docs/ (the benchmark and probe records included), jetson/ and engines/."""
     return sorted([REPO / "README.md", *REPO.glob("docs/**/*.md"), *REPO.glob("jetson/**/*.md"),
                    *REPO.glob("engines/**/*.md")])
 
@@ -26,8 +27,10 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
-    """Each heading's anchor, with GitHub's ``-1``, ``-2``... for a repeated one."""
+@functools.cache
+def anchors(path: Path) -> frozenset[str]:
+    """Each heading's anchor, with GitHub's ``-1``, ``-2``... for a repeated one (read once a file: a
+    long document is the target of many links)."""
     seen: dict[str, int] = {}
     out = set()
     tokens = PARSER.parse(path.read_text())
@@ -38,7 +41,7 @@ def anchors(path: Path) -> set[str]:
             n = seen.get(base, 0)
             seen[base] = n + 1
             out.add(base if n == 0 else f"{base}-{n}")
-    return out
+    return frozenset(out)
 
 
 def links(path: Path) -> list[str]:
