@@ -359,7 +359,9 @@ def test_a_batched_decode_on_the_fused_rows_is_reported_against_the_layer_s_own_
     chosen = report["fused_rows"]
     assert chosen and all(isinstance(v, dict) and all(t.startswith("staged/") for t in v.values())
                           and set(v) == {"qkv", "o", "gate_up", "down"} for v in chosen.values()), chosen
+    steps = report["rows_step"]  # the engine's default step budget: each row tile's tiles timed in the step too
+    assert set(steps) == set(chosen) and all("in_step_us" in s and "error" not in s for s in steps.values()), steps
     positions = [first_divergence(x, y) for x, y in zip(own, fused)]
-    print(f"row tiles {chosen}; first divergence fused rows vs the layer's own per request (None = identical): "
-          f"{positions}")
+    print(f"row tiles {chosen}, in the step {steps}; first divergence fused rows vs the layer's own per request "
+          f"(None = identical): {positions}")
     assert all(p is None or p > 0 for p in positions)

@@ -232,3 +232,83 @@ def test_a_tile_the_check_refuses_is_never_timed_and_a_product_with_none_right_s
     fresh = triton_decode.FusedDecode(decoder)
     with pytest.raises(RuntimeError, match="every tile of the fused step's down product gave wrong outputs"):
         fresh.tune(step_budget_s=0)
+
+
+def _rows_setup(checkpoint, monkeypatch, cost):
+    """A FusedDecode on a tiny checkpoint whose few-row descent runs here: six staged tiles said to fit
+    every product (which ones fit is :mod:`staged`'s, checked in tests/test_quant_staged.py), every
+    tile's outputs right but one (the GPU is the boundary), and the step's time ``cost(choices)`` for
+    the tiles the layers run at 8 rows. Returns the FusedDecode, the tiles and every choice timed."""
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.backends.torch.cuda_graphs import _relayout
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.quant.staged import StagedGemvConfig
+
+    decoder = load_model(checkpoint("qwen2_vl")).decoder
+    _relayout(decoder, out_major=True)
+    fused = triton_decode.FusedDecode(decoder)
+    tiles = [StagedGemvConfig(warps, split) for warps in (1, 2, 4) for split in (1, 2)]
+    monkeypatch.setattr(triton_decode.staged, "tiles_that_fit", lambda w, dtype, glu: list(tiles))
+    monkeypatch.setattr(triton_decode.staged, "unfit", lambda w, dtype, glu, config: None)
+    monkeypatch.setattr(triton_decode, "right_tiles", lambda x, w, candidates, out, run, **kw: (
+        [t for t in candidates if t != tiles[5]], {triton_decode._config_name(tiles[5]): "row 0: 1 where 0"}))
+    timed = []
+
+    def step_us(step):
+        choices = dict(fused._row_tiles[8])  # what the layers run at 8 rows while the step is timed
+        timed.append(choices)
+        return cost(choices)
+
+    monkeypatch.setattr(triton_decode, "step_time_us", step_us)
+    return fused, tiles, timed
+
+
+def test_the_few_row_layers_keep_the_tiles_their_whole_step_prefers(checkpoint, monkeypatch):
+    """At 2 to 16 rows the tiles chosen alone (the few-row tuner's, unfused) are a start: the step of
+    8 rows is timed with each product's other staged tiles, and down's fourth, 10% faster in the
+    step, is kept and reported; a tile whose fused outputs are not torch's is never timed."""
+    from edgeinfer.backends.torch import triton_decode
+
+    preferred = {}
+    fused, tiles, timed = _rows_setup(checkpoint, monkeypatch,
+                                      lambda choices: 900.0 if choices["down"] == preferred["down"] else 1000.0)
+    preferred["down"] = tiles[3]
+    start = dict.fromkeys(fused.ROW_PRODUCTS, tiles[0])
+    fused.step_budget_s = 60
+    chosen = fused._rows_in_step(8, start)
+    assert chosen == {**start, "down": tiles[3]}
+    report = fused.rows_step_report[8]
+    assert (report["alone_us"], report["in_step_us"]) == (1000.0, 900.0)
+    assert report["changed"] == {"down": [triton_decode._config_name(tiles[0]), triton_decode._config_name(tiles[3])]}
+    assert all(tiles[5] not in choices.values() for choices in timed)
+    for name in fused.ROW_PRODUCTS:  # every right tile of every product was tried
+        assert {choices[name] for choices in timed} == set(tiles[:5])
+
+
+def test_the_few_row_tiles_are_kept_across_processes_by_row_tile_and_start(checkpoint, monkeypatch, tmp_path):
+    """The descent's tiles go into the tile cache: the next process with the same start at the same
+    row tile times nothing and takes them; another start, or a longer budget, times again."""
+    from edgeinfer import tile_cache
+    from edgeinfer.backends.torch import triton_decode
+    from edgeinfer.tile_cache import TileCache
+
+    monkeypatch.setattr(triton_decode, "device_identity", lambda device: {"gpu": "NVIDIA H200", "test": True})
+    preferred = {}
+    cost = lambda choices: 900.0 if choices["o"] == preferred["o"] else 1000.0  # noqa: E731
+    fused, tiles, timed = _rows_setup(checkpoint, monkeypatch, cost)
+    preferred["o"] = tiles[4]
+    start = dict.fromkeys(fused.ROW_PRODUCTS, tiles[1])
+    fused.step_budget_s, fused._cache = 8, TileCache(tmp_path)
+    first = fused._rows_in_step(8, start)
+    assert first["o"] == tiles[4] and timed
+
+    tile_cache.forget_reads()
+    again, _, timed_again = _rows_setup(checkpoint, monkeypatch, cost)
+    again.step_budget_s, again._cache = 8, TileCache(tmp_path)
+    assert again._rows_in_step(8, start) == first and not timed_again
+    assert again.rows_step_report[8] == {**fused.rows_step_report[8], "from_cache": True}
+
+    for budget, other_start in [(60, start), (8, dict.fromkeys(fused.ROW_PRODUCTS, tiles[2]))]:
+        fresh, _, timed_fresh = _rows_setup(checkpoint, monkeypatch, cost)
+        fresh.step_budget_s, fresh._cache = budget, TileCache(tmp_path)
+        assert fresh._rows_in_step(8, other_start)["o"] == tiles[4] and timed_fresh, (budget, other_start)

@@ -322,7 +322,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 "staged_products": staged_enabled(),  # whether the staged tiles were the step's candidates
                 "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
-                "step": self._fused.step_report}
+                "step": self._fused.step_report, "rows_step": self._fused.rows_step_report}
 
     def capture_state(self) -> dict[str, int]:
         """What this engine captured and tuned so far: graphs captured in all, held now by kind, and

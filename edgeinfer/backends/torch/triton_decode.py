@@ -46,6 +46,7 @@ eager layers run instead.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -87,8 +88,9 @@ from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv, staged_mm
 from edgeinfer.tile_cache import TileCache, device_identity
 
-# The tile cache's kind for the batch-1 step's tiles.
+# The tile cache's kinds for the batch-1 step's tiles and for the few-row layers' tiles by row tile.
 FUSED_TILES = "fused-step"
+FUSED_ROW_TILES = "fused-rows"
 # The phases :meth:`FusedDecode.tune` reports its timings under.
 TILES_ALONE = "timing each product's tiles"
 TILES_IN_STEP = "timing tiles in the whole step"
@@ -642,6 +644,11 @@ class FusedDecode:
         # run, or None where they do not; and what decided it, for the report.
         self._row_tiles: dict[int, dict[str, StagedGemvConfig] | None] = {}
         self.rows_report: dict[int, dict[str, str] | str] = {}
+        # What choosing those tiles by whole-step time did, per row tile (:meth:`_rows_in_step`), with
+        # the budget and tile cache :meth:`tune` was given.
+        self.rows_step_report: dict[int, dict] = {}
+        self.step_budget_s = 0.0
+        self._cache: TileCache | None = None
 
     @staticmethod
     def weight(p: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
@@ -677,7 +684,9 @@ class FusedDecode:
         With a ``cache`` (:mod:`edgeinfer.tile_cache`), tiles an earlier process chose for the same
         products on the same GPU and kernels are taken instead, where that process's step tuning
         had at least ``step_budget_s``; tiles chosen here are stored there. ``steps`` hears of
-        every timing, a phase alone and one in the step."""
+        every timing, a phase alone and one in the step. The budget and the cache serve the few-row
+        layers' tiles too, chosen at their row tile's first use (:meth:`row_tiles`)."""
+        self.step_budget_s, self._cache = step_budget_s, cache
         ident = device_identity(self.decoder.norm.weight.device) if cache is not None else None
         key = self.tiles_key() if ident is not None else None
         if key is not None:
@@ -828,21 +837,22 @@ class FusedDecode:
                             "rounds": found.rounds,
                             "out_of_time": found.out_of_time, "seconds": round(time.monotonic() - started, 1)}
 
-    def _scratch_step(self, context: int) -> Callable[[], object]:
-        """One batch-1 step of all layers and the head over a past of ``context`` positions, in a
-        pool of its own (blocks of 16), writing its new K/V at slot ``context``."""
+    def _scratch_step(self, context: int, rows: int = 1) -> Callable[[], object]:
+        """One step of ``rows`` rows through all layers and the head, each row over a past of
+        ``context`` positions in pages of its own (blocks of 16) of a pool of its own, writing its new
+        K/V at slot ``context``. Rows that shared their pages would find them in L2."""
         cfg = self.cfg
         weight = self.decoder.norm.weight
         blocks = -(-(context + 1) // STEP_TUNING_BLOCK)
-        pool = (cfg.num_layers, blocks, STEP_TUNING_BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        pool = (cfg.num_layers, rows * blocks, STEP_TUNING_BLOCK, cfg.num_kv_heads, cfg.head_dim)
         k_pool = torch.randn(pool, dtype=weight.dtype, device=weight.device)
         v_pool = torch.randn_like(k_pool)
-        x = torch.randn(1, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
-        cos = torch.ones(1, cfg.head_dim, dtype=weight.dtype, device=weight.device)
+        x = torch.randn(rows, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
+        cos = torch.ones(rows, cfg.head_dim, dtype=weight.dtype, device=weight.device)
         sin = torch.zeros_like(cos)
-        tables = torch.arange(blocks, device=weight.device)[None]
-        context_lens = torch.tensor([context], device=weight.device)
-        valid = torch.ones(1, dtype=torch.long, device=weight.device)
+        tables = torch.arange(rows * blocks, device=weight.device).view(rows, blocks)
+        context_lens = torch.full((rows,), context, device=weight.device)
+        valid = torch.ones(rows, dtype=torch.long, device=weight.device)
         return lambda: self.layers(x, cos, sin, k_pool, v_pool, tables, context_lens, valid)
 
     def _product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
@@ -896,8 +906,9 @@ class FusedDecode:
         packed, the few-row tuner (``kernels.tuned_config``, which times the staged tiles beside the
         others) chose another kernel for it, some layer's weight is one the tile cannot take, or
         the fused product's outputs are not torch's (:func:`right_tiles`, checked once a row tile).
-        Decided at the first call of a row tile outside a capture (the warm-up before it) and kept;
-        why is in :attr:`rows_report`."""
+        Then, with a step budget (:meth:`tune`'s), the tiles the whole few-row step runs fastest on
+        (:meth:`_rows_in_step`). Decided at the first call of a row tile outside a capture (the
+        warm-up before it) and kept; why is in :attr:`rows_report`."""
         m = x.shape[0]
         if not fused_rows_enabled() or not 1 < m <= staged.MAX_ROWS or x.device.type != "cuda":
             return None
@@ -916,9 +927,82 @@ class FusedDecode:
                 break
             tiles[name] = tile
         chosen = tiles if len(tiles) == len(self.ROW_PRODUCTS) else None
+        if chosen is not None and self.step_budget_s > 0:
+            try:
+                chosen = self._rows_in_step(bm, chosen)
+            except (RuntimeError, ValueError) as exc:  # out of memory for the scratch pool, a kernel refused
+                self.rows_step_report[bm] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                warnings.warn(f"the few-row layers' tiles at {bm} rows were not timed in the step, "
+                              f"they keep the tiles chosen alone: {self.rows_step_report[bm]['error']}")
+            why = {name: _config_name(tile) for name, tile in chosen.items()}
         self._row_tiles[bm] = chosen
         self.rows_report[bm] = why if chosen is not None else f"layer's own products: {why}"
         return chosen
+
+    def _rows_in_step(self, bm: int, start: dict[str, StagedGemvConfig]) -> dict[str, StagedGemvConfig]:
+        """The few-row layers' tiles at ``bm`` rows by whole-step time, as batch 1's are after their
+        tiles alone (:func:`.step_tuning.descend`, for up to :attr:`step_budget_s`): from the tiles the
+        few-row tuner chose, each timed alone and unfused, over every staged tile a product can take
+        fused (:meth:`_row_candidates`), timing steps of ``bm`` rows, each row over its own past of
+        :data:`STEP_TUNING_CONTEXT` positions. Kept in the tile cache by row tile and by the tiles it
+        started from; what it did is in :attr:`rows_step_report`."""
+        device = self.decoder.norm.weight.device
+        ident = device_identity(device) if self._cache is not None else None
+        key = {**self.tiles_key(), "rows": bm, "start": {name: asdict(tile) for name, tile in start.items()}}
+        if ident is not None and (kept := self._restore_rows(bm, self._cache.get(FUSED_ROW_TILES, key, ident), start)):
+            return kept
+        products = self._products()
+        candidates = {name: self._row_candidates(*products[name], bm, start[name]) for name in self.ROW_PRODUCTS}
+        step = self._scratch_step(STEP_TUNING_CONTEXT, rows=bm)
+
+        def step_us(choices):
+            self._row_tiles[bm] = choices  # what layers() runs at this row tile while it is timed
+            return step_time_us(step)
+
+        started = time.monotonic()
+        found = descend(start, candidates, step_us, self.step_budget_s)
+        self.rows_step_report[bm] = {
+            "context": STEP_TUNING_CONTEXT, "alone_us": round(found.start_us, 1), "in_step_us": round(found.best_us, 1),
+            "trials": found.trials, "refuted": found.refuted, "rounds": found.rounds, "out_of_time": found.out_of_time,
+            "seconds": round(time.monotonic() - started, 1),
+            "changed": {name: [_config_name(a), _config_name(b)] for name, (a, b) in found.changed.items()}}
+        if ident is not None:
+            self._cache.put(FUSED_ROW_TILES, key, {
+                "configs": {name: asdict(tile) for name, tile in found.choices.items()},
+                "step_budget_s": self.step_budget_s, "report": self.rows_step_report[bm]}, ident)
+        return found.choices
+
+    def _restore_rows(self, bm: int, kept: dict | None,
+                      start: dict[str, StagedGemvConfig]) -> dict[str, StagedGemvConfig] | None:
+        """The tiles a cache entry of :meth:`_rows_in_step` holds for row tile ``bm``, where it covers
+        every product and its descent had at least this budget; None else."""
+        try:
+            if kept is None or float(kept["step_budget_s"]) < self.step_budget_s:
+                return None
+            tiles = {name: StagedGemvConfig(**kept["configs"][name]) for name in start}
+            report = {**kept["report"], "from_cache": True}
+        except (KeyError, TypeError, ValueError):
+            return None
+        self.rows_step_report[bm] = report
+        return tiles
+
+    def _row_candidates(self, weights: list, kw: dict, bm: int, chosen: StagedGemvConfig) -> list[StagedGemvConfig]:
+        """The staged tiles that can run one product of the few-row layers fused as ``kw`` says, at
+        ``bm`` rows: every layer's weight fits (:func:`staged.unfit`) and the fused outputs are
+        torch's (:func:`right_tiles`), compiled ahead; ``chosen`` (already checked) first."""
+        w, glu = weights[0], bool(kw.get("glu"))
+        dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
+        tiles = [chosen] + [t for t in staged.tiles_that_fit(w, dtype, glu) if t != chosen and
+                            all(staged.unfit(v, dtype, glu, t) is None for v in weights)]
+        x = torch.randn(bm, w.shape[1], dtype=dtype, device=device)
+        kw = dict(kw)
+        if kw.pop("residual", False):
+            kw["residual"] = torch.randn(bm, w.shape[0], dtype=dtype, device=device)
+        out = torch.empty(bm, _outputs(w.shape[0], glu, None), dtype=dtype, device=device)
+        if device.type == "cuda":
+            compile_ahead(lambda t=t: self._rows_product(x, w, t, out=out, warmup=True, **kw) for t in tiles[1:])
+        right, _ = right_tiles(x, w, tiles[1:], out, self._rows_product, **kw)
+        return [chosen] + [t for t in tiles[1:] if t in right]
 
     def _fused_row_tile(self, weights: list, kw: dict, x: torch.Tensor) -> StagedGemvConfig | str:
         """The staged tile one product of the few-row layers runs on for ``x``'s rows, fused as ``kw``
