@@ -295,8 +295,8 @@ class RuntimeConfig:
     # captured the first time it is needed. Graphs left when the budget runs out are captured then.
     capture_budget_s: float = 0.0
     # Seconds of load the fused decode step (cuda_graphs with Triton) spends choosing its tiles by
-    # the whole step's time, after choosing them product by product, at batch 1 and again at each
-    # few-row tile (2 to 16 rows, 4-bit) at its first use; 0: product by product only.
+    # the whole step's time, after choosing them product by product, at batch 1 (and with
+    # $EDGEINFER_ROWS_IN_STEP=1 at each few-row tile of 4-bit layers); 0: product by product only.
     step_tuning_s: float = STEP_TUNING_S
 
     def __post_init__(self) -> None:

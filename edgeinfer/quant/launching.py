@@ -73,6 +73,10 @@ FUSED_ROWS_ENV = "EDGEINFER_FUSED_ROWS"
 # "0": the fused step's inputs (lookup, RoPE), greedy choice and final norm at several rows run as
 # torch ops, not as one kernel each (backends/torch/step_ends.py)
 STEP_ENDS_ENV = "EDGEINFER_STEP_ENDS"
+# "1": the few-row layers' tiles are also chosen by whole-step time at each row tile's first use
+# (triton_decode.FusedDecode._rows_in_step). Off by default until it has run on a GPU: it adds up to the
+# step budget to a row tile's first use and has not been measured yet (docs/gpu-kernels.md)
+ROWS_IN_STEP_ENV = "EDGEINFER_ROWS_IN_STEP"
 
 
 def interpreting() -> bool:
@@ -101,6 +105,11 @@ def fused_rows_enabled() -> bool:
     """Whether 2 to 16 rows of 4-bit weights may run the fused staged products (unless
     ``$EDGEINFER_FUSED_ROWS=0``)."""
     return os.environ.get(FUSED_ROWS_ENV, "1") != "0"
+
+
+def rows_in_step_enabled() -> bool:
+    """Whether the few-row layers' tiles are chosen in the whole step too (``$EDGEINFER_ROWS_IN_STEP=1``)."""
+    return os.environ.get(ROWS_IN_STEP_ENV) == "1"
 
 
 def step_ends_enabled() -> bool:

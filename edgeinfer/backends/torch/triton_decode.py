@@ -78,6 +78,7 @@ from edgeinfer.quant.kernels import (
 from edgeinfer.quant.launching import (
     SplitWorkspace,
     fused_rows_enabled,
+    rows_in_step_enabled,
     step_ends_enabled,
     interpreting,
     launch,
@@ -906,8 +907,8 @@ class FusedDecode:
         packed, the few-row tuner (``kernels.tuned_config``, which times the staged tiles beside the
         others) chose another kernel for it, some layer's weight is one the tile cannot take, or
         the fused product's outputs are not torch's (:func:`right_tiles`, checked once a row tile).
-        Then, with a step budget (:meth:`tune`'s), the tiles the whole few-row step runs fastest on
-        (:meth:`_rows_in_step`). Decided at the first call of a row tile outside a capture (the
+        Then, with a step budget (:meth:`tune`'s) and ``$EDGEINFER_ROWS_IN_STEP=1``, the tiles the whole
+        few-row step runs fastest on (:meth:`_rows_in_step`). Decided at the first call of a row tile outside a capture (the
         warm-up before it) and kept; why is in :attr:`rows_report`."""
         m = x.shape[0]
         if not fused_rows_enabled() or not 1 < m <= staged.MAX_ROWS or x.device.type != "cuda":
@@ -927,10 +928,10 @@ class FusedDecode:
                 break
             tiles[name] = tile
         chosen = tiles if len(tiles) == len(self.ROW_PRODUCTS) else None
-        if chosen is not None and self.step_budget_s > 0:
+        if chosen is not None and self.step_budget_s > 0 and rows_in_step_enabled():
             try:
                 chosen = self._rows_in_step(bm, chosen)
-            except (RuntimeError, ValueError) as exc:  # out of memory for the scratch pool, a kernel refused
+            except Exception as exc:  # noqa: BLE001 - out of memory for the scratch pool, a kernel refused: the start stands
                 self.rows_step_report[bm] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 warnings.warn(f"the few-row layers' tiles at {bm} rows were not timed in the step, "
                               f"they keep the tiles chosen alone: {self.rows_step_report[bm]['error']}")
