@@ -234,11 +234,14 @@ def test_a_tile_the_check_refuses_is_never_timed_and_a_product_with_none_right_s
         fresh.tune(step_budget_s=0)
 
 
-def _rows_setup(checkpoint, monkeypatch, cost):
-    """A FusedDecode on a tiny checkpoint whose few-row descent runs here: six staged tiles said to fit
-    every product (which ones fit is :mod:`staged`'s, checked in tests/test_quant_staged.py), every
-    tile's outputs right but one (the GPU is the boundary), and the step's time ``cost(choices)`` for
-    the tiles the layers run at 8 rows. Returns the FusedDecode, the tiles and every choice timed."""
+def _rows_setup(checkpoint, monkeypatch, cost, budget_s: float, cache=None):
+    """A FusedDecode on a tiny checkpoint whose few-row descent runs here, tuned at batch 1 with
+    ``budget_s`` and ``cache``: six staged tiles said to fit every product (which ones fit is
+    :mod:`staged`'s, checked in tests/test_quant_staged.py), every tile's outputs right but one (the
+    GPU is the boundary), and the step's time ``cost(choices)`` for the tiles the layers run at 8 rows
+    (1,000 µs for every batch-1 step). Returns the FusedDecode, the tiles and every choice timed at 8 rows."""
+    import itertools
+
     from edgeinfer.backends.torch import triton_decode
     from edgeinfer.backends.torch.cuda_graphs import _relayout
     from edgeinfer.models.loader import load_model
@@ -255,11 +258,16 @@ def _rows_setup(checkpoint, monkeypatch, cost):
     timed = []
 
     def step_us(step):
+        if 8 not in fused._row_tiles:  # a batch-1 step
+            return 1000.0
         choices = dict(fused._row_tiles[8])  # what the layers run at 8 rows while the step is timed
         timed.append(choices)
         return cost(choices)
 
+    alone_times = itertools.count(1.0)
+    monkeypatch.setattr(triton_decode, "graph_time_us", lambda calls: float(next(alone_times)))
     monkeypatch.setattr(triton_decode, "step_time_us", step_us)
+    fused.tune(step_budget_s=budget_s, cache=cache)
     return fused, tiles, timed
 
 
@@ -271,10 +279,9 @@ def test_the_few_row_layers_keep_the_tiles_their_whole_step_prefers(checkpoint, 
 
     preferred = {}
     fused, tiles, timed = _rows_setup(checkpoint, monkeypatch,
-                                      lambda choices: 900.0 if choices["down"] == preferred["down"] else 1000.0)
+                                      lambda choices: 900.0 if choices["down"] == preferred["down"] else 1000.0, 60)
     preferred["down"] = tiles[3]
     start = dict.fromkeys(fused.ROW_PRODUCTS, tiles[0])
-    fused.step_budget_s = 60
     chosen = fused._rows_in_step(8, start)
     assert chosen == {**start, "down": tiles[3]}
     report = fused.rows_step_report[8]
@@ -295,20 +302,17 @@ def test_the_few_row_tiles_are_kept_across_processes_by_row_tile_and_start(check
     monkeypatch.setattr(triton_decode, "device_identity", lambda device: {"gpu": "NVIDIA H200", "test": True})
     preferred = {}
     cost = lambda choices: 900.0 if choices["o"] == preferred["o"] else 1000.0  # noqa: E731
-    fused, tiles, timed = _rows_setup(checkpoint, monkeypatch, cost)
+    fused, tiles, timed = _rows_setup(checkpoint, monkeypatch, cost, 8, TileCache(tmp_path))
     preferred["o"] = tiles[4]
     start = dict.fromkeys(fused.ROW_PRODUCTS, tiles[1])
-    fused.step_budget_s, fused._cache = 8, TileCache(tmp_path)
     first = fused._rows_in_step(8, start)
     assert first["o"] == tiles[4] and timed
 
     tile_cache.forget_reads()
-    again, _, timed_again = _rows_setup(checkpoint, monkeypatch, cost)
-    again.step_budget_s, again._cache = 8, TileCache(tmp_path)
+    again, _, timed_again = _rows_setup(checkpoint, monkeypatch, cost, 8, TileCache(tmp_path))
     assert again._rows_in_step(8, start) == first and not timed_again
     assert again.rows_step_report[8] == {**fused.rows_step_report[8], "from_cache": True}
 
     for budget, other_start in [(60, start), (8, dict.fromkeys(fused.ROW_PRODUCTS, tiles[2]))]:
-        fresh, _, timed_fresh = _rows_setup(checkpoint, monkeypatch, cost)
-        fresh.step_budget_s, fresh._cache = budget, TileCache(tmp_path)
+        fresh, _, timed_fresh = _rows_setup(checkpoint, monkeypatch, cost, budget, TileCache(tmp_path))
         assert fresh._rows_in_step(8, other_start)["o"] == tiles[4] and timed_fresh, (budget, other_start)
