@@ -993,20 +993,28 @@ class FusedDecode:
     def _row_candidates(self, weights: list, kw: dict, bm: int, chosen: StagedGemvConfig) -> list[StagedGemvConfig]:
         """The staged tiles that can run one product of the few-row layers fused as ``kw`` says, at
         ``bm`` rows: every layer's weight fits (:func:`staged.unfit`) and the fused outputs are
-        torch's (:func:`right_tiles`), compiled ahead; ``chosen`` (already checked) first."""
-        w, glu = weights[0], bool(kw.get("glu"))
+        torch's (:meth:`_right_row_tiles`), compiled ahead; ``chosen`` (already checked) first."""
+        w, glu, dtype = weights[0], bool(kw.get("glu")), self.decoder.norm.weight.dtype
+        others = [t for t in staged.tiles_that_fit(w, dtype, glu)
+                  if t != chosen and all(staged.unfit(v, dtype, glu, t) is None for v in weights)]
+        right, _ = self._right_row_tiles(w, kw, bm, others, ahead=True)
+        return [chosen] + right
+
+    def _right_row_tiles(self, w: PackedMatrix, kw: dict, rows: int, tiles: list[StagedGemvConfig],
+                         ahead: bool = False) -> tuple[list[StagedGemvConfig], dict[str, str]]:
+        """Of ``tiles``, those whose product of ``w`` fused as ``kw`` says gives torch's outputs at
+        ``rows`` rows (:func:`right_tiles`, on random rows and a random residual where it adds one),
+        in their order, and why not for the others. ``ahead``: compiled on threads first (on a GPU)."""
         dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
-        tiles = [chosen] + [t for t in staged.tiles_that_fit(w, dtype, glu) if t != chosen and
-                            all(staged.unfit(v, dtype, glu, t) is None for v in weights)]
-        x = torch.randn(bm, w.shape[1], dtype=dtype, device=device)
+        x = torch.randn(rows, w.shape[1], dtype=dtype, device=device)
         kw = dict(kw)
         if kw.pop("residual", False):
-            kw["residual"] = torch.randn(bm, w.shape[0], dtype=dtype, device=device)
-        out = torch.empty(bm, _outputs(w.shape[0], glu, None), dtype=dtype, device=device)
-        if device.type == "cuda":
-            compile_ahead(lambda t=t: self._rows_product(x, w, t, out=out, warmup=True, **kw) for t in tiles[1:])
-        right, _ = right_tiles(x, w, tiles[1:], out, self._rows_product, **kw)
-        return [chosen] + [t for t in tiles[1:] if t in right]
+            kw["residual"] = torch.randn(rows, w.shape[0], dtype=dtype, device=device)
+        out = torch.empty(rows, _outputs(w.shape[0], bool(kw.get("glu")), None), dtype=dtype, device=device)
+        if ahead and device.type == "cuda":
+            compile_ahead(lambda t=t: self._rows_product(x, w, t, out=out, warmup=True, **kw) for t in tiles)
+        right, wrong = right_tiles(x, w, tiles, out, self._rows_product, **kw)
+        return [t for t in tiles if t in right], wrong
 
     def _fused_row_tile(self, weights: list, kw: dict, x: torch.Tensor) -> StagedGemvConfig | str:
         """The staged tile one product of the few-row layers runs on for ``x``'s rows, fused as ``kw``
@@ -1022,11 +1030,7 @@ class FusedDecode:
         for i, v in enumerate(weights):
             if (reason := staged.unfit(v, x.dtype, glu, cfg)) is not None:
                 return f"layer {i}: {reason}"
-        kw = dict(kw)
-        if kw.pop("residual", False):
-            kw["residual"] = torch.randn(m, w.shape[0], dtype=x.dtype, device=x.device)
-        out = torch.empty(m, _outputs(w.shape[0], glu, None), dtype=x.dtype, device=x.device)
-        _, wrong = right_tiles(probe, w, [cfg], out, self._rows_product, **kw)
+        _, wrong = self._right_row_tiles(w, kw, m, [cfg])
         return f"fused outputs not torch's: {next(iter(wrong.values()))}" if wrong else cfg
 
     def _rows_product(self, x, w, config, **kw):  # kw: what the product fuses, its output, warmup
