@@ -74,8 +74,8 @@ FUSED_ROWS_ENV = "EDGEINFER_FUSED_ROWS"
 # torch ops, not as one kernel each (backends/torch/step_ends.py)
 STEP_ENDS_ENV = "EDGEINFER_STEP_ENDS"
 # "1": the few-row layers' tiles are also chosen by whole-step time at each row tile's first use
-# (triton_decode.FusedDecode._rows_in_step). Off by default until it has run on a GPU: it adds up to the
-# step budget to a row tile's first use and has not been measured yet (docs/gpu-kernels.md)
+# (triton_decode.FusedDecode._rows_in_step). Off by default: it adds up to the step budget to a row tile's
+# first use, and on an H100 4-bit decode at batch 16 was no faster with it (docs/gpu-kernels.md)
 ROWS_IN_STEP_ENV = "EDGEINFER_ROWS_IN_STEP"
 
 
