@@ -64,6 +64,13 @@ class Descent:
         (a product changed and later changed back is not among them)."""
         return {name: (self.start[name], tile) for name, tile in self.choices.items() if tile != self.start[name]}
 
+    def report(self, context: int, seconds: float) -> dict:
+        """What the raw file says of it: the past the step was timed over, the step's time at the
+        start and at the end, the trials, refuted, rounds, whether time ran out, and its ``seconds``."""
+        return {"context": context, "alone_us": round(self.start_us, 1), "in_step_us": round(self.best_us, 1),
+                "trials": self.trials, "refuted": self.refuted, "rounds": self.rounds,
+                "out_of_time": self.out_of_time, "seconds": round(seconds, 1)}
+
 
 def descend(start: Mapping[str, Hashable], candidates: Mapping[str, Sequence[Hashable]],
             step_us: Callable[[dict[str, Hashable]], float], budget_s: float, rounds: int = STEP_ROUNDS,

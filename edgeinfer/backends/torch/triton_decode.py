@@ -833,10 +833,7 @@ class FusedDecode:
             us = report["candidates_us"][_config_name(chosen)]
             report.update(alone=_config_name(alone), config=_config_name(chosen), us=us,
                           gb_s=round(report["mb"] / us * 1e3, 1))
-        self.step_report = {"context": STEP_TUNING_CONTEXT, "alone_us": round(found.start_us, 1),
-                            "in_step_us": round(found.best_us, 1), "trials": found.trials, "refuted": found.refuted,
-                            "rounds": found.rounds,
-                            "out_of_time": found.out_of_time, "seconds": round(time.monotonic() - started, 1)}
+        self.step_report = found.report(STEP_TUNING_CONTEXT, time.monotonic() - started)
 
     def _scratch_step(self, context: int, rows: int = 1) -> Callable[[], object]:
         """One step of ``rows`` rows through all layers and the head, each row over a past of
@@ -966,9 +963,7 @@ class FusedDecode:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         self.rows_step_report[bm] = {
-            "context": STEP_TUNING_CONTEXT, "alone_us": round(found.start_us, 1), "in_step_us": round(found.best_us, 1),
-            "trials": found.trials, "refuted": found.refuted, "rounds": found.rounds, "out_of_time": found.out_of_time,
-            "seconds": round(time.monotonic() - started, 1),
+            **found.report(STEP_TUNING_CONTEXT, time.monotonic() - started),
             "changed": {name: [_config_name(a), _config_name(b)] for name, (a, b) in found.changed.items()}}
         if ident is not None:
             self._cache.put(FUSED_ROW_TILES, key, {
