@@ -154,13 +154,27 @@ def test_a_comparison_with_a_failed_engine_or_different_prompts_does_not_stand(t
 # --- the GPU benchmark's spans and ratios --------------------------------------------------------------
 
 def test_decode_is_the_time_between_one_token_and_all_of_them():
-    figures = run_figures({"batch": 4, "full_s": 2.0, "first_s": 0.5, "full_first_s": 0.4}, new_tokens=64)
+    figures = run_figures({"batch": 4, "full_s": 2.0, "first_s": 0.5, "full_first_s": 0.4, "full_first_tokens": 4},
+                          new_tokens=64)
     assert figures["decode_tok_s"] == pytest.approx(4 * 63 / 1.5)
     assert figures["decode_in_call_tok_s"] == pytest.approx(4 * 63 / 1.6)  # the full call after its own first
     assert figures["request_tok_s"] == pytest.approx(4 * 64 / 2.0)
     assert figures["first_token_s"] == 0.5
     assert run_figures({"batch": 1, "full_s": 0.5, "first_s": 0.6}, 64)["decode_tok_s"] is None
     assert run_figures({"batch": 1, "full_s": 0.5, "first_s": 0.1}, 64)["decode_in_call_tok_s"] is None  # older files
+
+
+def test_decode_in_the_call_counts_only_the_tokens_made_after_the_last_first_token():
+    """Four rows prefilled one after another, the first ones decoding in between, had made 10 tokens
+    (4 + 3 + 2 + 1) when the last one's first token came: the span after it made 256 - 10 tokens, not
+    4 x 63. A record of one row needs no count (its first token is its only one); a record of several
+    rows without the count (files from before it was kept) has no figure in the call."""
+    record = {"batch": 4, "full_s": 2.0, "first_s": 0.5, "full_first_s": 0.4, "full_first_tokens": 10}
+    assert run_figures(record, 64)["decode_in_call_tok_s"] == pytest.approx((4 * 64 - 10) / 1.6)
+    assert run_figures({"batch": 1, "full_s": 1.0, "first_s": 0.2, "full_first_s": 0.1}, 64)["decode_in_call_tok_s"] \
+        == pytest.approx(63 / 0.9)
+    del record["full_first_tokens"]
+    assert run_figures(record, 64)["decode_in_call_tok_s"] is None
 
 
 def test_decode_in_the_call_does_not_move_with_the_one_token_call():
@@ -280,19 +294,26 @@ def test_an_unknown_engine_kind_is_a_usage_error(checkpoint):
 def test_the_gpu_benchmark_keeps_each_engines_own_first_tokens(checkpoint, tmp_path):
     """`bench gpu` on the CPU (its code paths only) with ours and transformers, each in its worker:
     every full call records when its first tokens reached the host, after the call started and
-    before it ended, and the report has decode in the call for both."""
+    before it ended, and how many tokens its rows had made by then: at three rows transformers'
+    batched generate() hands the three first tokens at once, while ours prefills the rows one after
+    another and decodes the first ones in between. The report has decode in the call for both."""
     result = CliRunner().invoke(app, ["bench", "gpu", "--model", str(checkpoint("qwen2_vl")), "--device", "cpu",
                                       "--dtype", "float32", "--kinds", "ours,transformers-dynamic",
-                                      "--batch-sizes", "1", "--new-tokens", "3", "--repeats", "1", "--warmup", "0",
+                                      "--batch-sizes", "1,3", "--new-tokens", "3", "--repeats", "1", "--warmup", "0",
                                       "--image-size", "64x64", "--allow-noisy", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     data = json.loads(next(tmp_path.glob("gpu-*.json")).read_text())
     assert not data["errors"] and data["same_prompt"] is True
+    made = {}
     for kind in ("ours", "transformers-dynamic"):
-        (run,) = [r for r in data["runs"][kind] if r["timed"]]
-        assert 0 < run["full_first_s"] < run["full_s"]
-        assert data["summary"][kind]["1"]["decode_in_call_tok_s"]["n"] == 1
-    parts = [r["parts"] for r in data["runs"]["ours"]]  # ours also says where its first tokens went
+        for batch in (1, 3):
+            (run,) = [r for r in data["runs"][kind] if r["timed"] and r["batch"] == batch]
+            assert 0 < run["full_first_s"] < run["full_s"]
+            assert data["summary"][kind][str(batch)]["decode_in_call_tok_s"]["n"] == 1
+            made[kind, batch] = run["full_first_tokens"]
+    assert made["ours", 1] == made["transformers-dynamic", 1] == 1 and made["transformers-dynamic", 3] == 3
+    assert 3 < made["ours", 3] <= 3 * 3
+    parts = [r["parts"] for r in data["runs"]["ours"] if r["batch"] == 1]  # ours also says where its first tokens went
     assert len(parts) == 1 and parts[0]["full"]["first_token_s"] == data["runs"]["ours"][0]["full_first_s"]
     assert all(0 < p["submit_s"] < p["first_token_s"] and p["prefill_s"] > 0 for p in parts[0].values())
     # and what each call compiled, captured and tuned: on the CPU, nothing.

@@ -103,7 +103,7 @@ def test_the_first_batch_size_warms_up_for_warmup_s_and_the_others_by_count():
     def call(batch, new_tokens, images):  # each call takes one second of the clock below
         assert len(images) == batch
         now[0] += 1.0
-        return 1.0, 0.5
+        return 1.0, 0.5, batch
 
     def labels(**kw):
         spec = GpuBenchSpec(Path("/m/x"), image_size=(8, 8), batch_sizes=(1, 2), new_tokens=2, repeats=2, **kw)

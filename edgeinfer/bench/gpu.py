@@ -16,8 +16,11 @@ vision, prefill and the first token). Both sides get the same figures:
 
 - whole request: ``b * new_tokens / T_n``;
 - decode only: ``b * (new_tokens - 1) / (T_n - T_1)``;
-- decode in the call: ``b * (new_tokens - 1) / (T_n - F_n)``, ``F_n`` when the ``T_n`` call's
-  last row got its first token to the host;
+- decode in the call: the tokens the ``T_n`` call made after ``F_n`` over ``T_n - F_n``, ``F_n``
+  when its last row got its first token to the host: ``(b * new_tokens - M_n) / (T_n - F_n)``,
+  ``M_n`` the tokens its rows had made by then. transformers' batched ``generate()`` hands every
+  row's first token at once (``M_n = b``); ours prefills the rows one after another and decodes
+  the rows it has between them, so its first rows have several tokens by ``F_n``;
 - time to first token (batch 1): ``T_1``.
 
 A ratio is ours over the *fastest* peer configuration at that batch size and span. The
@@ -170,22 +173,23 @@ def prompt_digest(ids: list[int]) -> str:
 
 # --- the measurement, the same for every engine -----------------------------------------------
 
-# (batch, new tokens, pictures) -> seconds of the whole call, and seconds until every row of it had
-# its first token on the host
-Call = Callable[[int, int, list], tuple[float, float]]
+# (batch, new tokens, pictures) -> seconds of the whole call, seconds until every row of it had its
+# first token on the host, and the tokens its rows had made by then, all together
+Call = Callable[[int, int, list], tuple[float, float, int]]
 
 
 def measure(spec: GpuBenchSpec, kind: str, call: Call, log: RunLog,
             clock: Callable[[], float] = time.perf_counter) -> None:
     """Warm-ups, then ``repeats`` timed pairs (``T_n``, ``T_1``) at every batch size, into ``log``;
-    the ``T_n`` call's own first tokens are kept too (``full_first_s``). Each batch size has
+    when the ``T_n`` call's last row had its first token is kept too (``full_first_s``), and how many
+    tokens its rows had made by then (``full_first_tokens``). Each batch size has
     ``warmup`` warm-up pairs; the first one's go on until ``warmup_s`` seconds have passed since
     they began (every one is in ``log``, untimed)."""
     def pair(batch: int, images: list, label: str, timed: bool) -> None:
         with log.run(label, timed=timed) as record:
-            full, full_first = call(batch, spec.new_tokens, images)
-            first, _ = call(batch, 1, images)
-            record.update(batch=batch, full_s=full, first_s=first, full_first_s=full_first)
+            full, full_first, made = call(batch, spec.new_tokens, images)
+            first, _, _ = call(batch, 1, images)
+            record.update(batch=batch, full_s=full, first_s=first, full_first_s=full_first, full_first_tokens=made)
 
     for n, batch in enumerate(spec.batch_sizes):
         images = [bench_image(spec.image_size, seed=i) for i in range(batch)]
@@ -201,12 +205,16 @@ def run_figures(record: dict[str, Any], new_tokens: int) -> dict[str, float | No
     """One timed pair's figures: whole-request and decode-only tokens/s, time to first token.
 
     ``decode_tok_s`` is the full call less the one-token call, so a one-token call that ran long
-    or short moves it; ``decode_in_call_tok_s`` takes the full call's own time after its first
-    tokens (None for records made before it was kept)."""
+    or short moves it; ``decode_in_call_tok_s`` takes the tokens the full call made after its last
+    row's first token over the time that took (None for records made before it was kept; and at
+    batch > 1 for records made before the tokens made by then were kept, ``full_first_tokens``:
+    those counted ``b * (new_tokens - 1)``, more than ours makes in that span)."""
     b, full, first = record["batch"], record["full_s"], record["first_s"]
     decode = b * (new_tokens - 1) / (full - first) if full > first else None
     own_first = record.get("full_first_s")
-    in_call = b * (new_tokens - 1) / (full - own_first) if own_first is not None and full > own_first else None
+    made = record.get("full_first_tokens", 1 if b == 1 else None)
+    in_call = (b * new_tokens - made) / (full - own_first) \
+        if own_first is not None and made is not None and full > own_first else None
     return {"request_tok_s": b * new_tokens / full, "decode_tok_s": decode, "decode_in_call_tok_s": in_call,
             "first_token_s": first}
 
@@ -327,7 +335,7 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
     prompts: list[list[int]] = []
     parts: list[dict[str, float]] = []  # each call's host-side parts, in the order of the calls
 
-    def call(batch: int, new_tokens: int, images: list) -> tuple[float, float]:
+    def call(batch: int, new_tokens: int, images: list) -> tuple[float, float, int]:
         settings = SAMPLED_SETTINGS if spec.sampled else {}
         params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=i if spec.sampled else None,
                                  **settings) for i in range(len(images))]
@@ -338,6 +346,9 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
             started = time.perf_counter()
             seqs = [engine.submit(QUESTION, [image], p) for image, p in zip(images, params)]
             submitted = time.perf_counter()
+            while any(not s.generated for s in seqs):  # the rows' first tokens, and what the first rows decode meanwhile
+                engine.step()
+            made = sum(len(s.generated) for s in seqs)
             results = engine.run_until_done(seqs)
             sync(spec.device)
             seconds = time.perf_counter() - started
@@ -348,7 +359,7 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
         parts.append({"submit_s": submitted - started, "first_token_s": first,
                       "vision_s": max(s.timings.vision_s for s in seqs),
                       "prefill_s": max(s.timings.prefill_s for s in seqs), "during": counted["during"]})
-        return seconds, first
+        return seconds, first, made
 
     log = RunLog()
     measure(spec, OURS, call, log)

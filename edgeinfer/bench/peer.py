@@ -161,7 +161,7 @@ def gpu_peer(spec, cache: str) -> dict[str, Any]:
     extra = {"cache_implementation": "static"} if cache == "static" else {}
     prompts: list[list[int]] = []
 
-    def call(batch: int, new_tokens: int, images: list) -> tuple[float, float]:
+    def call(batch: int, new_tokens: int, images: list) -> tuple[float, float, int]:
         sync(spec.device)
         started = time.perf_counter()
         inputs = peer_inputs(processor, spec.model, [user_turn(QUESTION)] * batch, [[im] for im in images],
@@ -178,7 +178,7 @@ def gpu_peer(spec, cache: str) -> dict[str, Any]:
         if generated != new_tokens:
             raise RuntimeError(f"transformers generated {generated} tokens, not {new_tokens}")
         prompts.append(inputs["input_ids"][0].tolist())
-        return seconds, clock.times[0] - started
+        return seconds, clock.times[0] - started, batch  # the first stamp: every row's first token at once
 
     log = RunLog()
     with torch.inference_mode():
