@@ -346,7 +346,7 @@ def run_ours(spec: GpuBenchSpec) -> dict[str, Any]:
             started = time.perf_counter()
             seqs = [engine.submit(QUESTION, [image], p) for image, p in zip(images, params)]
             submitted = time.perf_counter()
-            while any(not s.generated for s in seqs):  # the rows' first tokens, and what the first rows decode meanwhile
+            while any(not s.generated for s in seqs):  # the first rows decode while the later ones prefill
                 engine.step()
             made = sum(len(s.generated) for s in seqs)
             results = engine.run_until_done(seqs)
