@@ -750,17 +750,22 @@ class FusedDecode:
     def timed_products(self) -> dict[str, tuple[list, torch.Tensor, dict, list[torch.Tensor]]]:
         """Per product, what a product is timed alone on, as a step calls it: every layer's weight, a
         random row x, what it fuses (a random residual where it adds one) and an output per layer."""
-        dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         timed = {}
         for name, (weights, kw) in self._products().items():
-            n, k = weights[0].shape
-            kw = dict(kw)
-            if kw.pop("residual", False):
-                kw["residual"] = torch.randn(1, n, dtype=dtype, device=device)
-            outs = [torch.empty(1, _outputs(n, kw.get("glu", False), None), dtype=dtype, device=device)
-                    for _ in weights]
-            timed[name] = weights, torch.randn(1, k, dtype=dtype, device=device), kw, outs
+            x, kw, out = self._probe(weights[0], kw, rows=1)
+            timed[name] = weights, x, kw, [out] + [torch.empty_like(out) for _ in weights[1:]]
         return timed
+
+    def _probe(self, w: torch.Tensor | PackedMatrix, kw: dict, rows: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """Random ``rows`` rows of ``w``'s input, what ``kw`` says the product fuses (a random residual
+        where it adds one) and an output for them: what a product is checked and timed on."""
+        dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
+        n, k = w.shape
+        kw = dict(kw)
+        if kw.pop("residual", False):
+            kw["residual"] = torch.randn(rows, n, dtype=dtype, device=device)
+        out = torch.empty(rows, _outputs(n, bool(kw.get("glu")), None), dtype=dtype, device=device)
+        return torch.randn(rows, k, dtype=dtype, device=device), kw, out
 
     def _tune_alone(self, steps: Steps) -> dict[str, list[Tile]]:
         """Time every candidate tile on every product at batch 1, going through all layers' weights
@@ -1000,13 +1005,8 @@ class FusedDecode:
         """Of ``tiles``, those whose product of ``w`` fused as ``kw`` says gives torch's outputs at
         ``rows`` rows (:func:`right_tiles`, on random rows and a random residual where it adds one),
         in their order, and why not for the others. ``ahead``: compiled on threads first (on a GPU)."""
-        dtype, device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
-        x = torch.randn(rows, w.shape[1], dtype=dtype, device=device)
-        kw = dict(kw)
-        if kw.pop("residual", False):
-            kw["residual"] = torch.randn(rows, w.shape[0], dtype=dtype, device=device)
-        out = torch.empty(rows, _outputs(w.shape[0], bool(kw.get("glu")), None), dtype=dtype, device=device)
-        if ahead and device.type == "cuda":
+        x, kw, out = self._probe(w, kw, rows)
+        if ahead and x.device.type == "cuda":
             compile_ahead(lambda t=t: self._rows_product(x, w, t, out=out, warmup=True, **kw) for t in tiles)
         right, wrong = right_tiles(x, w, tiles, out, self._rows_product, **kw)
         return [t for t in tiles if t in right], wrong
