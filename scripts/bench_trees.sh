@@ -16,6 +16,11 @@
 # scripts/compare_bench_runs.py puts every run side by side and pools each tree's runs into
 # OUT/compare.md (gpu benchmarks). A run that fails is named at the end and the others go on;
 # the script then exits non-zero.
+#
+# Each run but the first waits, up to SETTLE_S seconds (120; 0: not at all), for the 1-minute load
+# average to fall to the benchmark's quiet limit (edgeinfer.bench.quiet.QUIET_LOAD): what the run
+# before left in it would count as other processes' load in this run's raw file. trees.log says how
+# long each waited. (BENCH_LOADAVG names the file the load is read from: /proc/loadavg.)
 set -uo pipefail
 # Every run times its own tiles (the tile cache off, unless the caller names one): a tree's runs
 # are then samples of its tuning too, not of the first run's choices.
@@ -38,6 +43,28 @@ for arg in "$@"; do
 done
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SETTLE_S=${SETTLE_S:-120}
+[[ $SETTLE_S =~ ^[0-9]+$ ]] || { echo "SETTLE_S must be a whole number of seconds, got $SETTLE_S" >&2; exit 2; }
+LOADAVG=${BENCH_LOADAVG:-/proc/loadavg}
+QUIET=$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+        python -c "from edgeinfer.bench.quiet import QUIET_LOAD; print(QUIET_LOAD)") \
+    || { echo "bench_trees.sh: cannot read the quiet limit from $ROOT's edgeinfer" >&2; exit 2; }
+
+# Waits while the 1-minute load average is over $QUIET, SETTLE_S seconds at most; says how long.
+settle() {
+    local waited=0 load
+    load=$(cut -d' ' -f1 "$LOADAVG" 2>/dev/null)
+    while [ "$waited" -lt "$SETTLE_S" ] && awk -v l="${load:-0}" -v q="$QUIET" 'BEGIN { exit !(l > q) }'; do
+        sleep 1
+        waited=$((waited + 1))
+        load=$(cut -d' ' -f1 "$LOADAVG" 2>/dev/null)
+    done
+    [ "$waited" -gt 0 ] \
+        && echo "== waited $waited s for the 1-minute load average to fall to $QUIET; it is ${load:-unknown}" \
+        | tee -a "$OUT/trees.log"
+    return 0
+}
+
 mkdir -p "$OUT/trees"
 OUT=$(cd "$OUT" && pwd)
 declare -A dir label env rev
@@ -67,10 +94,13 @@ for tree in "${trees[@]}"; do
 done
 
 failed=()
+first=1
 for round in $(seq 1 "$ROUNDS"); do
     for tree in "${trees[@]}"; do
         run=${label[$tree]}-$round
-        echo "== $run, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null): edgeinfer $*" | tee -a "$OUT/trees.log"
+        [ $first = 1 ] || settle
+        first=0
+        echo "== $run, load $(cut -d' ' -f1-3 "$LOADAVG" 2>/dev/null): edgeinfer $*" | tee -a "$OUT/trees.log"
         # shellcheck disable=SC2086  # the assignments were checked to hold no spaces
         if (cd "${dir[$tree]}" && env ${env[$tree]//@/ } PYTHONPATH="${dir[$tree]}${PYTHONPATH:+:$PYTHONPATH}" \
                 python -m edgeinfer.cli.main "$@" --out "$OUT/$run") >"$OUT/$run.log" 2>&1; then
