@@ -71,9 +71,10 @@ def pointers(dt: str, *names: str) -> dict[str, str]:
 EPILOGUES = ((0, False), (1, False), (1, True))
 
 
-@pytest.mark.parametrize("bits,dtype,wide", [(4, "bf16", False), (8, "bf16", True), (8, "fp16", False),
-                                             (4, "fp32", False)])
-def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype, wide):
+@pytest.mark.parametrize("bits,dtype,wide,idot", [(4, "bf16", False, False), (8, "bf16", True, False),
+                                                  (8, "fp16", False, False), (4, "fp32", False, False),
+                                                  (4, "bf16", False, True), (8, "fp16", False, True)])
+def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype, wide, idot):
     types = {**pointers(dtype, "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
     # groups of 128 (4 a step) and one group a row, for every prologue and epilogue (the residual,
@@ -86,8 +87,29 @@ def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype, wide):
         sizes = compiled(triton_decode._packed_gemv_kernel, types, dict(
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=bits, GS=gs,
             HAS_Z=has_z, SPLIT_K=split_k, EXACT=dtype != "fp32", EVEN=even, ONE_GROUP=gs == 2048,
-            POW2_GROUPS=gs in (128, 1024), XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=wide))
+            POW2_GROUPS=gs in (128, 1024), XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=wide,
+            IDOT=idot))
         assert all(sizes.values())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_integer_dot_word_takes_its_dp2a_and_fewer_instructions(bits):
+    """An integer-dot tile's K step multiplies a 4-bit word by four ``dp2a`` (``IDP.2A``) and an 8-bit one by two,
+    with no float multiply-add a code; for 4-bit codes the step is at least a fifth shorter than the float
+    tile's (sm_90, the ``down`` tile 16x1024 of 4 warps: 16 words a thread a step)."""
+    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    steps = {}
+    for idot in (False, True):
+        given = dict(PROLOGUE=0, HAS_BIAS=False, HAS_RES=True, BN=16, BK=1024 if bits == 4 else 512, BITS=bits,
+                     GS=128, HAS_Z=False, SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
+                     XB=16, GLU=False, ASM=True, WIDE=bits == 8 and not idot, IDOT=idot)
+        steps[idot] = k_step(cubin(triton_decode._packed_gemv_kernel, types, given, TARGETS["sm_90 (Hopper)"]))
+    words = 16  # a thread's words a step
+    assert steps[True]["IDP"] == words * (4 if bits == 4 else 2), steps[True]
+    assert steps[False]["IDP"] == 0 and steps[True]["FFMA"] < steps[False]["FFMA"] // 2, steps
+    if bits == 4:
+        assert sum(steps[True].values()) < 0.8 * sum(steps[False].values()), steps
 
 
 def test_8_bit_codes_with_bf16_activations_take_one_byte_permute_each():

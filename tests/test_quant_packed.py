@@ -217,6 +217,39 @@ def test_a_bfloat16_row_is_the_exact_product_rounded_once(bits, n, k, group):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", [(48, 1024, 64), (40, 1000, 32), (40, 960, 96), (40, 1000, 1000)])
+def test_an_integer_dot_row_is_the_product_within_x_s_rounding_to_integers(dtype, bits, n, k, group):
+    """An integer-dot tile takes each word's columns of x as integers at the word's own scale (the largest to
+    32,767 for 4-bit codes, 4,095 for 8-bit), so each x_i moves by half a step of that scale at most, and the
+    integer dots are exact: every output is within what those steps move it by, plus one rounding to the
+    activations' dtype. Groups of a power of two, of 96 and one a row; with and without zero points; whole
+    and split rows; tiles cut at N and K. A nibble or byte paired with the wrong column of x, a pair's halves
+    swapped or a zero point's share taken off wrong moves outputs far past that bound."""
+    from edgeinfer.backends.torch import triton_decode
+
+    torch.manual_seed(7)
+    codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=DEVICE)
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, device=DEVICE) * 0.02 + 0.001).to(dtype)
+    per, steps = 32 // bits, 32767 if bits == 4 else 4095
+    for zeros in (None, torch.randint(0, 2 ** bits, (n, groups), device=DEVICE).to(dtype)):
+        packed = PackedMatrix(codes, scales, zeros, bits, group, (n, k))
+        dense = dequantize_with_torch(codes, scales.float(), None if zeros is None else zeros.float(), packed.layout,
+                                      torch.float32)
+        # columns of very different sizes, so that a word's small values lose digits to its large one
+        x = (torch.randn(1, k, device=DEVICE) * torch.exp(2 * torch.randn(1, k, device=DEVICE))).to(dtype)
+        want = x.float() @ dense.t()
+        words = torch.nn.functional.pad(x.float().abs(), (0, -k % per)).view(-1, per).amax(1)
+        moved = (words / steps / 2).repeat_interleave(per)[:k] * (1 + 2 ** -20)
+        bound = dense.abs() @ moved + 2 ** -7 * want.abs()[0] + 1e-30  # a unit in the last place: the interpreter truncates
+        for config in (PackedGemvConfig(16, 256, 4, idot=True), PackedGemvConfig(8, 128, 4, 3, idot=True)):
+            got = triton_decode.packed_gemv(x, packed, config).float()
+            assert bool(((got - want).abs()[0] <= bound).all()), (config, ((got - want).abs()[0] / bound).max())
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=needs_cuda)])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group", [(48, 1024, 64), (40, 1000, 32), (40, 1000, 1000)])

@@ -258,6 +258,29 @@ if triton is not None:
             out = out | (byte << (8 * j))
         return out
 
+    @triton.constexpr_function
+    def _dp2a_asm(high):
+        return f"dp2a.{'hi' if high else 'lo'}.s32.u32 $0, $1, $2, $3;"
+
+    @triton.jit
+    def dp2a(a, b, c, HIGH: tl.constexpr, ASM: tl.constexpr):
+        """``c + a.lo·b[j] + a.hi·b[j + 1]``: ``a`` two signed 16-bit halves, ``b`` four unsigned bytes,
+        ``j`` 2 with ``HIGH`` else 0; PTX ``dp2a`` (sm_61 and later, Orin's sm_87 included), one
+        instruction, with ``ASM``; the same integers by shifts and masks in Triton's CPU interpreter."""
+        if ASM:
+            return tl.inline_asm_elementwise(_dp2a_asm(HIGH), "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+        SHIFT: tl.constexpr = 16 if HIGH else 0
+        return c + ((a << 16) >> 16) * ((b >> SHIFT) & 0xFF) + (a >> 16) * ((b >> (SHIFT + 8)) & 0xFF)
+
+    @triton.jit
+    def as_int16(x, inv):
+        """``round(x·inv)`` for ``|x·inv| <= 32767``: as the low 16 bits of an int32 (two's complement), and
+        as a float. Adding 1.5·2^23 rounds the value into the float's mantissa, so its low 16 bits are the
+        integer's; taking 1.5·2^23 off again gives it exactly."""
+        t = x * inv + 12582912.0
+        return t.to(tl.int32, bitcast=True), t - 12582912.0
+
     @triton.jit
     def biased_codes_at(words, i: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WIDE: tl.constexpr = False,
                         exponent=None):

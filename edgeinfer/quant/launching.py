@@ -61,6 +61,9 @@ DEPENDENT_LAUNCH_ENV = "EDGEINFER_DEPENDENT_LAUNCH"
 # On by default: on an H200 the step kept gate|up's staged tile and decode ran 1.02x faster; on an H100
 # the step's descent took them out again, so there they cost only their timing (docs/gpu-kernels.md)
 STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
+# "0": the batch-1 tuner leaves out the packed product's integer-dot tiles (x's columns as 16-bit integers
+# dotted with the codes by dp2a: triton_decode.PackedGemvConfig.idot), which take bf16 and fp16 activations
+INTEGER_DOT_ENV = "EDGEINFER_INTEGER_DOT"
 # "1": the few-row tuner also times the tensor-core kernel's ``STAGED`` tiles (quant/tensor_core.py):
 # right, but no faster at 16 rows on an H200, so off by default
 STAGED_MMA_ENV = "EDGEINFER_STAGED_MMA"
@@ -88,6 +91,11 @@ def interpreting() -> bool:
 def staged_enabled() -> bool:
     """Whether the batch-1 tuner times the staged products' tiles (unless ``$EDGEINFER_STAGED_PRODUCTS=0``)."""
     return os.environ.get(STAGED_ENV, "1") != "0"
+
+
+def integer_dot_enabled() -> bool:
+    """Whether the batch-1 tuner times the packed product's integer-dot tiles (unless ``$EDGEINFER_INTEGER_DOT=0``)."""
+    return os.environ.get(INTEGER_DOT_ENV, "1") != "0"
 
 
 def staged_mma_enabled() -> bool:

@@ -78,6 +78,7 @@ from edgeinfer.quant.kernels import (
 from edgeinfer.quant.launching import (
     SplitWorkspace,
     fused_rows_enabled,
+    integer_dot_enabled,
     rows_in_step_enabled,
     step_ends_enabled,
     interpreting,
@@ -103,10 +104,13 @@ try:  # the import decides whether this path exists at all
     from edgeinfer.quant.kernels import (
         await_inputs,
         biased_codes_at,
+        as_int16,
         code_exponent,
+        dp2a,
         group_params,
         load_where,
         params_from,
+        prmt,
         split_total,
     )
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
@@ -271,12 +275,64 @@ if triton is not None:
         return s, z
 
     @triton.jit
+    def _integer_dot(words, X, NORM_W, first, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr,
+                     BITS: tl.constexpr, ASM: tl.constexpr):
+        """For 4-bit and 8-bit words [BN, words] whose values start at x's columns ``first`` [words]: each
+        word's ``1.5·2^23 + Σ q_i·r_i`` as a float32 (exact), with q_i its unsigned codes and r_i its
+        columns of x (:func:`_input_values`) as integers at the word's own scale, ``x_i ≈ scale·r_i``;
+        and each word's scale and ``Σ r_i`` [words].
+
+        x's columns of a word take the largest of them to 32,767 (4-bit) or 4,095 (8-bit), so a word's dot
+        stays below 2^22 and exact; and the x of every row of the tile is scaled once. A 4-bit word's
+        codes then cost a mask, a shift and a mask (its even and its odd nibbles as four bytes each) and
+        four ``dp2a`` (:func:`dp2a`: two 16-bit integers of x by two bytes, added into a 32-bit
+        integer), an 8-bit word's two ``dp2a``; the sum starts at 1.5·2^23's bits, so it is a float
+        without a conversion."""
+        XQ: tl.constexpr = 32767 if BITS == 4 else 4095
+        x0 = _input_values(X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+        x1 = _input_values(X, NORM_W, first + 1, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+        x2 = _input_values(X, NORM_W, first + 2, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+        x3 = _input_values(X, NORM_W, first + 3, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+        m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+        if BITS == 4:
+            x4 = _input_values(X, NORM_W, first + 4, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+            x5 = _input_values(X, NORM_W, first + 5, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+            x6 = _input_values(X, NORM_W, first + 6, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+            x7 = _input_values(X, NORM_W, first + 7, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+            m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+        m = tl.maximum(m, 7.888609052210118e-31)  # 2^-100: all zeros take a finite scale
+        inv = XQ / m
+        b0, r0 = as_int16(x0, inv)
+        b1, r1 = as_int16(x1, inv)
+        b2, r2 = as_int16(x2, inv)
+        b3, r3 = as_int16(x3, inv)
+        dot = tl.full(words.shape, 0x4B400000, tl.int32)  # 1.5·2^23's bits
+        if BITS == 4:  # bytes of the even nibbles: values 0, 2, 4, 6; of the odd: 1, 3, 5, 7
+            b4, r4 = as_int16(x4, inv)
+            b5, r5 = as_int16(x5, inv)
+            b6, r6 = as_int16(x6, inv)
+            b7, r7 = as_int16(x7, inv)
+            even = words & 0x0F0F0F0F
+            odd = (words >> 4) & 0x0F0F0F0F
+            dot = dp2a(tl.broadcast_to(prmt(b0, b2, 0x5410, ASM)[None, :], words.shape), even, dot, False, ASM)
+            dot = dp2a(tl.broadcast_to(prmt(b4, b6, 0x5410, ASM)[None, :], words.shape), even, dot, True, ASM)
+            dot = dp2a(tl.broadcast_to(prmt(b1, b3, 0x5410, ASM)[None, :], words.shape), odd, dot, False, ASM)
+            dot = dp2a(tl.broadcast_to(prmt(b5, b7, 0x5410, ASM)[None, :], words.shape), odd, dot, True, ASM)
+            xints = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        else:  # bytes 0-3: values 0-3
+            dot = dp2a(tl.broadcast_to(prmt(b0, b1, 0x5410, ASM)[None, :], words.shape), words, dot, False, ASM)
+            dot = dp2a(tl.broadcast_to(prmt(b2, b3, 0x5410, ASM)[None, :], words.shape), words, dot, True, ASM)
+            xints = (r0 + r1) + (r2 + r3)
+        return dot.to(tl.float32, bitcast=True), m / XQ, xints
+
+    @triton.jit
     def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                             HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
                             ONE_GROUP: tl.constexpr, POW2_GROUPS: tl.constexpr, XB: tl.constexpr,
-                            GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
+                            GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False,
+                            IDOT: tl.constexpr = False):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
@@ -301,7 +357,8 @@ if triton is not None:
         zero. With ``GLU`` a tile is BN // 2 outputs' gate and up rows (:func:`_tile_rows`) and
         writes SiLU(gate)·up. A step's words and scales are read while the step before it
         multiplies, the first step's before the kernels before this one have finished (``PDL``,
-        :func:`await_inputs`)."""
+        :func:`await_inputs`). With ``IDOT`` (16-bit activations) a word's codes meet x's columns as 16-bit
+        integers instead, by ``dp2a`` (:func:`_integer_dot`): about a third fewer instructions a word."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
@@ -355,36 +412,52 @@ if triton is not None:
             if not ONE_GROUP:
                 s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN,
                                     POW2_GROUPS)
-            xsum = tl.zeros([BKW], tl.float32)
-            xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
-            for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
-                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-                if EXACT:
-                    xbias += xi * (1 << code_exponent(i, BITS, WIDE))  # biased_codes_at's 2^e
-                xsum += xi
-            if ONE_GROUP:  # one scale a row: words summed across steps as they are, corrected at the end
-                dot = wide
-                xsums += xsum
-                xbiases += xbias
-            elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
-                xbias3 = tl.reshape(xbias, [NG, BKW // NG])[None, :, :]
-                xsum3 = tl.reshape(xsum, [NG, BKW // NG])[None, :, :]
-                dot = tl.reshape(-(xbias3 + this_z[:, :, None] * xsum3), [BN, BKW])
+            if IDOT:  # each word's integer dot: x·(q - z) = scale·(dot - 1.5·2^23 - z·Σr), per word
+                val, xscale, xints = _integer_dot(this_words, X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN, BITS,
+                                                  ASM)
+                xmagic = xscale * 12582912.0
+                xsum = xscale * xints
+                if ONE_GROUP:  # the scale and zero point wait for the last step
+                    wide += val * xscale[None, :] - xmagic[None, :]
+                    xsums += xsum
+                elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point and scale meet its words
+                    off = tl.reshape(tl.reshape(xmagic, [NG, BKW // NG])[None, :, :]
+                                     + this_z[:, :, None] * tl.reshape(xsum, [NG, BKW // NG])[None, :, :], [BN, BKW])
+                    dot = val * xscale[None, :] - off
+                    wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
+                else:
+                    wide += this_s * (val * xscale[None, :] - (xmagic[None, :] + this_z * xsum[None, :]))
             else:
-                dot = -(xbias[None, :] + this_z * xsum[None, :])
-            for i in tl.static_range(PER):  # value i of every word meets column first + i of x
-                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-                if EXACT:
-                    dot += biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) * xi[None, :]
-                else:  # float32 activations: the bias off each value before the product
-                    bias = 1 << code_exponent(i, BITS, WIDE)
-                    dot += (biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) - bias) * xi[None, :]
-            if ONE_GROUP:  # the scale and zero point wait for the last step
-                wide = dot
-            elif POW2_GROUPS:  # a group's scale meets its words' sums
-                wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
-            else:
-                wide += this_s * dot
+                xsum = tl.zeros([BKW], tl.float32)
+                xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
+                for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
+                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                    if EXACT:
+                        xbias += xi * (1 << code_exponent(i, BITS, WIDE))  # biased_codes_at's 2^e
+                    xsum += xi
+                if ONE_GROUP:  # one scale a row: words summed across steps as they are, corrected at the end
+                    dot = wide
+                    xsums += xsum
+                    xbiases += xbias
+                elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
+                    xbias3 = tl.reshape(xbias, [NG, BKW // NG])[None, :, :]
+                    xsum3 = tl.reshape(xsum, [NG, BKW // NG])[None, :, :]
+                    dot = tl.reshape(-(xbias3 + this_z[:, :, None] * xsum3), [BN, BKW])
+                else:
+                    dot = -(xbias[None, :] + this_z * xsum[None, :])
+                for i in tl.static_range(PER):  # value i of every word meets column first + i of x
+                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                    if EXACT:
+                        dot += biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) * xi[None, :]
+                    else:  # float32 activations: the bias off each value before the product
+                        bias = 1 << code_exponent(i, BITS, WIDE)
+                        dot += (biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) - bias) * xi[None, :]
+                if ONE_GROUP:  # the scale and zero point wait for the last step
+                    wide = dot
+                elif POW2_GROUPS:  # a group's scale meets its words' sums
+                    wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
+                else:
+                    wide += this_s * dot
         if ONE_GROUP:
             s, z = group_params(S, Z, rn, 0, N, G, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
             s, z = tl.sum(s, axis=1), tl.sum(z, axis=1)
@@ -474,6 +547,7 @@ class PackedGemvConfig:
     warps: int
     split: int = 1
     registers: int | None = None  # a cap on registers a thread (``maxnreg``): more programs resident
+    idot: bool = False  # x's columns as 16-bit integers, dotted with the codes by ``dp2a`` (:func:`_integer_dot`)
 
 
 # Candidates timed per packed product at load: tiles of 4 to 32 rows by 256 to 2048 columns (a
@@ -493,6 +567,13 @@ PACKED_GEMV_CANDIDATES = (
 )
 
 
+# Tiles with x's columns as 16-bit integers dotted with the codes by ``dp2a`` (:func:`_integer_dot`): about a
+# third fewer instructions a word in ptxas's K step for sm_90. The ten that were fastest for some 4-bit product
+# of Qwen2-VL-2B on an H100 (scripts/probe_integer_dot.py, docs/gpu-kernels.md), timed beside the float ones.
+INTEGER_DOT_CANDIDATES = tuple(PackedGemvConfig(*t, idot=True) for t in (
+    (16, 2048, 4), (8, 2048, 4), (8, 2048, 4, 4), (4, 2048, 2), (32, 256, 4), (32, 512, 4), (16, 512, 2),
+    (16, 512, 2, 1, 96), (16, 1024, 4, 8), (8, 1024, 4, 4)))
+
 Tile = GemvConfig | PackedGemvConfig | StagedGemvConfig
 _TILE_CLASSES = {"dense": GemvConfig, "packed": PackedGemvConfig, "staged": StagedGemvConfig}  # a kept tile's kind
 _TILE_KINDS = {cls: kind for kind, cls in _TILE_CLASSES.items()}
@@ -504,7 +585,8 @@ def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None
     follow where it is enabled and fits (:func:`staged.candidates`)."""
     if not isinstance(w, PackedMatrix):
         return GEMV_CANDIDATES
-    return PACKED_GEMV_CANDIDATES + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
+    integer = INTEGER_DOT_CANDIDATES if dtype in (torch.bfloat16, torch.float16) and integer_dot_enabled() else ()
+    return PACKED_GEMV_CANDIDATES + integer + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
 
 
 def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, bias: torch.Tensor | None = None,
@@ -517,6 +599,8 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
     if x.shape[0] != 1:
         raise ValueError(f"packed_gemv reads one row, got {x.shape[0]}: use edgeinfer.quant.kernels.packed_mm")
     layout = w.layout
+    if config.idot and x.dtype == torch.float32:
+        raise ValueError("an integer-dot tile takes 16-bit activations: float32 ones go through its float tile")
     n, k = w.shape
     bk = max(4 * 32 // layout.bits, min(config.bk, pow2(k)))  # four words a row at least
     steps = triton.cdiv(k, bk)
@@ -539,7 +623,7 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
            SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
            ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and pow2(gs) == gs,
            XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(),
-           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, **launch_options(x.device),
+           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, IDOT=config.idot, **launch_options(x.device),
            num_warps=config.warps, **registers)
     return None if warmup else y
 
@@ -597,7 +681,8 @@ def _config_name(c: Tile) -> str:
     if isinstance(c, StagedGemvConfig):
         return f"staged/{c.warps}w/split{c.split}" + (f"/early{c.early}" if c.early is not None else "")
     if isinstance(c, PackedGemvConfig):
-        return f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
+        return (f"{c.bn}x{c.bk}/{c.warps}w/split{c.split}" + (f"/r{c.registers}" if c.registers else "")
+                + ("/idot" if c.idot else ""))
     return f"{c.bn}x{c.bk}/{c.warps}w/{c.stages}s"
 
 
@@ -717,7 +802,7 @@ class FusedDecode:
                               "glu": bool(kw.get("glu"))}
         return {"products": products, "dtype": str(self.decoder.norm.weight.dtype), "layers": cfg.num_layers,
                 "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                "qk_norm": cfg.qk_norm, "staged": staged.enabled()}
+                "qk_norm": cfg.qk_norm, "staged": staged.enabled(), "integer_dot": integer_dot_enabled()}
 
     def kept(self, step_budget_s: float) -> dict:
         """The tiles and their timings as :meth:`restore` takes them back."""

@@ -1,0 +1,103 @@
+"""Diagnostic probe (not a benchmark): the batch-1 packed product with x's columns as 16-bit integers dotted
+with the codes by ``dp2a`` (``PackedGemvConfig.idot``) beside the same tiles in float32, on a GPU.
+
+    OUT=folder ROUNDS=5 python scripts/probe_integer_dot.py
+    python scripts/probe_integer_dot.py --check      # the same tiles under Triton's interpreter, no GPU
+
+For 4-bit and 8-bit weights (random codes, groups of 128, symmetric, bf16 scales), each of a Qwen2-VL-2B
+layer's four products fused as the step fuses it, over 28 copies of its weight: every tile of
+``PACKED_GEMV_CANDIDATES`` and its integer-dot twin is checked as the tuner checks a tile, then timed alone
+(28 calls from one CUDA graph, as the tuner times a tile) ``ROUNDS`` times in turns; medians, µs a call. Then a
+layer's four products in the step's order over 28 layers on each kind's fastest tiles, in turns, µs a layer.
+The attention is not in the chain. Writes ``$OUT/probe-integer-dot.json`` with the load averages before and after.
+"""
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton
+
+from edgeinfer.backends.torch import triton_decode as td
+from edgeinfer.quant import kernels
+from edgeinfer.quant.launching import SplitWorkspace
+from edgeinfer.testing.products import QWEN2_VL_2B, fused_inputs, layer_calls, random_packed, right_one_row_tiles
+
+LAYERS, GS = 28, 128
+
+
+def twins(tiles):
+    return [t for tile in tiles for t in (tile, dataclasses.replace(tile, idot=True))]
+
+
+def case(name, n, k, kind, bits, dev, layers):
+    x, kw = fused_inputs(kind, n, k, dev)
+    ws = [random_packed(n, k, bits, GS, dev) for _ in range(layers)]
+    outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=x.dtype, device=dev) for _ in range(layers)]
+    return x, kw, ws, outs
+
+
+def check(dev):
+    """Every twin of a few tiles against the tuner's check, under the interpreter, at a small shape."""
+    found = {}
+    space = SplitWorkspace(dev)
+    for bits in (4, 8):
+        for name, kind in (("qkv", "norm+bias"), ("gate_up", "norm+glu"), ("down", "residual")):
+            x, kw, ws, outs = case(name, 64, 512, kind, bits, dev, 1)
+            tiles = twins([td.PackedGemvConfig(16, 256, 4), td.PackedGemvConfig(8, 128, 2, 2)])
+            right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)
+            found[f"w{bits} {name}"] = wrong or None
+    return found
+
+
+def main(rounds):
+    dev = torch.device("cuda")
+    res = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+           "layers": LAYERS, "rounds": rounds, "loadavg_before": os.getloadavg(), "products": {}}
+    torch.manual_seed(0)
+    space = SplitWorkspace(dev)
+    out = os.path.join(os.environ.get("OUT", "."), "probe-integer-dot.json")
+    for bits in (4, 8):
+        best = {}
+        for name, n, k, kind in QWEN2_VL_2B:
+            x, kw, ws, outs = case(name, n, k, kind, bits, dev, LAYERS)
+            tiles = twins(td.PACKED_GEMV_CANDIDATES)
+            kernels.compile_ahead([f for t in tiles for f in layer_calls(x, ws[:1], t, outs, space, warmup=True, **kw)])
+            right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)
+            times = {t: [] for t in right}
+            for _ in range(rounds):
+                for t in right:
+                    times[t].append(kernels.graph_time_us(layer_calls(x, ws, t, outs, space, **kw), 10))
+            med = {t: statistics.median(v) for t, v in times.items()}
+            entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in sorted(med.items(), key=lambda kv: kv[1])}}
+            best[name] = {}
+            for label, is_kind in (("float", lambda t: not t.idot), ("idot", lambda t: t.idot)):
+                pick = min((t for t in med if is_kind(t)), key=med.get)
+                best[name][label] = layer_calls(x, ws, pick, outs, space, **kw)
+                entry[label] = {"tile": td._config_name(pick), "us": round(med[pick], 2)}
+            res["products"][f"w{bits} {name}"] = entry
+            print(f"w{bits}", name, json.dumps({k: v for k, v in entry.items() if k != "us"}), flush=True)
+            json.dump(res, open(out, "w"), indent=1)
+        chains = {label: [f for layer in zip(*(best[name][label] for name, *_ in QWEN2_VL_2B)) for f in layer]
+                  for label in ("float", "idot")}
+        runs = {label: [] for label in chains}
+        for _ in range(rounds):
+            for label, chain in chains.items():
+                runs[label].append(kernels.graph_time_us(chain, 10) * len(chain) / LAYERS)
+        res[f"w{bits} chain_us_a_layer"] = {label: {"median": round(statistics.median(v), 2),
+                                                    "runs": [round(t, 2) for t in v]} for label, v in runs.items()}
+        print(f"w{bits} chain", json.dumps(res[f"w{bits} chain_us_a_layer"]), flush=True)
+        del best, chains
+        torch.cuda.empty_cache()
+    res["loadavg_after"] = os.getloadavg()
+    json.dump(res, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    if "--check" in sys.argv:
+        found = check(torch.device("cpu"))
+        print(json.dumps(found, indent=1))
+        sys.exit(1 if any(v is not None for v in found.values()) else 0)
+    main(int(os.environ.get("ROUNDS", "5")))
