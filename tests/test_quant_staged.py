@@ -13,7 +13,14 @@ import torch
 
 from edgeinfer.quant import staged
 from edgeinfer.quant.kernels import compile_ahead
-from edgeinfer.quant.launching import ROWS_IN_STEP_ENV, STAGED_ENV, STAGED_MMA_ENV, PackedGeometry, SplitWorkspace
+from edgeinfer.quant.launching import (
+    INTEGER_DOT_ENV,
+    ROWS_IN_STEP_ENV,
+    STAGED_ENV,
+    STAGED_MMA_ENV,
+    PackedGeometry,
+    SplitWorkspace,
+)
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, unfit
 from edgeinfer.testing.products import random_packed
@@ -83,15 +90,23 @@ def test_its_tiles_are_timed_unless_turned_off_and_on_a_gpu_that_runs_it(monkeyp
 
 
 def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
+    """packed_gemv's float tiles first, then its integer-dot tiles (16-bit activations, unless switched off),
+    then the staged kernel's."""
     from edgeinfer.backends.torch import triton_decode
 
     w = packed(17920, 1536)
     monkeypatch.setenv(STAGED_ENV, "1")
+    monkeypatch.delenv(INTEGER_DOT_ENV, raising=False)  # on by default
     monkeypatch.setattr(staged, "unavailable", lambda device: None)
-    tiles = triton_decode._candidates(w, torch.bfloat16, True)
-    assert tiles[:len(triton_decode.PACKED_GEMV_CANDIDATES)] == triton_decode.PACKED_GEMV_CANDIDATES
-    assert tiles[len(triton_decode.PACKED_GEMV_CANDIDATES):] == tuple(staged.candidates(w, torch.bfloat16, True))
-    assert triton_decode._candidates(w) == triton_decode.PACKED_GEMV_CANDIDATES  # no dtype: packed_gemv's alone
+    floats, integers = triton_decode.PACKED_GEMV_CANDIDATES, triton_decode.INTEGER_DOT_CANDIDATES
+    assert not any(t.idot for t in floats) and integers and all(t.idot for t in integers)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert triton_decode._candidates(w, dtype, True) == floats + integers + tuple(staged.candidates(w, dtype, True))
+    assert triton_decode._candidates(w, torch.float32, True) == floats + tuple(staged.candidates(w, torch.float32, True))
+    monkeypatch.setenv(INTEGER_DOT_ENV, "0")
+    assert triton_decode._candidates(w, torch.bfloat16, True) == floats + tuple(staged.candidates(w, torch.bfloat16, True))
+    assert triton_decode._candidates(w) == floats  # no dtype: packed_gemv's float tiles alone
+    assert triton_decode._config_name(triton_decode.PackedGemvConfig(8, 2048, 4, idot=True)) == "8x2048/4w/split1/idot"
     assert triton_decode._config_name(StagedGemvConfig(2, 7)) == "staged/2w/split7"
     assert triton_decode._config_name(StagedGemvConfig(2, 7, early=3)) == "staged/2w/split7/early3"
 
