@@ -71,7 +71,8 @@ def main(rounds):
                 for t in right:
                     times[t].append(kernels.graph_time_us(layer_calls(x, ws, t, outs, space, **kw), 10))
             med = {t: statistics.median(v) for t, v in times.items()}
-            entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in sorted(med.items(), key=lambda kv: kv[1])}}
+            ranked = sorted(med.items(), key=lambda kv: kv[1])
+            entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in ranked}}
             best[name] = {}
             for label, is_kind in (("float", lambda t: not t.idot), ("idot", lambda t: t.idot)):
                 pick = min((t for t in med if is_kind(t)), key=med.get)

@@ -104,7 +104,8 @@ def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
         assert triton_decode._candidates(w, dtype, True) == floats + integers + tuple(staged.candidates(w, dtype, True))
     assert triton_decode._candidates(w, torch.float32, True) == floats + tuple(staged.candidates(w, torch.float32, True))
     monkeypatch.setenv(INTEGER_DOT_ENV, "0")
-    assert triton_decode._candidates(w, torch.bfloat16, True) == floats + tuple(staged.candidates(w, torch.bfloat16, True))
+    staged_tiles = tuple(staged.candidates(w, torch.bfloat16, True))
+    assert triton_decode._candidates(w, torch.bfloat16, True) == floats + staged_tiles
     assert triton_decode._candidates(w) == floats  # no dtype: packed_gemv's float tiles alone
     assert triton_decode._config_name(triton_decode.PackedGemvConfig(8, 2048, 4, idot=True)) == "8x2048/4w/split1/idot"
     assert triton_decode._config_name(StagedGemvConfig(2, 7)) == "staged/2w/split7"
