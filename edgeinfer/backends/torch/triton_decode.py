@@ -569,7 +569,8 @@ PACKED_GEMV_CANDIDATES = (
 
 # Tiles with x's columns as 16-bit integers dotted with the codes by ``dp2a`` (:func:`_integer_dot`): about a
 # third fewer instructions a word in ptxas's K step for sm_90. The ten that were fastest for some 4-bit product
-# of Qwen2-VL-2B on an H100 (scripts/probe_integer_dot.py, docs/gpu-kernels.md), timed beside the float ones.
+# of Qwen2-VL-2B on an H100 (scripts/probe_integer_dot.py, docs/gpu-kernels.md), timed beside the float ones
+# for 4-bit weights only: 8-bit products were no faster on them.
 INTEGER_DOT_CANDIDATES = tuple(PackedGemvConfig(*t, idot=True) for t in (
     (16, 2048, 4), (8, 2048, 4), (8, 2048, 4, 4), (4, 2048, 2), (32, 256, 4), (32, 512, 4), (16, 512, 2),
     (16, 512, 2, 1, 96), (16, 1024, 4, 8), (8, 1024, 4, 4)))
@@ -581,11 +582,13 @@ _TILE_KINDS = {cls: kind for kind, cls in _TILE_CLASSES.items()}
 
 def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None, glu: bool = False) -> tuple[Tile, ...]:
     """The tiles timed for a product of weight ``w`` at batch 1 (``dtype``: the activations'; ``glu``:
-    it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, and the staged kernel's
-    follow where it is enabled and fits (:func:`staged.candidates`)."""
+    it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, then its integer-dot tiles for
+    4-bit codes and 16-bit activations (8-bit products gained nothing on them), and the staged kernel's
+    where it is enabled and fits (:func:`staged.candidates`)."""
     if not isinstance(w, PackedMatrix):
         return GEMV_CANDIDATES
-    integer = INTEGER_DOT_CANDIDATES if dtype in (torch.bfloat16, torch.float16) and integer_dot_enabled() else ()
+    integer = (INTEGER_DOT_CANDIDATES if w.bits == 4 and dtype in (torch.bfloat16, torch.float16)
+               and integer_dot_enabled() else ())
     return PACKED_GEMV_CANDIDATES + integer + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
 
 
