@@ -3,13 +3,16 @@ after another as their first launches compiled them, and on a pool of threads
 (``kernels.compile_ahead``). Without a GPU, the compiles alone, for Orin (sm_87) or Hopper (sm_90);
 with ``--gpu``, whole ``edgeinfer run`` processes on a GPU.
 
-    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N] [--staged]
+    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N] [--staged | --integer-dot]
     python scripts/probe_compile_ahead.py --gpu --out DIR [--pairs 2] [--cache /tmp/cache]
 
 ``--staged``: instead of one after another against on threads, on threads without the staged kernel's
 tiles (``staged.tiles_that_fit`` of the four 4-bit products, what the batch-1 tuner adds on a GPU
 that runs them unless ``$EDGEINFER_STAGED_PRODUCTS=0``) against on threads with them: what they add to a
 first load's compiles. Writes ``DIR/compile-staged-smARCH.json``.
+
+``--integer-dot``: the same for ``packed_gemv``'s integer-dot tiles (what ``triton_decode._candidates`` adds for
+the 4-bit products unless ``$EDGEINFER_INTEGER_DOT=0``). Writes ``DIR/compile-integer-dot-smARCH.json``.
 
 ``--gpu``: the benchmark's 4-bit checkpoint of ``--shape`` (Qwen2-VL-2B; built once under ``--cache``,
 as ``probe_tile_cache.py`` builds it), one untimed ``edgeinfer run`` first (torch.compile's cache
@@ -70,21 +73,25 @@ def products():
 
 def child(way: str, arch: int, workers: int) -> None:
     """One run: compile every product's candidate tiles ``way`` (serial, ahead, or ahead with the staged
-    kernel's tiles too: ahead+staged); print the figures."""
+    kernel's tiles or the integer-dot ones too: ahead+staged, ahead+idot); print the figures."""
     import torch
     from triton.backends.compiler import GPUTarget
 
     from edgeinfer.backends.torch import triton_decode
     from edgeinfer.quant import kernels, staged
+    from edgeinfer.quant.launching import INTEGER_DOT_ENV
     from edgeinfer.testing.triton_compile import binaries, compile_only
+
+    os.environ[INTEGER_DOT_ENV] = "1" if way == "ahead+idot" else "0"  # the packed tiles the tuner times
 
     with_staged = way == "ahead+staged"
     calls = []
     jitted = [triton_decode._packed_gemv_kernel] + ([staged._staged_gemv_kernel] if with_staged else [])
     for w, kw in products().values():
         x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
+        tiles = triton_decode._candidates(w, torch.bfloat16, bool(kw.get("glu")))
         calls += [lambda c=c, w=w, x=x, kw=kw: triton_decode.packed_gemv(x, w, c, warmup=True, **kw)
-                  for c in triton_decode.PACKED_GEMV_CANDIDATES]
+                  for c in tiles if isinstance(c, triton_decode.PackedGemvConfig)]
         if with_staged:  # staged.candidates on a GPU that runs the kernel (this CPU does not)
             calls += [lambda c=c, w=w, x=x, kw=kw: staged.staged_gemv(x, w, c, warmup=True, **kw)
                       for c in staged.tiles_that_fit(w, torch.bfloat16, bool(kw.get("glu")))]
@@ -148,7 +155,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128, help="--gpu: the 4-bit checkpoint's groups")
     parser.add_argument("--staged", action="store_true",
                         help="on threads, without the staged kernel's tiles against with them")
-    parser.add_argument("--child", choices=("serial", "ahead", "ahead+staged"), help=argparse.SUPPRESS)
+    parser.add_argument("--integer-dot", action="store_true",
+                        help="on threads, without packed_gemv's integer-dot tiles against with them")
+    parser.add_argument("--child", choices=("serial", "ahead", "ahead+staged", "ahead+idot"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.arch, args.workers)
@@ -160,8 +169,9 @@ def main() -> None:
     import triton
 
     args.out.mkdir(parents=True, exist_ok=True)
-    ways = ("ahead", "ahead+staged") if args.staged else ("serial", "ahead")
-    out = args.out / f"compile-{'staged' if args.staged else 'ahead'}-sm{args.arch}.json"
+    extra = "staged" if args.staged else "integer-dot" if args.integer_dot else None
+    ways = ("ahead", f"ahead+{'idot' if args.integer_dot else 'staged'}") if extra else ("serial", "ahead")
+    out = args.out / f"compile-{extra or 'ahead'}-sm{args.arch}.json"
     runs = RunLog()
     record = {"arch": args.arch, "workers": args.workers, "cpus": os.cpu_count(), "triton": triton.__version__,
               "shape": "qwen2-vl-2b w4a16 g128, 8-bit head", "ways": ways, "runs": []}
