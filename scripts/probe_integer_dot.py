@@ -23,7 +23,7 @@ import triton
 from edgeinfer.backends.torch import triton_decode as td
 from edgeinfer.quant import kernels
 from edgeinfer.quant.launching import SplitWorkspace
-from edgeinfer.testing.products import QWEN2_VL_2B, fused_inputs, layer_calls, random_packed, right_one_row_tiles
+from edgeinfer.testing.products import QWEN2_VL_2B, layer_calls, layer_case, right_one_row_tiles
 
 LAYERS, GS = 28, 128
 
@@ -32,20 +32,13 @@ def twins(tiles):
     return [t for tile in tiles for t in (tile, dataclasses.replace(tile, idot=True))]
 
 
-def case(name, n, k, kind, bits, dev, layers):
-    x, kw = fused_inputs(kind, n, k, dev)
-    ws = [random_packed(n, k, bits, GS, dev) for _ in range(layers)]
-    outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=x.dtype, device=dev) for _ in range(layers)]
-    return x, kw, ws, outs
-
-
 def check(dev):
     """Every twin of a few tiles against the tuner's check, under the interpreter, at a small shape."""
     found = {}
     space = SplitWorkspace(dev)
     for bits in (4, 8):
         for name, kind in (("qkv", "norm+bias"), ("gate_up", "norm+glu"), ("down", "residual")):
-            x, kw, ws, outs = case(name, 64, 512, kind, bits, dev, 1)
+            x, kw, ws, outs = layer_case(kind, 64, 512, dev, 1, GS, bits)
             tiles = twins([td.PackedGemvConfig(16, 256, 4), td.PackedGemvConfig(8, 128, 2, 2)])
             right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)
             found[f"w{bits} {name}"] = wrong or None
@@ -62,7 +55,7 @@ def main(rounds):
     for bits in (4, 8):
         best = {}
         for name, n, k, kind in QWEN2_VL_2B:
-            x, kw, ws, outs = case(name, n, k, kind, bits, dev, LAYERS)
+            x, kw, ws, outs = layer_case(kind, n, k, dev, LAYERS, GS, bits)
             tiles = twins(td.PACKED_GEMV_CANDIDATES)
             kernels.compile_ahead([f for t in tiles for f in layer_calls(x, ws[:1], t, outs, space, warmup=True, **kw)])
             right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)

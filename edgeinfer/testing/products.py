@@ -51,12 +51,12 @@ def fused_inputs(kind: str, n: int, k: int, device: torch.device,
 
 
 def layer_case(kind: str, n: int, k: int, device: torch.device, layers: int,
-               group: int = 128) -> tuple[torch.Tensor, dict, list, list]:
+               group: int = 128, bits: int = 4) -> tuple[torch.Tensor, dict, list, list]:
     """One row's product of ``kind`` as the probes time it: x and what the step fuses (:func:`fused_inputs`),
-    ``layers`` copies of a random 4-bit [n, k] weight (:func:`random_packed`, so that reads come from memory)
-    and an output row for each copy."""
+    ``layers`` copies of a random ``bits``-bit [n, k] weight (:func:`random_packed`, so that reads come from
+    memory) and an output row for each copy."""
     x, kw = fused_inputs(kind, n, k, device)
-    weights = [random_packed(n, k, 4, group, device) for _ in range(layers)]
+    weights = [random_packed(n, k, bits, group, device) for _ in range(layers)]
     outs = [torch.empty(1, n // 2 if kw.get("glu") else n, dtype=x.dtype, device=device) for _ in range(layers)]
     return x, kw, weights, outs
 
