@@ -417,16 +417,15 @@ if triton is not None:
                                                   ASM)
                 xmagic = xscale * 12582912.0
                 xsum = xscale * xints
-                if ONE_GROUP:  # the scale and zero point wait for the last step
-                    wide += val * xscale[None, :] - xmagic[None, :]
+                if ONE_GROUP:  # the zero point waits for the last step
+                    dot = wide + (val * xscale[None, :] - xmagic[None, :])
                     xsums += xsum
-                elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point and scale meet its words
-                    off = tl.reshape(tl.reshape(xmagic, [NG, BKW // NG])[None, :, :]
-                                     + this_z[:, :, None] * tl.reshape(xsum, [NG, BKW // NG])[None, :, :], [BN, BKW])
-                    dot = val * xscale[None, :] - off
-                    wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
+                elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
+                    dot = val * xscale[None, :] - tl.reshape(
+                        tl.reshape(xmagic, [NG, BKW // NG])[None, :, :]
+                        + this_z[:, :, None] * tl.reshape(xsum, [NG, BKW // NG])[None, :, :], [BN, BKW])
                 else:
-                    wide += this_s * (val * xscale[None, :] - (xmagic[None, :] + this_z * xsum[None, :]))
+                    dot = val * xscale[None, :] - (xmagic[None, :] + this_z * xsum[None, :])
             else:
                 xsum = tl.zeros([BKW], tl.float32)
                 xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
@@ -452,12 +451,12 @@ if triton is not None:
                     else:  # float32 activations: the bias off each value before the product
                         bias = 1 << code_exponent(i, BITS, WIDE)
                         dot += (biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) - bias) * xi[None, :]
-                if ONE_GROUP:  # the scale and zero point wait for the last step
-                    wide = dot
-                elif POW2_GROUPS:  # a group's scale meets its words' sums
-                    wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
-                else:
-                    wide += this_s * dot
+            if ONE_GROUP:  # the scale and zero point wait for the last step
+                wide = dot
+            elif POW2_GROUPS:  # a group's scale meets its words' sums
+                wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
+            else:
+                wide += this_s * dot
         if ONE_GROUP:
             s, z = group_params(S, Z, rn, 0, N, G, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
             s, z = tl.sum(s, axis=1), tl.sum(z, axis=1)
