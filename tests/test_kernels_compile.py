@@ -66,6 +66,12 @@ def pointers(dt: str, *names: str) -> dict[str, str]:
     return {name: f"*{dt}" for name in names}
 
 
+def packed_gemv_types(dt: str) -> dict[str, str]:
+    """``_packed_gemv_kernel``'s argument types with activations of ``dt``."""
+    return {**pointers(dt, "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
+            "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+
+
 # (prologue, glu) as the fused step runs them: o and down (a residual), q|k|v (RMSNorm and a bias),
 # gate|up (RMSNorm, a bias, SiLU(gate)·up)
 EPILOGUES = ((0, False), (1, False), (1, True))
@@ -75,8 +81,7 @@ EPILOGUES = ((0, False), (1, False), (1, True))
                                                   (8, "fp16", False, False), (4, "fp32", False, False),
                                                   (4, "bf16", False, True), (8, "fp16", False, True)])
 def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype, wide, idot):
-    types = {**pointers(dtype, "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
-             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    types = packed_gemv_types(dtype)
     # groups of 128 (4 a step) and one group a row, for every prologue and epilogue (the residual,
     # or SiLU(gate)·up); whole tiles and cut ones; a step within a group of 1024, and groups of 96
     # (a scale a word), with the RMSNorm prologue
@@ -97,8 +102,7 @@ def test_an_integer_dot_word_takes_its_dp2a_and_fewer_instructions(bits):
     """An integer-dot tile's K step multiplies a 4-bit word by four ``dp2a`` (``IDP.2A``) and an 8-bit one by two,
     with no float multiply-add a code; for 4-bit codes the step is at least a fifth shorter than the float
     tile's (sm_90, the ``down`` tile 16x1024 of 4 warps: 16 words a thread a step)."""
-    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
-             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    types = packed_gemv_types("bf16")
     steps = {}
     for idot in (False, True):
         given = dict(PROLOGUE=0, HAS_BIAS=False, HAS_RES=True, BN=16, BK=1024 if bits == 4 else 512, BITS=bits,
@@ -117,8 +121,7 @@ def test_8_bit_codes_with_bf16_activations_take_one_byte_permute_each():
     and-or: in the sm_90 binary of the 8-bit ``down`` tile the K step holds a permute per code, next
     to no and-or, and fewer instructions than the same tile without it. The exponent's bits are kept
     in one register (a constant would be moved into one before each permute: no fewer instructions)."""
-    types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
-             "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    types = packed_gemv_types("bf16")
     steps = {}
     for wide in (False, True):  # the H200's 8-bit down tile: 8 rows by 2048 columns, 4 warps
         given = dict(PROLOGUE=0, HAS_BIAS=False, HAS_RES=True, BN=8, BK=2048, BITS=8, GS=128, HAS_Z=False,
@@ -381,8 +384,7 @@ def test_the_decode_kernels_build_for_jetson_thor():
         verdict = kernels._cannot_build_for((11, 0))
     if verdict:
         pytest.skip(f"Triton {triton.__version__} cannot build for sm_110: {verdict}")
-    packed = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
-              "ARRIVALS": "*i32", **dict.fromkeys(("N", "K", "G", "per_split", "splits"), "i32"), "eps": "fp32"}
+    packed = packed_gemv_types("bf16")
     for prologue, glu in EPILOGUES:
         assert all(compiled(triton_decode._packed_gemv_kernel, packed, dict(
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=4, GS=128,
