@@ -375,8 +375,9 @@ def test_a_gpu_this_triton_cannot_build_for_is_named_quietly(capsys):
 
 
 def test_the_decode_kernels_build_for_jetson_thor():
-    """Jetson Thor is sm_110 from CUDA 13 on: the batch-1 products (packed and dense), the batched
-    packed product and the attention build for it, where this Triton's ``ptxas`` knows it."""
+    """Jetson Thor is sm_110 from CUDA 13 on: the batch-1 products (packed, with float and integer-dot
+    tiles, and dense), the batched packed product and the attention build for it, where this Triton's
+    ``ptxas`` knows it."""
     from edgeinfer.testing.triton_compile import compile_only
 
     thor = {"sm_110 (Thor)": GPUTarget("cuda", 110, 32)}
@@ -385,11 +386,11 @@ def test_the_decode_kernels_build_for_jetson_thor():
     if verdict:
         pytest.skip(f"Triton {triton.__version__} cannot build for sm_110: {verdict}")
     packed = packed_gemv_types("bf16")
-    for prologue, glu in EPILOGUES:
+    for (prologue, glu), idot in itertools.product(EPILOGUES, (False, True)):
         assert all(compiled(triton_decode._packed_gemv_kernel, packed, dict(
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=4, GS=128,
             HAS_Z=False, SPLIT_K=True, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
-            XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=False), targets=thor).values())
+            XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=False, IDOT=idot), targets=thor).values())
     dense = {**pointers("bf16", "X", "W", "BIAS", "RES", "NORM_W", "Y"),
              **dict.fromkeys(("N", "K", "stride_x", "stride_r", "stride_y"), "i32"), "eps": "fp32"}
     assert all(compiled(triton_decode._gemv_kernel, dense, dict(
