@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgeinfer.bench.quiet import LoadTracker, RunLog, judge  # noqa: E402
+from edgeinfer.quant.launching import INTEGER_DOT_ENV  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 1536, 8960, 2048, 151936  # Qwen2-VL-2B's decoder
 
@@ -79,10 +80,7 @@ def child(way: str, arch: int, workers: int) -> None:
 
     from edgeinfer.backends.torch import triton_decode
     from edgeinfer.quant import kernels, staged
-    from edgeinfer.quant.launching import INTEGER_DOT_ENV
     from edgeinfer.testing.triton_compile import binaries, compile_only
-
-    os.environ[INTEGER_DOT_ENV] = "1" if way == "ahead+idot" else "0"  # the packed tiles the tuner times
 
     with_staged = way == "ahead+staged"
     calls = []
@@ -180,6 +178,8 @@ def main() -> None:
             for way in ways:
                 with tempfile.TemporaryDirectory() as cache, runs.run(f"{way} #{pair}") as run:
                     env = {**os.environ, "TRITON_CACHE_DIR": cache, "TRITON_DEFAULT_FP_FUSION": "1"}
+                    if args.integer_dot:  # the packed tiles the tuner times: without those tiles, then with them
+                        env[INTEGER_DOT_ENV] = "1" if way == "ahead+idot" else "0"
                     done = subprocess.run([sys.executable, __file__, "--child", way, "--arch", str(args.arch),
                                            "--workers", str(args.workers), "--out", str(args.out)],
                                           capture_output=True, text=True, env=env, cwd=ROOT)
