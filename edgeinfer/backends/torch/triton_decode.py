@@ -569,7 +569,7 @@ PACKED_GEMV_CANDIDATES = (
 # Tiles with x's columns as 16-bit integers dotted with the codes by ``dp2a`` (:func:`_integer_dot`): about a
 # third fewer instructions a word in ptxas's K step for sm_90. The ten that were fastest for some 4-bit product
 # of Qwen2-VL-2B on an H100 (scripts/probe_integer_dot.py, docs/gpu-kernels.md), timed beside the float ones
-# for 4-bit weights only: 8-bit products were no faster on them.
+# where :func:`integer_dot_serves` the weight.
 INTEGER_DOT_CANDIDATES = tuple(PackedGemvConfig(*t, idot=True) for t in (
     (16, 2048, 4), (8, 2048, 4), (8, 2048, 4, 4), (4, 2048, 2), (32, 256, 4), (32, 512, 4), (16, 512, 2),
     (16, 512, 2, 1, 96), (16, 1024, 4, 8), (8, 1024, 4, 4)))
@@ -581,14 +581,15 @@ _TILE_KINDS = {cls: kind for kind, cls in _TILE_CLASSES.items()}
 
 def integer_dot_serves(w: PackedMatrix) -> bool:
     """Whether the integer-dot tiles are timed for ``w``: 4-bit codes, and 8-bit codes with one scale a row (the
-    int8 ``lm_head``: 83.7 against 88.8 µs on an H100). 8-bit products with groups were no faster on them."""
+    int8 ``lm_head``: 83.7 against 88.8 µs alone on an H100). 8-bit products with groups were no faster on them,
+    so they are spared the compiles."""
     return w.bits == 4 or w.group_size >= w.shape[1]
 
 
 def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None, glu: bool = False) -> tuple[Tile, ...]:
     """The tiles timed for a product of weight ``w`` at batch 1 (``dtype``: the activations'; ``glu``:
-    it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, then its integer-dot tiles for
-    4-bit codes and 16-bit activations (8-bit products gained nothing on them), and the staged kernel's
+    it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, then its integer-dot tiles where
+    they serve the weight (:func:`integer_dot_serves`) and the activations are 16-bit, and the staged kernel's
     where it is enabled and fits (:func:`staged.candidates`)."""
     if not isinstance(w, PackedMatrix):
         return GEMV_CANDIDATES
