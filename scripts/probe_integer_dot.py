@@ -56,16 +56,9 @@ def check(dev):
     return found
 
 
-def head(rounds):
-    """The int8 head's tiles and their twins, each checked and then timed alone over two copies."""
-    dev = torch.device("cuda")
-    res = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
-           "copies": 2, "rounds": rounds, "loadavg_before": os.getloadavg(), "products": {}}
-    torch.manual_seed(0)
-    space = SplitWorkspace(dev)
-    out = os.path.join(os.environ.get("OUT", "."), "probe-integer-dot-head.json")
-    name, n, k, kind = HEAD
-    x, kw, ws, outs = layer_case(kind, n, k, dev, 2, k, 8)
+def timed_twins(x, kw, ws, outs, space, rounds):
+    """Every tile of ``PACKED_GEMV_CANDIDATES`` and its twin over the copies ``ws``: checked as the tuner checks a
+    tile, the right ones timed ``rounds`` times in turns. The timings a tile, and the wrong tiles."""
     tiles = twins(td.PACKED_GEMV_CANDIDATES)
     kernels.compile_ahead([f for t in tiles for f in layer_calls(x, ws[:1], t, outs, space, warmup=True, **kw)])
     right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)
@@ -73,11 +66,29 @@ def head(rounds):
     for _ in range(rounds):
         for t in right:
             times[t].append(kernels.graph_time_us(layer_calls(x, ws, t, outs, space, **kw), 10))
+    return times, wrong
+
+
+def fastest(med, idot):
+    """The fastest tile among the integer-dot ones (``idot``) or the float ones."""
+    return min((t for t in med if t.idot == idot), key=med.get)
+
+
+def head(rounds):
+    """The int8 head's tiles and their twins, each checked and then timed alone over two copies."""
+    dev = torch.device("cuda")
+    res = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+           "copies": 2, "rounds": rounds, "loadavg_before": os.getloadavg(), "products": {}}
+    torch.manual_seed(0)
+    out = os.path.join(os.environ.get("OUT", "."), "probe-integer-dot-head.json")
+    name, n, k, kind = HEAD
+    x, kw, ws, outs = layer_case(kind, n, k, dev, 2, k, 8)
+    times, wrong = timed_twins(x, kw, ws, outs, SplitWorkspace(dev), rounds)
     med = {t: statistics.median(v) for t, v in times.items()}
     entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in sorted(med.items(), key=lambda kv: kv[1])},
-             "runs": {td._config_name(t): [round(v, 2) for v in times[t]] for t in right}}
-    for label, is_kind in (("float", lambda t: not t.idot), ("idot", lambda t: t.idot)):
-        pick = min((t for t in med if is_kind(t)), key=med.get)
+             "runs": {td._config_name(t): [round(v, 2) for v in runs] for t, runs in times.items()}}
+    for label, idot in (("float", False), ("idot", True)):
+        pick = fastest(med, idot)
         entry[label] = {"tile": td._config_name(pick), "us": round(med[pick], 2),
                         "gb_s": round(ws[0].codes.numel() * 4 / med[pick] / 1e3, 1)}
     res["products"][f"w8 {name}"] = entry
@@ -99,19 +110,13 @@ def main(rounds):
         best = {}
         for name, n, k, kind in QWEN2_VL_2B:
             x, kw, ws, outs = layer_case(kind, n, k, dev, LAYERS, k if row else GS, bits)
-            tiles = twins(td.PACKED_GEMV_CANDIDATES)
-            kernels.compile_ahead([f for t in tiles for f in layer_calls(x, ws[:1], t, outs, space, warmup=True, **kw)])
-            right, wrong = right_one_row_tiles(x, ws[0], tiles, outs[0], space, **kw)
-            times = {t: [] for t in right}
-            for _ in range(rounds):
-                for t in right:
-                    times[t].append(kernels.graph_time_us(layer_calls(x, ws, t, outs, space, **kw), 10))
+            times, wrong = timed_twins(x, kw, ws, outs, space, rounds)
             med = {t: statistics.median(v) for t, v in times.items()}
             ranked = sorted(med.items(), key=lambda kv: kv[1])
             entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in ranked}}
             best[name] = {}
-            for label, is_kind in (("float", lambda t: not t.idot), ("idot", lambda t: t.idot)):
-                pick = min((t for t in med if is_kind(t)), key=med.get)
+            for label, idot in (("float", False), ("idot", True)):
+                pick = fastest(med, idot)
                 best[name][label] = layer_calls(x, ws, pick, outs, space, **kw)
                 entry[label] = {"tile": td._config_name(pick), "us": round(med[pick], 2)}
             res["products"][f"w{bits} {name}"] = entry
