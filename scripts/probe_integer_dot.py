@@ -74,6 +74,17 @@ def fastest(med, idot):
     return min((t for t in med if t.idot == idot), key=med.get)
 
 
+def ranked(times, wrong):
+    """Each tile's median, and the record's entry: the wrong tiles, every median fastest first, and the fastest
+    float and integer-dot tiles."""
+    med = {t: statistics.median(v) for t, v in times.items()}
+    entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in sorted(med.items(), key=lambda kv: kv[1])}}
+    for label, idot in (("float", False), ("idot", True)):
+        pick = fastest(med, idot)
+        entry[label] = {"tile": td._config_name(pick), "us": round(med[pick], 2)}
+    return med, entry
+
+
 def head(rounds):
     """The int8 head's tiles and their twins, each checked and then timed alone over two copies."""
     dev = torch.device("cuda")
@@ -84,13 +95,10 @@ def head(rounds):
     name, n, k, kind = HEAD
     x, kw, ws, outs = layer_case(kind, n, k, dev, 2, k, 8)
     times, wrong = timed_twins(x, kw, ws, outs, SplitWorkspace(dev), rounds)
-    med = {t: statistics.median(v) for t, v in times.items()}
-    entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in sorted(med.items(), key=lambda kv: kv[1])},
-             "runs": {td._config_name(t): [round(v, 2) for v in runs] for t, runs in times.items()}}
-    for label, idot in (("float", False), ("idot", True)):
-        pick = fastest(med, idot)
-        entry[label] = {"tile": td._config_name(pick), "us": round(med[pick], 2),
-                        "gb_s": round(ws[0].codes.numel() * 4 / med[pick] / 1e3, 1)}
+    med, entry = ranked(times, wrong)
+    entry["runs"] = {td._config_name(t): [round(v, 2) for v in runs] for t, runs in times.items()}
+    for label in ("float", "idot"):
+        entry[label]["gb_s"] = round(ws[0].codes.numel() * 4 / med[fastest(med, label == "idot")] / 1e3, 1)
     res["products"][f"w8 {name}"] = entry
     print("w8", name, json.dumps({k: v for k, v in entry.items() if k not in ("us", "runs")}), flush=True)
     res["loadavg_after"] = os.getloadavg()
@@ -111,14 +119,9 @@ def main(rounds):
         for name, n, k, kind in QWEN2_VL_2B:
             x, kw, ws, outs = layer_case(kind, n, k, dev, LAYERS, k if row else GS, bits)
             times, wrong = timed_twins(x, kw, ws, outs, space, rounds)
-            med = {t: statistics.median(v) for t, v in times.items()}
-            ranked = sorted(med.items(), key=lambda kv: kv[1])
-            entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in ranked}}
-            best[name] = {}
-            for label, idot in (("float", False), ("idot", True)):
-                pick = fastest(med, idot)
-                best[name][label] = layer_calls(x, ws, pick, outs, space, **kw)
-                entry[label] = {"tile": td._config_name(pick), "us": round(med[pick], 2)}
+            med, entry = ranked(times, wrong)
+            best[name] = {label: layer_calls(x, ws, fastest(med, label == "idot"), outs, space, **kw)
+                          for label in ("float", "idot")}
             res["products"][f"w{bits} {name}"] = entry
             print(f"w{bits}", name, json.dumps({k: v for k, v in entry.items() if k != "us"}), flush=True)
             json.dump(res, open(out, "w"), indent=1)
