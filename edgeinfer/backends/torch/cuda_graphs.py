@@ -320,7 +320,7 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 "fused_replays": self.fused_replays,
                 "dependent_launch": dependent_launch(self.device), "step_ends": self._fused.ends.kernels,
                 "staged_products": staged_enabled(),  # whether the staged tiles were the step's candidates
-                "integer_dot": integer_dot_enabled(),  # the switch; triton_decode.integer_dot_serves: which weights
+                "integer_dot": integer_dot_enabled(),  # the switch: packed_gemv's integer-dot tiles timed or not
                 "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
                 "step": self._fused.step_report, "rows_step": self._fused.rows_step_report}

@@ -568,8 +568,9 @@ PACKED_GEMV_CANDIDATES = (
 
 # Tiles with x's columns as 16-bit integers dotted with the codes by ``dp2a`` (:func:`_integer_dot`): about a
 # third fewer instructions a word in ptxas's K step for sm_90. The ten that were fastest for some 4-bit product
-# of Qwen2-VL-2B on an H100 (scripts/probe_integer_dot.py, docs/gpu-kernels.md), timed beside the float ones
-# where :func:`integer_dot_serves` the weight.
+# of Qwen2-VL-2B on an H100 (scripts/probe_integer_dot.py, docs/gpu-kernels.md), timed beside the float ones for
+# every packed weight, 4-bit or 8-bit, under 16-bit activations. 8-bit weights with groups of 128 gained too: the
+# step took them for q|k|v, and W8A16 decode on an H100 ran 1.022× faster with them among the candidates.
 INTEGER_DOT_CANDIDATES = tuple(PackedGemvConfig(*t, idot=True) for t in (
     (16, 2048, 4), (8, 2048, 4), (8, 2048, 4, 4), (4, 2048, 2), (32, 256, 4), (32, 512, 4), (16, 512, 2),
     (16, 512, 2, 1, 96), (16, 1024, 4, 8), (8, 1024, 4, 4)))
@@ -579,22 +580,13 @@ _TILE_CLASSES = {"dense": GemvConfig, "packed": PackedGemvConfig, "staged": Stag
 _TILE_KINDS = {cls: kind for kind, cls in _TILE_CLASSES.items()}
 
 
-def integer_dot_serves(w: PackedMatrix) -> bool:
-    """Whether the integer-dot tiles are timed for ``w``: 4-bit codes, and 8-bit codes with one scale a row (the
-    int8 ``lm_head``: 83.7 against 88.8 µs alone on an H100). 8-bit products with groups were no faster on them,
-    so they are spared the compiles. One scale a row is what the kernel's ``ONE_GROUP`` reads: one group."""
-    return w.bits == 4 or w.layout.groups == 1
-
-
 def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None, glu: bool = False) -> tuple[Tile, ...]:
     """The tiles timed for a product of weight ``w`` at batch 1 (``dtype``: the activations'; ``glu``:
     it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, then its integer-dot tiles where
-    they serve the weight (:func:`integer_dot_serves`) and the activations are 16-bit, and the staged kernel's
-    where it is enabled and fits (:func:`staged.candidates`)."""
+    the activations are 16-bit, and the staged kernel's where it is enabled and fits (:func:`staged.candidates`)."""
     if not isinstance(w, PackedMatrix):
         return GEMV_CANDIDATES
-    integer = (INTEGER_DOT_CANDIDATES if integer_dot_serves(w) and dtype in (torch.bfloat16, torch.float16)
-               and integer_dot_enabled() else ())
+    integer = INTEGER_DOT_CANDIDATES if dtype in (torch.bfloat16, torch.float16) and integer_dot_enabled() else ()
     return PACKED_GEMV_CANDIDATES + integer + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
 
 
