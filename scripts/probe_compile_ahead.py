@@ -3,7 +3,7 @@ after another as their first launches compiled them, and on a pool of threads
 (``kernels.compile_ahead``). Without a GPU, the compiles alone, for Orin (sm_87) or Hopper (sm_90);
 with ``--gpu``, whole ``edgeinfer run`` processes on a GPU.
 
-    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N] [--staged | --integer-dot]
+    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N] [--staged | --integer-dot] [--bits 8]
     python scripts/probe_compile_ahead.py --gpu --out DIR [--pairs 2] [--cache /tmp/cache]
 
 ``--staged``: instead of one after another against on threads, on threads without the staged kernel's
@@ -51,8 +51,9 @@ from edgeinfer.quant.launching import INTEGER_DOT_ENV  # noqa: E402
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 1536, 8960, 2048, 151936  # Qwen2-VL-2B's decoder
 
 
-def products():
-    """(weight, what the product fuses) for q|k|v, o, gate|up and down in 4 bits and the 8-bit head."""
+def products(bits: int = 4):
+    """(weight, what the product fuses) for q|k|v, o, gate|up and down in ``bits`` (groups of 128) and the
+    8-bit head."""
     import torch
 
     from edgeinfer.quant.packed import PackedMatrix
@@ -65,14 +66,14 @@ def products():
         return torch.randn(1, n, dtype=torch.bfloat16)
 
     norm = {"norm_weight": row(HIDDEN)[0], "eps": 1e-6}
-    return {"qkv": (packed(QKV, HIDDEN, 4, 128), {"bias": row(QKV)[0], **norm}),
-            "o": (packed(HIDDEN, HIDDEN, 4, 128), {"residual": row(HIDDEN)}),
-            "gate_up": (packed(2 * INTERMEDIATE, HIDDEN, 4, 128), {"glu": True, **norm}),
-            "down": (packed(HIDDEN, INTERMEDIATE, 4, 128), {"residual": row(HIDDEN)}),
+    return {"qkv": (packed(QKV, HIDDEN, bits, 128), {"bias": row(QKV)[0], **norm}),
+            "o": (packed(HIDDEN, HIDDEN, bits, 128), {"residual": row(HIDDEN)}),
+            "gate_up": (packed(2 * INTERMEDIATE, HIDDEN, bits, 128), {"glu": True, **norm}),
+            "down": (packed(HIDDEN, INTERMEDIATE, bits, 128), {"residual": row(HIDDEN)}),
             "lm_head": (packed(VOCAB, HIDDEN, 8, HIDDEN), norm)}
 
 
-def child(way: str, arch: int, workers: int) -> None:
+def child(way: str, arch: int, workers: int, bits: int = 4) -> None:
     """One run: compile every product's candidate tiles ``way`` (serial, ahead, or ahead with the staged
     kernel's tiles or the integer-dot ones too: ahead+staged, ahead+idot); print the figures."""
     import torch
@@ -85,7 +86,7 @@ def child(way: str, arch: int, workers: int) -> None:
     with_staged = way == "ahead+staged"
     calls = []
     jitted = [triton_decode._packed_gemv_kernel] + ([staged._staged_gemv_kernel] if with_staged else [])
-    for w, kw in products().values():
+    for w, kw in products(bits).values():
         x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
         tiles = triton_decode._candidates(w, torch.bfloat16, bool(kw.get("glu")))
         calls += [lambda c=c, w=w, x=x, kw=kw: triton_decode.packed_gemv(x, w, c, warmup=True, **kw)
@@ -155,10 +156,12 @@ def main() -> None:
                         help="on threads, without the staged kernel's tiles against with them")
     parser.add_argument("--integer-dot", action="store_true",
                         help="on threads, without packed_gemv's integer-dot tiles against with them")
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4,
+                        help="without --gpu: the layers' codes (groups of 128; the head is 8-bit either way)")
     parser.add_argument("--child", choices=("serial", "ahead", "ahead+staged", "ahead+idot"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.arch, args.workers)
+        child(args.child, args.arch, args.workers, args.bits)
         return
     if args.gpu:
         on_gpu(args)
@@ -169,10 +172,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     extra = "staged" if args.staged else "integer-dot" if args.integer_dot else None
     ways = ("ahead", f"ahead+{'idot' if args.integer_dot else 'staged'}") if extra else ("serial", "ahead")
-    out = args.out / f"compile-{extra or 'ahead'}-sm{args.arch}.json"
+    out = args.out / f"compile-{extra or 'ahead'}-sm{args.arch}{'-w8' if args.bits == 8 else ''}.json"
     runs = RunLog()
     record = {"arch": args.arch, "workers": args.workers, "cpus": os.cpu_count(), "triton": triton.__version__,
-              "shape": "qwen2-vl-2b w4a16 g128, 8-bit head", "ways": ways, "runs": []}
+              "shape": f"qwen2-vl-2b w{args.bits}a16 g128, 8-bit head", "ways": ways, "runs": []}
     with LoadTracker() as tracker:  # our processes' share of the load, as the benchmarks judge quiet runs
         for pair in range(args.pairs):
             for way in ways:
@@ -181,7 +184,8 @@ def main() -> None:
                     if args.integer_dot:  # the packed tiles the tuner times: without those tiles, then with them
                         env[INTEGER_DOT_ENV] = "1" if way == "ahead+idot" else "0"
                     done = subprocess.run([sys.executable, __file__, "--child", way, "--arch", str(args.arch),
-                                           "--workers", str(args.workers), "--out", str(args.out)],
+                                           "--workers", str(args.workers), "--bits", str(args.bits),
+                                           "--out", str(args.out)],
                                           capture_output=True, text=True, env=env, cwd=ROOT)
                     if done.returncode:
                         raise RuntimeError(f"the {way} run exited with {done.returncode}:\n{done.stderr[-4000:]}")
