@@ -3,7 +3,8 @@ after another as their first launches compiled them, and on a pool of threads
 (``kernels.compile_ahead``). Without a GPU, the compiles alone, for Orin (sm_87) or Hopper (sm_90);
 with ``--gpu``, whole ``edgeinfer run`` processes on a GPU.
 
-    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N] [--staged | --integer-dot] [--bits 8]
+    python scripts/probe_compile_ahead.py --out DIR [--pairs 3] [--arch 87] [--workers N] [--staged | --integer-dot]
+        [--bits 8]
     python scripts/probe_compile_ahead.py --gpu --out DIR [--pairs 2] [--cache /tmp/cache]
 
 ``--staged``: instead of one after another against on threads, on threads without the staged kernel's
@@ -12,7 +13,10 @@ that runs them unless ``$EDGEINFER_STAGED_PRODUCTS=0``) against on threads with 
 first load's compiles. Writes ``DIR/compile-staged-smARCH.json``.
 
 ``--integer-dot``: the same for ``packed_gemv``'s integer-dot tiles (what ``triton_decode._candidates`` adds for
-the 4-bit products unless ``$EDGEINFER_INTEGER_DOT=0``). Writes ``DIR/compile-integer-dot-smARCH.json``.
+the packed products unless ``$EDGEINFER_INTEGER_DOT=0``). Writes ``DIR/compile-integer-dot-smARCH.json``.
+
+``--bits 8``: the layers' products in 8 bits (groups of 128), as a W8A16 checkpoint has them, rather than 4; the
+file's name ends in ``-w8``.
 
 ``--gpu``: the benchmark's 4-bit checkpoint of ``--shape`` (Qwen2-VL-2B; built once under ``--cache``,
 as ``probe_tile_cache.py`` builds it), one untimed ``edgeinfer run`` first (torch.compile's cache
@@ -24,7 +28,7 @@ the tile cache off, so each compiles and times every tile: its wall time, the lo
 On a GPU the tuner compiles every candidate tile of every product the first time a checkpoint
 loads (the tile cache then keeps the choices, and Triton's own cache the binaries). This probe
 compiles the same kernels with the same arguments — the products of a Qwen2-VL-2B layer in 4 bits
-(groups of 128) and its 8-bit head, as ``FusedDecode._tune_alone`` calls them — through the
+(groups of 128; ``--bits 8``: 8) and its 8-bit head, as ``FusedDecode._tune_alone`` calls them — through the
 wrappers' ``warmup`` path under a compile-only driver (:mod:`edgeinfer.testing.triton_compile`).
 Each run is a fresh process with an empty Triton cache; the two ways alternate, ``--pairs`` times.
 The raw file records each run's seconds, kernels, the load before and after it, and our own share
