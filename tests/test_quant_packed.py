@@ -245,7 +245,8 @@ def test_an_integer_dot_row_is_the_product_within_x_s_rounding_to_integers(dtype
         moved = (words / steps / 2).repeat_interleave(per)[:k] * (1 + 2 ** -20)
         # plus a unit in the last place: the interpreter truncates where a GPU rounds to nearest
         bound = dense.abs() @ moved + 2 ** -7 * want.abs()[0] + 1e-30
-        for config in (PackedGemvConfig(16, 256, 4, idot=True), PackedGemvConfig(8, 128, 4, 3, idot=True)):
+        tiles = (PackedGemvConfig(16, 256, 4, idot=True), PackedGemvConfig(8, 128, 4, 3, idot=True))
+        for config in tiles + ((PackedGemvConfig(8, 512, 2, idot=True),) if bits == 8 else ()):
             got = triton_decode.packed_gemv(x, packed, config).float()
             assert bool(((got - want).abs()[0] <= bound).all()), (config, ((got - want).abs()[0] / bound).max())
 

@@ -91,7 +91,7 @@ def test_its_tiles_are_timed_unless_turned_off_and_on_a_gpu_that_runs_it(monkeyp
 
 def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
     """packed_gemv's float tiles first, then its integer-dot tiles (16-bit activations, 4-bit or 8-bit codes,
-    unless switched off), then the staged kernel's."""
+    unless switched off; two more for 8-bit codes), then the staged kernel's."""
     from edgeinfer.backends.torch import triton_decode
 
     w = packed(17920, 1536)
@@ -109,11 +109,17 @@ def test_the_step_asks_for_its_tiles_after_packed_gemv_s(monkeypatch):
     assert triton_decode._candidates(w) == floats  # no dtype: packed_gemv's float tiles alone
     monkeypatch.delenv(INTEGER_DOT_ENV)
     # 8-bit codes (which the staged kernel does not take): the integer-dot tiles with one scale a row, as the
-    # int8 head has, and with groups, as W8A16's layers have
+    # int8 head has, and with groups, as W8A16's layers have, and two more that only 8-bit gate|up was fastest on
+    eights = triton_decode.INTEGER_DOT_8BIT_CANDIDATES
+    assert eights and all(t.idot for t in eights) and not set(eights) & set(integers)
+    assert not set(eights) & set(triton_decode._candidates(w, torch.bfloat16, True))  # not for 4-bit codes
     for w8 in (packed(4096, 1536, bits=8, group=1536), packed(4096, 1536, bits=8, group=128)):
         for dtype in (torch.bfloat16, torch.float16):
-            assert triton_decode._candidates(w8, dtype, False) == floats + integers
+            assert triton_decode._candidates(w8, dtype, False) == floats + integers + eights
         assert triton_decode._candidates(w8, torch.float32, False) == floats
+        monkeypatch.setenv(INTEGER_DOT_ENV, "0")
+        assert triton_decode._candidates(w8, torch.bfloat16, False) == floats
+        monkeypatch.delenv(INTEGER_DOT_ENV)
     assert triton_decode._config_name(triton_decode.PackedGemvConfig(8, 2048, 4, idot=True)) == "8x2048/4w/split1/idot"
     assert triton_decode._config_name(StagedGemvConfig(2, 7)) == "staged/2w/split7"
     assert triton_decode._config_name(StagedGemvConfig(2, 7, early=3)) == "staged/2w/split7/early3"

@@ -574,6 +574,10 @@ PACKED_GEMV_CANDIDATES = (
 INTEGER_DOT_CANDIDATES = tuple(PackedGemvConfig(*t, idot=True) for t in (
     (16, 2048, 4), (8, 2048, 4), (8, 2048, 4, 4), (4, 2048, 2), (32, 256, 4), (32, 512, 4), (16, 512, 2),
     (16, 512, 2, 1, 96), (16, 1024, 4, 8), (8, 1024, 4, 4)))
+# 8-bit weights' two fastest integer-dot tiles for gate|up on an H100 (15.08 and 15.17 µs against 15.75 on the
+# fastest float tile, docs/results/probes/h100-integer-dot), which no 4-bit product was fastest on. The step kept
+# the first for gate|up, and W8A16 decode on an H100 ran 1.007× faster (docs/results/probes/h100-w8-gate-up-tiles).
+INTEGER_DOT_8BIT_CANDIDATES = (PackedGemvConfig(16, 256, 4, idot=True), PackedGemvConfig(8, 512, 2, idot=True))
 
 Tile = GemvConfig | PackedGemvConfig | StagedGemvConfig
 _TILE_CLASSES = {"dense": GemvConfig, "packed": PackedGemvConfig, "staged": StagedGemvConfig}  # a kept tile's kind
@@ -587,6 +591,8 @@ def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None
     if not isinstance(w, PackedMatrix):
         return GEMV_CANDIDATES
     integer = INTEGER_DOT_CANDIDATES if dtype in (torch.bfloat16, torch.float16) and integer_dot_enabled() else ()
+    if integer and w.bits == 8:
+        integer += INTEGER_DOT_8BIT_CANDIDATES
     return PACKED_GEMV_CANDIDATES + integer + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
 
 
