@@ -578,6 +578,8 @@ INTEGER_DOT_CANDIDATES = tuple(PackedGemvConfig(*t, idot=True) for t in (
 # fastest float tile, docs/results/probes/h100-integer-dot), which no 4-bit product was fastest on. The step kept
 # the first for gate|up, and W8A16 decode on an H100 ran 1.007× faster (docs/results/probes/h100-w8-gate-up-tiles).
 INTEGER_DOT_8BIT_CANDIDATES = (PackedGemvConfig(16, 256, 4, idot=True), PackedGemvConfig(8, 512, 2, idot=True))
+# The integer-dot tiles timed for a packed weight, by its code width
+_INTEGER_DOT_TILES = {4: INTEGER_DOT_CANDIDATES, 8: INTEGER_DOT_CANDIDATES + INTEGER_DOT_8BIT_CANDIDATES}
 
 Tile = GemvConfig | PackedGemvConfig | StagedGemvConfig
 _TILE_CLASSES = {"dense": GemvConfig, "packed": PackedGemvConfig, "staged": StagedGemvConfig}  # a kept tile's kind
@@ -586,13 +588,12 @@ _TILE_KINDS = {cls: kind for kind, cls in _TILE_CLASSES.items()}
 
 def _candidates(w: torch.Tensor | PackedMatrix, dtype: torch.dtype | None = None, glu: bool = False) -> tuple[Tile, ...]:
     """The tiles timed for a product of weight ``w`` at batch 1 (``dtype``: the activations'; ``glu``:
-    it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, then its integer-dot tiles where
-    the activations are 16-bit, and the staged kernel's where it is enabled and fits (:func:`staged.candidates`)."""
+    it writes SiLU(gate)·up): a packed product's first is ``packed_gemv``'s, then its integer-dot tiles for its
+    code width where the activations are 16-bit, and the staged kernel's where it is enabled and fits
+    (:func:`staged.candidates`)."""
     if not isinstance(w, PackedMatrix):
         return GEMV_CANDIDATES
-    integer = INTEGER_DOT_CANDIDATES if dtype in (torch.bfloat16, torch.float16) and integer_dot_enabled() else ()
-    if integer and w.bits == 8:
-        integer += INTEGER_DOT_8BIT_CANDIDATES
+    integer = _INTEGER_DOT_TILES[w.bits] if dtype in (torch.bfloat16, torch.float16) and integer_dot_enabled() else ()
     return PACKED_GEMV_CANDIDATES + integer + tuple(staged.candidates(w, dtype, glu) if dtype is not None else ())
 
 
