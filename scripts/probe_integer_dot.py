@@ -69,20 +69,15 @@ def timed_twins(x, kw, ws, outs, space, rounds):
     return times, wrong
 
 
-def fastest(med, idot):
-    """The fastest tile among the integer-dot ones (``idot``) or the float ones."""
-    return min((t for t in med if t.idot == idot), key=med.get)
-
-
 def ranked(times, wrong):
-    """Each tile's median, and the record's entry: the wrong tiles, every median fastest first, and the fastest
-    float and integer-dot tiles."""
+    """Each tile's median; the fastest float and integer-dot tiles (``{"float": tile, "idot": tile}``); and the
+    record's entry: the wrong tiles, every median fastest first, and those two."""
     med = {t: statistics.median(v) for t, v in times.items()}
+    picks = {label: min((t for t in med if t.idot == idot), key=med.get)
+             for label, idot in (("float", False), ("idot", True))}
     entry = {"wrong": wrong, "us": {td._config_name(t): round(v, 2) for t, v in sorted(med.items(), key=lambda kv: kv[1])}}
-    for label, idot in (("float", False), ("idot", True)):
-        pick = fastest(med, idot)
-        entry[label] = {"tile": td._config_name(pick), "us": round(med[pick], 2)}
-    return med, entry
+    entry.update({label: {"tile": td._config_name(t), "us": round(med[t], 2)} for label, t in picks.items()})
+    return med, picks, entry
 
 
 def head(rounds):
@@ -95,10 +90,10 @@ def head(rounds):
     name, n, k, kind = HEAD
     x, kw, ws, outs = layer_case(kind, n, k, dev, 2, k, 8)
     times, wrong = timed_twins(x, kw, ws, outs, SplitWorkspace(dev), rounds)
-    med, entry = ranked(times, wrong)
+    med, picks, entry = ranked(times, wrong)
     entry["runs"] = {td._config_name(t): [round(v, 2) for v in runs] for t, runs in times.items()}
-    for label in ("float", "idot"):
-        entry[label]["gb_s"] = round(ws[0].codes.numel() * 4 / med[fastest(med, label == "idot")] / 1e3, 1)
+    for label, t in picks.items():
+        entry[label]["gb_s"] = round(ws[0].codes.numel() * 4 / med[t] / 1e3, 1)
     res["products"][f"w8 {name}"] = entry
     print("w8", name, json.dumps({k: v for k, v in entry.items() if k not in ("us", "runs")}), flush=True)
     res["loadavg_after"] = os.getloadavg()
@@ -119,9 +114,8 @@ def main(rounds):
         for name, n, k, kind in QWEN2_VL_2B:
             x, kw, ws, outs = layer_case(kind, n, k, dev, LAYERS, k if row else GS, bits)
             times, wrong = timed_twins(x, kw, ws, outs, space, rounds)
-            med, entry = ranked(times, wrong)
-            best[name] = {label: layer_calls(x, ws, fastest(med, label == "idot"), outs, space, **kw)
-                          for label in ("float", "idot")}
+            _, picks, entry = ranked(times, wrong)
+            best[name] = {label: layer_calls(x, ws, t, outs, space, **kw) for label, t in picks.items()}
             res["products"][f"w{bits} {name}"] = entry
             print(f"w{bits}", name, json.dumps({k: v for k, v in entry.items() if k != "us"}), flush=True)
             json.dump(res, open(out, "w"), indent=1)
