@@ -57,11 +57,11 @@ def test_weight_formats_parse_in_order_once_and_match_the_dtype():
         parse_weights(" , ", "bfloat16")
 
 
-@pytest.mark.parametrize(("fmt", "bits", "head"), [("w8a16", 8, False), ("w8a16-h8", 8, True),
-                                                    ("w4a16", 4, False), ("w4a16-h8", 4, True)])
+@pytest.mark.parametrize(("fmt", "bits", "head"), [("w8a16", 8, None), ("w8a16-h8", 8, 8), ("w4a16", 4, None),
+                                                    ("w4a16-h8", 4, 8), ("w4a16-h4", 4, 4)])
 def test_each_quantized_format_names_its_bits_and_head(fmt, bits, head):
     spec = QuantizedCheckpointSpec.of(fmt, Path("ckpt"), 128)
-    assert (spec.bits, spec.lm_head_int8, spec.format) == (bits, head, fmt)
+    assert (spec.bits, spec.lm_head_bits, spec.format) == (bits, head, fmt)
 
 
 def test_ours_runs_every_format_and_the_peers_the_checkpoint_as_it_is():
@@ -192,6 +192,8 @@ def test_a_quantized_checkpoint_is_written_once_under_a_key_of_what_it_depends_o
     assert QuantizedCheckpointSpec(source, 8, GROUP).key() != key
     assert QuantizedCheckpointSpec(source, 4, GROUP, dtype="bfloat16").key() != key
     assert QuantizedCheckpointSpec(source, 4, 16).key() != key
+    heads = {QuantizedCheckpointSpec(source, 4, GROUP, lm_head_bits=bits).key() for bits in (8, 4)}
+    assert len(heads) == 2 and key not in heads
     # A changed checkpoint (here its config) is another source.
     changed = Path(shutil.copytree(source, cache / "changed" / "qwen2_vl"))
     config = json.loads((changed / "config.json").read_text())

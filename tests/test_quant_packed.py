@@ -8,6 +8,8 @@ they are compared with what the same kernels dequantize, and with torch only in 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,13 +45,26 @@ KINDS = {
 PACKABLE = [k for k in KINDS if k != "gptq_act_order"]
 
 
+def own_quantize(src, out, **spec) -> Path:
+    """``edgeinfer quantize`` (rtn) of ``src`` into ``out``: the head too where ``spec`` asks."""
+    from edgeinfer.quant.compress import QuantizeOptions, QuantSpec
+    from edgeinfer.quant.quantize import quantize_checkpoint
+
+    quantize_checkpoint(QuantizeOptions(Path(src), Path(out) / "q", QuantSpec(**spec)))
+    return Path(out) / "q"
+
+
+# The GPU tests also run a checkpoint whose lm_head is 4-bit (``--lm-head int4``): the step's last product packed.
+GPU_KINDS = {"w4_g32_h4": lambda src, out: own_quantize(src, out, bits=4, group_size=32, lm_head_bits=4)}
+
+
 @pytest.fixture(scope="module")
 def quantized(checkpoint, tmp_path_factory):
     built = {}
 
     def get(kind: str):
         if kind not in built:
-            built[kind] = KINDS[kind](checkpoint("qwen2_vl"), tmp_path_factory.mktemp(kind))
+            built[kind] = {**KINDS, **GPU_KINDS}[kind](checkpoint("qwen2_vl"), tmp_path_factory.mktemp(kind))
         return built[kind]
 
     return get
@@ -495,19 +510,20 @@ def kernel_arithmetic(x, w: PackedMatrix, norm_weight=None, eps=0.0, bias=None, 
     return y.float()
 
 
-@pytest.mark.parametrize("product", ["gate_up", "down", "lm_head"])
+@pytest.mark.parametrize("product", ["gate_up", "down", "lm_head", "lm_head_w4"])
 def test_the_check_s_bounds_hold_for_the_kernels_arithmetic(product):
     """The fused step's check (``triton_decode.reference_product`` against ``kernels.divergence``)
     passes the kernels' own arithmetic rounded to nearest, as a GPU computes it, on every output
     and by a margin (Qwen2-VL-2B's gate|up with its norm, bias and SiLU·up, 4-bit with zero points;
-    down with a residual; an 8-bit head a scale a row), while a code read from the wrong nibble in
-    one weight row fails it. The check cannot refuse a right tile over rounding."""
+    down with a residual; an 8-bit head a scale a row, a 4-bit one in groups of 128), while a code
+    read from the wrong nibble in one weight row fails it. The check cannot refuse a right tile
+    over rounding."""
     from edgeinfer.backends.torch import triton_decode
 
     torch.manual_seed(11)
     dt = torch.bfloat16
     n, k, bits, group = {"gate_up": (4096, 1536, 4, 128), "down": (1536, 8960, 4, 128),
-                         "lm_head": (8192, 1536, 8, 1536)}[product]
+                         "lm_head": (8192, 1536, 8, 1536), "lm_head_w4": (8192, 1536, 4, 128)}[product]
     codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32)
     scales = (torch.rand(n, k // group) * (0.02 if bits == 4 else 0.002) + 0.001).to(dt)
     zeros = torch.randint(0, 16, (n, k // group)).to(dt) if product == "gate_up" else None
@@ -707,13 +723,14 @@ def cuda_tokens(path, *, together: bool, keep_packed: bool | None = None, **conf
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["w4_g32_asym", "w8_channel"])
+@pytest.mark.parametrize("kind", ["w4_g32_asym", "w8_channel", "w4_g32_h4"])
 @pytest.mark.parametrize("together", [False, True], ids=["batch1_fused", "batched"])
 def test_packed_products_on_cuda_in_fp32_give_the_dense_tokens(quantized, kind, together):
     path = quantized(kind)
     dense, _ = cuda_tokens(path, together=together, keep_packed=False)
     packed, engine = cuda_tokens(path, together=together)
     assert isinstance(engine.model.decoder.layers[0].gate_up_t, PackedMatrix)
+    assert isinstance(engine.model.decoder.lm_head_t, PackedMatrix) is (kind in GPU_KINDS)
     if not together and kernels.triton is not None:
         report = engine.decoder_engine.kernel_report
         assert report["fused"] and report["fused_replays"] > 0, report
@@ -723,7 +740,7 @@ def test_packed_products_on_cuda_in_fp32_give_the_dense_tokens(quantized, kind, 
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("together", [False, True], ids=["batch1_fused", "batched"])
-@pytest.mark.parametrize("kind", ["w4_g32", "w8_channel"])  # 8-bit: one byte permute a code (WIDE)
+@pytest.mark.parametrize("kind", ["w4_g32", "w8_channel", "w4_g32_h4"])  # 8-bit: one byte permute a code (WIDE)
 def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, together, kind):
     """In bfloat16 the packed and dense products sum in other orders: tokens of a random checkpoint
     may part late. The first divergence is printed; the first token must agree. At batch 1 the
@@ -732,6 +749,7 @@ def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, t
     path = quantized(kind)
     dense, _ = cuda_tokens(path, together=together, keep_packed=False, dtype="bfloat16")
     packed, engine = cuda_tokens(path, together=together, dtype="bfloat16")
+    assert isinstance(engine.model.decoder.lm_head_t, PackedMatrix) is (kind in GPU_KINDS)
     if not together and kernels.triton is not None:
         report = engine.decoder_engine.kernel_report
         assert report["fused"] and not [name for name, r in report["products"].items() if "wrong_outputs" in r], report
@@ -739,6 +757,16 @@ def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, t
     print(f"{kind} {'batched' if together else 'batch 1'}: first divergence packed vs dense (None = identical): "
           f"{positions}")
     assert all(p is None or p > 0 for p in positions)
+
+
+def test_a_4_bit_lm_head_stays_packed_where_the_layers_do(quantized):
+    """``--lm-head int4``: the head is the step's last packed product, 4-bit in the layers' groups,
+    equal to the dequantized head; the torch CPU backend takes it dense."""
+    packed = load_model(quantized("w4_g32_h4"), keep_packed=True).decoder.lm_head_t
+    dense = load_model(quantized("w4_g32_h4"), keep_packed=False).decoder.lm_head_t
+    assert isinstance(packed, PackedMatrix) and (packed.bits, packed.group_size) == (4, 32)
+    assert packed.shape == tuple(dense.t().shape) and not isinstance(dense, PackedMatrix)
+    assert torch.equal(torch_dense(packed, dense.dtype), dense.t())
 
 
 def test_what_packed_products_save_goes_to_the_kv_budget(quantized):

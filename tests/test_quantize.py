@@ -53,13 +53,15 @@ def reference(folder: Path, options: QuantizeOptions):
 # the asymmetric files are checked against compressed-tensors' decompressor below.
 CASES = [
     # family, method, spec
-    ("llava", Method.rtn, QuantSpec(4, 16, True, lm_head_int8=True)),
+    ("llava", Method.rtn, QuantSpec(4, 16, True, lm_head_bits=8)),
     ("qwen2_vl", Method.rtn, QuantSpec(8, None, True)),
     ("gemma3", Method.awq, QuantSpec(4, 32, True)),
+    ("qwen2_vl", Method.rtn, QuantSpec(4, 32, True, lm_head_bits=4)),
 ]
 
 
-@pytest.mark.parametrize("family,method,spec", CASES, ids=[f"{c[0]}-{c[1].value}-w{c[2].bits}" for c in CASES])
+@pytest.mark.parametrize("family,method,spec", CASES, ids=[f"{c[0]}-{c[1].value}-w{c[2].bits}" + (f"-h{c[2].lm_head_bits}" if c[2].lm_head_bits else "")
+                              for c in CASES])
 def test_output_loads_in_transformers_and_equals_our_fake_quantization(checkpoint, tmp_path, family, method, spec):
     source = checkpoint(family)
     options = QuantizeOptions(source, tmp_path / "q", spec, method, samples=2)
@@ -68,18 +70,19 @@ def test_output_loads_in_transformers_and_equals_our_fake_quantization(checkpoin
     loaded = load(options.out)
 
     quantized = language_linears(expected)
-    assert {layer.name for layer in report.layers} == set(quantized) | ({"lm_head"} if spec.lm_head_int8 else set())
+    head = spec.lm_head_bits is not None
+    assert {layer.name for layer in report.layers} == set(quantized) | ({"lm_head"} if head else set())
     loaded_params = dict(loaded.named_parameters())
     for name, param in expected.named_parameters():
         module = name.rsplit(".", 1)[0]
         if module in quantized and name.endswith(".weight"):
             want = fake_quantized(param.detach(), spec.weight_args())
-        elif module == "lm_head" and spec.lm_head_int8:
+        elif module == "lm_head" and head:
             want = fake_quantized(param.detach(), spec.lm_head_args())
         else:
             want = param.detach()  # vision tower, projector, embeddings, norms: as they were (AWQ: scaled)
         assert torch.equal(loaded_params[name], want), name
-    if spec.lm_head_int8:
+    if head:
         assert not torch.equal(loaded.get_output_embeddings().weight, loaded.get_input_embeddings().weight)
 
     config = json.loads((options.out / "config.json").read_text())["quantization_config"]
@@ -89,9 +92,11 @@ def test_output_loads_in_transformers_and_equals_our_fake_quantization(checkpoin
     assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (spec.bits, spec.group_size,
                                                                                     spec.symmetric)
     assert weights["strategy"] == ("channel" if spec.group_size is None else "group")
-    assert ("lm_head" in config["ignore"]) is not spec.lm_head_int8
-    if spec.lm_head_int8:
-        assert (groups[("lm_head",)]["num_bits"], groups[("lm_head",)]["strategy"]) == (8, "channel")
+    assert ("lm_head" in config["ignore"]) is not head
+    if head:
+        stored = groups[("lm_head",)]
+        assert (stored["num_bits"], stored["strategy"], stored["group_size"], stored["symmetric"]) == (
+            (8, "channel", None, True) if spec.lm_head_bits == 8 else (4, "group", spec.group_size, True))
     assert any("vision" in name or "visual" in name for name in config["ignore"])
 
 
@@ -100,7 +105,7 @@ def test_an_int8_lm_head_is_untied_from_the_embeddings_it_shared(tmp_path):
 
     source = load(DEMO_MODEL_DIR, decompress=False)
     assert source.get_output_embeddings().weight is source.get_input_embeddings().weight
-    spec = QuantSpec(4, 128, lm_head_int8=True)
+    spec = QuantSpec(4, 128, lm_head_bits=8)
     quantize_checkpoint(QuantizeOptions(Path(DEMO_MODEL_DIR), tmp_path / "q", spec))
     loaded = load(tmp_path / "q")
     assert torch.equal(loaded.get_input_embeddings().weight, source.get_input_embeddings().weight)
@@ -150,20 +155,20 @@ def test_compressed_load_generates_the_tokens_of_the_dequantized_load(checkpoint
     assert torch.equal(tokens[0], tokens[1])
 
 
-@pytest.mark.parametrize("family,method,with_image,lm_head_int8",
-                         [("qwen2_vl", Method.rtn, True, False), ("llava", Method.awq, False, False),
-                          ("qwen2_vl", Method.rtn, False, True)])
+@pytest.mark.parametrize("family,method,with_image,lm_head_bits",
+                         [("qwen2_vl", Method.rtn, True, None), ("llava", Method.awq, False, None),
+                          ("qwen2_vl", Method.rtn, False, 8), ("qwen2_vl", Method.rtn, False, 4)])
 def test_edgeinfer_loads_its_own_output_with_transformers_tokens(checkpoint, tmp_path, family, method, with_image,
-                                                                 lm_head_int8):
+                                                                 lm_head_bits):
     """The round trip a user makes: ``edgeinfer quantize``, then serve the folder with edgeinfer;
     32 greedy tokens equal transformers' on the same folder (text, and one image where the
-    test can build transformers' image inputs). With an int8 ``lm_head`` the head's own config
-    group (int8 per channel) must win over the ``Linear`` group that also covers it."""
+    test can build transformers' image inputs). With a quantized ``lm_head`` the head's own config
+    group (int8 per channel, or 4-bit groups) must win over the ``Linear`` group that also covers it."""
     from tests.conftest import noise_image
     from tests.test_quant_load import ours, transformers_tokens
 
     out = tmp_path / "q"
-    spec = QuantSpec(4, 32, lm_head_int8=lm_head_int8)
+    spec = QuantSpec(4, 32, lm_head_bits=lm_head_bits)
     quantize_checkpoint(QuantizeOptions(checkpoint(family), out, spec, method=method, samples=2))
     model = load(out)
     for images in ([], [noise_image(64, 48, seed=3)])[:1 + with_image]:
@@ -282,6 +287,23 @@ def test_cli_writes_the_report_naming_every_quantized_layer(checkpoint, tmp_path
     assert all(0 < layer["weight_error"] < 0.5 for layer in written["layers"])
     text = runner.invoke(app, ["quantize", str(checkpoint("llava")), str(out), "--group-size", "0", "--force"]).stdout
     assert "layers.1.mlp.down_proj" in text and "channel" in text and "model.language_model." in text
+
+
+def test_the_lm_head_takes_four_or_eight_bits_only():
+    from edgeinfer.errors import QuantizeSettingsError
+
+    with pytest.raises(QuantizeSettingsError, match="--lm-head is 2; allowed: int4 or int8"):
+        QuantSpec(4, 128, lm_head_bits=2)
+    assert QuantSpec(4, None, lm_head_bits=4).lm_head_args().strategy == "channel"  # no groups: one scale a row
+    assert QuantSpec(8, 64, lm_head_bits=4).lm_head_args().group_size == 64
+
+
+@pytest.mark.parametrize("head,bits,group", [("int8", 8, None), ("int4", 4, 32)])
+def test_cli_quantizes_the_lm_head_when_asked(checkpoint, tmp_path, head, bits, group):
+    code, answer = quantize_cli(str(checkpoint("llava")), str(tmp_path / "q"), "--group-size", "32", "--lm-head", head)
+    assert code == 0, answer
+    layer = next(layer for layer in answer["layers"] if layer["name"] == "lm_head")
+    assert (layer["bits"], layer["group_size"]) == (bits, group)
 
 
 @pytest.mark.parametrize("args,code,needle", [

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-QUANTIZED_BITS = {"w8a16": 8, "w8a16-h8": 8, "w4a16": 4, "w4a16-h8": 4}
+# format: (the layers' bits, the lm_head's bits; None: the head stays in the checkpoint's dtype).
 # ``-h8``: the lm_head is int8 per channel too (``edgeinfer quantize --lm-head int8``): at batch 1
 # a 2B model's bf16 head is two fifths of the bytes a 4-bit step reads, a quarter of an 8-bit one's.
-INT8_HEAD_SUFFIX = "-h8"
+# ``-h4``: it is 4-bit in the layers' groups (``--lm-head int4``), half the int8 head's bytes.
+QUANTIZED_BITS = {"w8a16": (8, None), "w8a16-h8": (8, 8), "w4a16": (4, None), "w4a16-h8": (4, 8), "w4a16-h4": (4, 4)}
 FORMATS = (*DTYPE_NAMES.values(), *QUANTIZED_BITS)
 QUANTIZE_METHOD = "rtn"
 # The modules whose code decides what an ``rtn`` checkpoint holds.
@@ -69,7 +70,7 @@ class QuantizedCheckpointSpec:
     bits: int
     group_size: int
     method: str = QUANTIZE_METHOD
-    lm_head_int8: bool = False
+    lm_head_bits: int | None = None
     # The dtype the source is quantized in (`edgeinfer quantize --dtype`): the one the benchmark runs,
     # so that scales are in the activations' dtype, as a checkpoint quantized from bf16 weights has them
     dtype: str | None = None
@@ -79,18 +80,19 @@ class QuantizedCheckpointSpec:
         """``dtype``: the one the benchmark runs; None where it is the checkpoint's own (quantized as it is)."""
         if dtype is not None and dtype == checkpoint_dtype(source):
             dtype = None
-        return cls(source, QUANTIZED_BITS[fmt], group_size, lm_head_int8=fmt.endswith(INT8_HEAD_SUFFIX), dtype=dtype)
+        bits, head_bits = QUANTIZED_BITS[fmt]
+        return cls(source, bits, group_size, lm_head_bits=head_bits, dtype=dtype)
 
     @property
     def format(self) -> str:
-        return f"w{self.bits}a16" + (INT8_HEAD_SUFFIX if self.lm_head_int8 else "")
+        return f"w{self.bits}a16" + (f"-h{self.lm_head_bits}" if self.lm_head_bits else "")
 
     def key(self) -> str:
         """A digest of everything the written checkpoint depends on."""
         from edgeinfer.artifacts import checkpoint_fingerprint
 
         digest = hashlib.sha256()
-        head = ("lm_head int8",) if self.lm_head_int8 else ()  # absent otherwise: older keys stay valid
+        head = (f"lm_head int{self.lm_head_bits}",) if self.lm_head_bits else ()  # absent otherwise: older keys stay valid
         dtype = (f"dtype {self.dtype}",) if self.dtype else ()  # likewise
         for part in (checkpoint_fingerprint(self.source), str(self.bits), str(self.group_size), self.method, *head,
                      *dtype, quantizer_identity()):
@@ -139,7 +141,7 @@ def quantized_checkpoint(spec: QuantizedCheckpointSpec, cache: Path, steps=None)
     cache.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache))
     try:
-        options = QuantizeOptions(spec.source, scratch, QuantSpec(spec.bits, spec.group_size, lm_head_int8=spec.lm_head_int8),
+        options = QuantizeOptions(spec.source, scratch, QuantSpec(spec.bits, spec.group_size, lm_head_bits=spec.lm_head_bits),
                                    Method(spec.method), dtype=spec.dtype)
         quantize_checkpoint(options, steps)
         scratch.rename(path)

@@ -151,7 +151,8 @@ def gpu(
     bandwidth_mib: Annotated[int, typer.Option(min=1, help="Buffer size of each bandwidth probe.")] = 1024,
     weights: Annotated[Optional[str], typer.Option(
         help="Weight formats ours runs, comma-separated: the checkpoint as it is (bf16, or fp16 / fp32 to match "
-             "--dtype), w8a16, w4a16, w8a16-h8 and w4a16-h8 (with an int8 lm_head; each quantized once by "
+             "--dtype), w8a16, w4a16, w8a16-h8 and w4a16-h8 (with an int8 lm_head), w4a16-h4 (with a 4-bit "
+             "lm_head; each quantized once by "
              "`edgeinfer quantize --method rtn`, kept under --cache). "
              "The transformers peers run the checkpoint as it is only. Default: the checkpoint as it is.")] = None,
     group_size: Annotated[int, typer.Option(min=1, help="Input columns per scale of w8a16 / w4a16.")] = 128,

@@ -22,6 +22,11 @@ class QuantMethod(str, Enum):
 
 class LmHead(str, Enum):
     int8 = "int8"
+    int4 = "int4"
+
+    @property
+    def bits(self) -> int:
+        return int(self.value.removeprefix("int"))
 
 
 def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder to quantize.")],
@@ -38,7 +43,8 @@ def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint
                       "Default: the demo generator's pictures and questions.")] = None,
              samples: Annotated[int, typer.Option(help="awq: calibration samples (picture + prompt).")] = 64,
              lm_head: Annotated[Optional[LmHead], typer.Option(
-                 help="Also quantize the output projection (lm_head), int8 per row. Default: kept as it is.")] = None,
+                 help="Also quantize the output projection (lm_head): int8 per row, or int4 in the layers' groups "
+                      "(half int8's bytes). Default: kept as it is.")] = None,
              symmetric: Annotated[bool, typer.Option(
                  "--symmetric/--asymmetric", help="Symmetric scales, or scales with a zero point.")] = True,
              dtype: Annotated[Optional[str], typer.Option(
@@ -65,7 +71,7 @@ def _quantize(model: Path, out: Path, bits: int, group_size: int, method: QuantM
     from edgeinfer.quant.compress import Method, QuantizeOptions, QuantSpec
     from edgeinfer.quant.quantize import quantize_checkpoint
 
-    spec = QuantSpec.from_options(bits, group_size, symmetric, lm_head is LmHead.int8)
+    spec = QuantSpec.from_options(bits, group_size, symmetric, lm_head.bits if lm_head else None)
     options = QuantizeOptions(model, out, spec, Method(method.value), calibration, samples, force, dtype=dtype)
     with stderr_bars(disable=quiet) as progress:  # calibrating, searching scales, quantizing
         return quantize_checkpoint(options, RichSteps(progress))

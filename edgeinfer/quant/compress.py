@@ -2,7 +2,7 @@
 
 ``quantize_checkpoint`` (in :mod:`.quantize`) reads a Hugging Face folder, quantizes the linear layers of the
 language model's decoder layers (never the embeddings, the vision tower or the projector;
-the ``lm_head`` only when asked, to int8 per channel), and writes the folder the way
+the ``lm_head`` only when asked, to int8 per channel or 4-bit groups), and writes the folder the way
 llm-compressor writes a W4A16 / W8A16 checkpoint: the schemes attached to the modules,
 ``ModelCompressor`` packing them (``pack-quantized``: ``weight_packed``, ``weight_scale``,
 ``weight_zero_point`` when asymmetric, ``weight_shape``), ``config.json`` carrying the
@@ -31,6 +31,7 @@ from edgeinfer.errors import (
 from edgeinfer.progress import Steps
 
 SUPPORTED_BITS = (4, 8)
+HEAD_BITS = (4, 8)
 REPORT_NAME = "quantize-report.json"
 FORMAT = "pack-quantized"
 LM_HEAD = "lm_head"
@@ -46,25 +47,29 @@ class Method(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    """What each quantized weight becomes. ``group_size`` None: one scale per output channel."""
+    """What each quantized weight becomes. ``group_size`` None: one scale per output channel.
+    ``lm_head_bits``: None keeps the output projection as it is; 8 makes it int8 per row, 4 makes
+    it 4-bit in the layers' groups (:meth:`lm_head_args`)."""
 
     bits: int = 4
     group_size: int | None = 128
     symmetric: bool = True
-    lm_head_int8: bool = False
+    lm_head_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
             raise QuantizeSettingsError("--bits", self.bits, " or ".join(map(str, SUPPORTED_BITS)))
+        if self.lm_head_bits is not None and self.lm_head_bits not in HEAD_BITS:
+            raise QuantizeSettingsError("--lm-head", self.lm_head_bits, " or ".join(f"int{b}" for b in HEAD_BITS))
         if self.group_size is not None and self.group_size < 1:
             raise QuantizeSettingsError("--group-size", self.group_size,
                                         "a positive group size, or 0 / -1 for one scale per output channel")
 
     @classmethod
     def from_options(cls, bits: int, group_size: int, symmetric: bool = True,
-                     lm_head_int8: bool = False) -> QuantSpec:
+                     lm_head_bits: int | None = None) -> QuantSpec:
         """The CLI's spelling: a group size of 0 or -1 means per output channel."""
-        return cls(bits, None if group_size in (0, -1) else group_size, symmetric, lm_head_int8)
+        return cls(bits, None if group_size in (0, -1) else group_size, symmetric, lm_head_bits)
 
     def weight_args(self):
         """The compressed-tensors ``QuantizationArgs`` of the language model's linear layers:
@@ -79,17 +84,22 @@ class QuantSpec:
         return QuantizationArgs(num_bits=self.bits, type=QuantizationType.INT, strategy=strategy,
                                 group_size=self.group_size, symmetric=self.symmetric, dynamic=False)
 
-    @staticmethod
-    def lm_head_args():
-        """int8, one symmetric scale per vocabulary row (W8A16's channel scheme)."""
+    def lm_head_args(self):
+        """The output projection's ``QuantizationArgs``, symmetric: int8 with one scale per vocabulary
+        row (W8A16's channel scheme), or 4-bit in the layers' groups (one scale per row where they
+        have none), as the ONNX Runtime int4 graphs hold it."""
         from compressed_tensors.quantization import (
             QuantizationArgs,
             QuantizationStrategy,
             QuantizationType,
         )
 
-        return QuantizationArgs(num_bits=8, type=QuantizationType.INT, strategy=QuantizationStrategy.CHANNEL,
-                                symmetric=True, dynamic=False)
+        if self.lm_head_bits is None:
+            raise ValueError("this spec keeps the lm_head as it is")
+        group = self.group_size if self.lm_head_bits == 4 else None
+        strategy = QuantizationStrategy.CHANNEL if group is None else QuantizationStrategy.GROUP
+        return QuantizationArgs(num_bits=self.lm_head_bits, type=QuantizationType.INT, strategy=strategy,
+                                group_size=group, symmetric=True, dynamic=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +256,7 @@ def load_model(folder: Path, dtype: str | None = None) -> torch.nn.Module:
 
 
 def untie_lm_head(model: torch.nn.Module) -> None:
-    """Give ``lm_head`` its own weight: int8 rows must not replace the input embeddings they share."""
+    """Give ``lm_head`` its own weight: quantized rows must not replace the input embeddings they share."""
     head = model.get_output_embeddings()
     if head.weight is not model.get_input_embeddings().weight:
         return
@@ -265,10 +275,10 @@ def quantization_config(model: torch.nn.Module, linears: dict[str, torch.nn.Line
     )
 
     groups = {}
-    if spec.lm_head_int8:
+    if spec.lm_head_bits is not None:
         groups["group_0"] = QuantizationScheme(targets=[LM_HEAD], weights=spec.lm_head_args())
     groups[f"group_{len(groups)}"] = QuantizationScheme(targets=["Linear"], weights=spec.weight_args())
-    keep = set(linears) | ({LM_HEAD} if spec.lm_head_int8 else set())
+    keep = set(linears) | ({LM_HEAD} if spec.lm_head_bits is not None else set())
     ignore = [name for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear) and name not in keep]
     return QuantizationConfig(config_groups=groups, ignore=ignore, format=FORMAT,
@@ -289,7 +299,7 @@ def attach_quantization(model: torch.nn.Module, linears: dict[str, torch.nn.Line
 
     apply_quantization_config(model, quantization_config(model, linears, spec), show_progress=False)
     targets = dict(linears)
-    if spec.lm_head_int8:
+    if spec.lm_head_bits is not None:
         targets[LM_HEAD] = model.get_output_embeddings()
     advance = steps.phase("quantizing", len(targets))
     reports = []

@@ -1,6 +1,6 @@
 """A decoder product's weight kept low-bit on the device: :class:`PackedMatrix`.
 
-On a GPU the decoder's products (q|k|v, o, gate|up, down, and an int8 ``lm_head``) keep the
+On a GPU the decoder's products (q|k|v, o, gate|up, down, and a quantized ``lm_head``) keep the
 checkpoint's low-bit values instead of a dense copy, so a decode step reads a quarter (4-bit)
 or half (8-bit) of the bytes, and the memory they no longer take goes to the KV pool. The
 checkpoint's layouts (compressed-tensors, GPTQ, AWQ) are brought to one form at load, which the

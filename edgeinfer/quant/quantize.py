@@ -33,7 +33,7 @@ def quantize_checkpoint(options: QuantizeOptions, steps: Steps | None = None) ->
     smoothing: dict[str, tuple[float, float]] = {}
     if options.method is Method.awq:
         smoothing = smooth_model(model, options, steps)
-    if options.spec.lm_head_int8:
+    if options.spec.lm_head_bits is not None:
         untie_lm_head(model)
     layers = attach_quantization(model, linears, options.spec, smoothing, steps)
     write_checkpoint(model, options)
