@@ -345,6 +345,17 @@ def test_doctor_prints_the_weight_format_and_bytes(quantized, tmp_path):
     assert weights["detail"].startswith("gptq W4A16 g32 asym, ") and "(14 quantized layers: " in weights["detail"]
 
 
+def test_the_format_label_names_a_group_that_names_its_layers():
+    """A quantized lm_head has its own group (``--lm-head``): doctor says which group is the head's."""
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights},
+                                "group_1": {"targets": ["lm_head"],
+                                            "weights": {**weights, "num_bits": 8, "strategy": "channel",
+                                                        "group_size": None}}}}
+    assert parse_quant_config(config).label == "compressed-tensors W4A16 g128, W8A16 channel (lm_head)"
+
+
 def test_weight_footprint_counts_the_packed_bytes(quantized, checkpoint):
     from edgeinfer.quant.footprint import weight_footprint
 

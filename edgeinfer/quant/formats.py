@@ -66,10 +66,12 @@ class QuantScheme:
 
     @property
     def label(self) -> str:
-        """A short name for doctor and logs: ``compressed-tensors W4A16 g32``, ``gptq W8A16 channel``."""
-        parts = [f"{self.method.value} W{g.bits}A16 {'g' + str(g.group_size) if g.group_size else 'channel'}"
-                 f"{'' if g.symmetric else ' asym'}{' act-order' if g.desc_act else ''}" for g in self.groups]
-        return ", ".join(parts)
+        """A short name for doctor and logs: ``compressed-tensors W4A16 g32``, ``gptq W8A16 channel``;
+        a group that names its layers says which (``compressed-tensors W8A16 channel (lm_head), W4A16 g128``)."""
+        parts = [f"W{g.bits}A16 {'g' + str(g.group_size) if g.group_size else 'channel'}"
+                 f"{'' if g.symmetric else ' asym'}{' act-order' if g.desc_act else ''}{_named_targets(g)}"
+                 for g in self.groups]
+        return f"{self.method.value} " + ", ".join(parts)
 
     def ignores(self, module: str) -> bool:
         return any(_target_matches(t, module) for t in self.ignore)
@@ -82,6 +84,12 @@ class QuantScheme:
         # (which also renumbers the groups it writes, so their order says nothing).
         named = next((g for g in self.groups if g.matches(module, by_name=True)), None)
         return named or next((g for g in self.groups if g.matches(module)), None)
+
+
+def _named_targets(group: WeightScheme) -> str:
+    """`` (lm_head)`` for a group whose targets name layers; nothing for one that targets a class."""
+    names = [t for t in group.targets if not _is_class(t)]
+    return f" ({', '.join(names)})" if names else ""
 
 
 def _is_class(target: str) -> bool:
