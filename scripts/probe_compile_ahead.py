@@ -16,7 +16,8 @@ first load's compiles. Writes ``DIR/compile-staged-smARCH.json``.
 the packed products unless ``$EDGEINFER_INTEGER_DOT=0``). Writes ``DIR/compile-integer-dot-smARCH.json``.
 
 ``--bits 8``: the layers' products in 8 bits (groups of 128), as a W8A16 checkpoint has them, rather than 4; the
-file's name ends in ``-w8``.
+file's name ends in ``-w8``. ``--head-bits 4``: the head 4-bit in groups of 128 (``--lm-head int4``) rather than
+int8 a row; the file's name ends in ``-h4``.
 
 ``--gpu``: the benchmark's 4-bit checkpoint of ``--shape`` (Qwen2-VL-2B; built once under ``--cache``,
 as ``probe_tile_cache.py`` builds it), one untimed ``edgeinfer run`` first (torch.compile's cache
@@ -28,7 +29,7 @@ the tile cache off, so each compiles and times every tile: its wall time, the lo
 On a GPU the tuner compiles every candidate tile of every product the first time a checkpoint
 loads (the tile cache then keeps the choices, and Triton's own cache the binaries). This probe
 compiles the same kernels with the same arguments — the products of a Qwen2-VL-2B layer in 4 bits
-(groups of 128; ``--bits 8``: 8) and its 8-bit head, as ``FusedDecode._tune_alone`` calls them — through the
+(groups of 128; ``--bits 8``: 8) and its 8-bit head (``--head-bits 4``: 4-bit), as ``FusedDecode._tune_alone`` calls them — through the
 wrappers' ``warmup`` path under a compile-only driver (:mod:`edgeinfer.testing.triton_compile`).
 Each run is a fresh process with an empty Triton cache; the two ways alternate, ``--pairs`` times.
 The raw file records each run's seconds, kernels, the load before and after it, and our own share
@@ -55,9 +56,9 @@ from edgeinfer.quant.launching import INTEGER_DOT_ENV  # noqa: E402
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 1536, 8960, 2048, 151936  # Qwen2-VL-2B's decoder
 
 
-def products(bits: int = 4):
+def products(bits: int = 4, head_bits: int = 8):
     """(weight, what the product fuses) for q|k|v, o, gate|up and down in ``bits`` (groups of 128) and the
-    8-bit head."""
+    head in ``head_bits`` (8: a scale a row; 4: groups of 128)."""
     import torch
 
     from edgeinfer.quant.packed import PackedMatrix
@@ -74,10 +75,10 @@ def products(bits: int = 4):
             "o": (packed(HIDDEN, HIDDEN, bits, 128), {"residual": row(HIDDEN)}),
             "gate_up": (packed(2 * INTERMEDIATE, HIDDEN, bits, 128), {"glu": True, **norm}),
             "down": (packed(HIDDEN, INTERMEDIATE, bits, 128), {"residual": row(HIDDEN)}),
-            "lm_head": (packed(VOCAB, HIDDEN, 8, HIDDEN), norm)}
+            "lm_head": (packed(VOCAB, HIDDEN, head_bits, HIDDEN if head_bits == 8 else 128), norm)}
 
 
-def child(way: str, arch: int, workers: int, bits: int = 4) -> None:
+def child(way: str, arch: int, workers: int, bits: int = 4, head_bits: int = 8) -> None:
     """One run: compile every product's candidate tiles ``way`` (serial, ahead, or ahead with the staged
     kernel's tiles or the integer-dot ones too: ahead+staged, ahead+idot); print the figures."""
     import torch
@@ -90,7 +91,7 @@ def child(way: str, arch: int, workers: int, bits: int = 4) -> None:
     with_staged = way == "ahead+staged"
     calls = []
     jitted = [triton_decode._packed_gemv_kernel] + ([staged._staged_gemv_kernel] if with_staged else [])
-    for w, kw in products(bits).values():
+    for w, kw in products(bits, head_bits).values():
         x = torch.randn(1, w.shape[1], dtype=torch.bfloat16)
         tiles = triton_decode._candidates(w, torch.bfloat16, bool(kw.get("glu")))
         calls += [lambda c=c, w=w, x=x, kw=kw: triton_decode.packed_gemv(x, w, c, warmup=True, **kw)
@@ -161,11 +162,13 @@ def main() -> None:
     parser.add_argument("--integer-dot", action="store_true",
                         help="on threads, without packed_gemv's integer-dot tiles against with them")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4,
-                        help="without --gpu: the layers' codes (groups of 128; the head is 8-bit either way)")
+                        help="without --gpu: the layers' codes (groups of 128)")
+    parser.add_argument("--head-bits", type=int, choices=(4, 8), default=8,
+                        help="without --gpu: the head's codes (8: a scale a row; 4: groups of 128)")
     parser.add_argument("--child", choices=("serial", "ahead", "ahead+staged", "ahead+idot"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.arch, args.workers, args.bits)
+        child(args.child, args.arch, args.workers, args.bits, args.head_bits)
         return
     if args.gpu:
         on_gpu(args)
@@ -176,10 +179,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     extra = "staged" if args.staged else "integer-dot" if args.integer_dot else None
     ways = ("ahead", f"ahead+{'idot' if args.integer_dot else 'staged'}") if extra else ("serial", "ahead")
-    out = args.out / f"compile-{extra or 'ahead'}-sm{args.arch}{'-w8' if args.bits == 8 else ''}.json"
+    suffix = ("-w8" if args.bits == 8 else "") + ("-h4" if args.head_bits == 4 else "")
+    out = args.out / f"compile-{extra or 'ahead'}-sm{args.arch}{suffix}.json"
     runs = RunLog()
     record = {"arch": args.arch, "workers": args.workers, "cpus": os.cpu_count(), "triton": triton.__version__,
-              "shape": f"qwen2-vl-2b w{args.bits}a16 g128, 8-bit head", "ways": ways, "runs": []}
+              "shape": f"qwen2-vl-2b w{args.bits}a16 g128, {args.head_bits}-bit head"
+                       + (" g128" if args.head_bits == 4 else ""), "ways": ways, "runs": []}
     with LoadTracker() as tracker:  # our processes' share of the load, as the benchmarks judge quiet runs
         for pair in range(args.pairs):
             for way in ways:
@@ -189,6 +194,7 @@ def main() -> None:
                         env[INTEGER_DOT_ENV] = "1" if way == "ahead+idot" else "0"
                     done = subprocess.run([sys.executable, __file__, "--child", way, "--arch", str(args.arch),
                                            "--workers", str(args.workers), "--bits", str(args.bits),
+                                           "--head-bits", str(args.head_bits),
                                            "--out", str(args.out)],
                                           capture_output=True, text=True, env=env, cwd=ROOT)
                     if done.returncode:
