@@ -54,7 +54,7 @@ def own_quantize(src, out, **spec) -> Path:
     return Path(out) / "q"
 
 
-# The GPU tests also run a checkpoint whose lm_head is 4-bit (``--lm-head int4``): the step's last product packed.
+# A checkpoint whose lm_head is 4-bit too (``--lm-head int4``): the step's last product packed.
 GPU_KINDS = {"w4_g32_h4": lambda src, out: own_quantize(src, out, bits=4, group_size=32, lm_head_bits=4)}
 
 
@@ -685,16 +685,18 @@ def engine_over(model) -> Engine:
 FORCED = SamplingParams(max_new_tokens=32, min_new_tokens=32)
 
 
-@pytest.mark.parametrize("kind", ["w4_g32", "gptq_asym", "gptq_act_order"])
+@pytest.mark.parametrize("kind", ["w4_g32", "gptq_asym", "gptq_act_order", "w4_g32_h4"])
 def test_a_decoder_on_packed_products_generates_the_dense_decoder_s_tokens(quantized, kind):
     """Packed products (dequantized per product by torch on this CPU) in place of dense ones: the
-    same tokens, text and image; act-order products stay dense and say why."""
+    same tokens, text and image; act-order products stay dense and say why. With a 4-bit lm_head
+    the head is packed too."""
     path = quantized(kind)
     packed_model, dense_model = load_model(path, keep_packed=True), load_model(path, keep_packed=False)
     products = [getattr(layer, n) for layer in packed_model.decoder.layers for n in ("qkv_t", "o_t", "gate_up_t",
                                                                                       "down_t")]
     kept = sum(isinstance(p, PackedMatrix) for p in products)
     assert kept == (0 if kind == "gptq_act_order" else len(products))
+    assert isinstance(packed_model.decoder.lm_head_t, PackedMatrix) is (kind in GPU_KINDS)
     packed_engine, dense_engine = engine_over(packed_model), engine_over(dense_model)
     for images in ([], [noise_image(120, 80, seed=3)]):
         got = packed_engine.run_until_done([packed_engine.submit("how many circle are there ?", images, FORCED)])
