@@ -29,8 +29,9 @@ the tile cache off, so each compiles and times every tile: its wall time, the lo
 On a GPU the tuner compiles every candidate tile of every product the first time a checkpoint
 loads (the tile cache then keeps the choices, and Triton's own cache the binaries). This probe
 compiles the same kernels with the same arguments — the products of a Qwen2-VL-2B layer in 4 bits
-(groups of 128; ``--bits 8``: 8) and its 8-bit head (``--head-bits 4``: 4-bit), as ``FusedDecode._tune_alone`` calls them — through the
-wrappers' ``warmup`` path under a compile-only driver (:mod:`edgeinfer.testing.triton_compile`).
+(groups of 128; ``--bits 8``: 8) and its 8-bit head (``--head-bits 4``: 4-bit), as ``FusedDecode._tune_alone``
+calls them — through the wrappers' ``warmup`` path under a compile-only driver
+(:mod:`edgeinfer.testing.triton_compile`).
 Each run is a fresh process with an empty Triton cache; the two ways alternate, ``--pairs`` times.
 The raw file records each run's seconds, kernels, the load before and after it, and our own share
 of that load, as the CPU benchmarks judge a quiet run. Launch options that depend on the device

@@ -60,8 +60,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family,method,spec", CASES, ids=[f"{c[0]}-{c[1].value}-w{c[2].bits}" + (f"-h{c[2].lm_head_bits}" if c[2].lm_head_bits else "")
-                              for c in CASES])
+CASE_IDS = [f"{family}-{method.value}-w{spec.bits}" + (f"-h{spec.lm_head_bits}" if spec.lm_head_bits else "")
+            for family, method, spec in CASES]
+
+
+@pytest.mark.parametrize("family,method,spec", CASES, ids=CASE_IDS)
 def test_output_loads_in_transformers_and_equals_our_fake_quantization(checkpoint, tmp_path, family, method, spec):
     source = checkpoint(family)
     options = QuantizeOptions(source, tmp_path / "q", spec, method, samples=2)

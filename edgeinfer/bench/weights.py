@@ -22,7 +22,7 @@ DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # format: (the layers' bits, the lm_head's bits; None: the head stays in the checkpoint's dtype).
 # ``-h8``: the lm_head is int8 per channel too (``edgeinfer quantize --lm-head int8``): at batch 1
 # a 2B model's bf16 head is two fifths of the bytes a 4-bit step reads, a quarter of an 8-bit one's.
-# ``-h4``: it is 4-bit in the layers' groups (``--lm-head int4``), half the int8 head's bytes.
+# ``-h4``: it is 4-bit in the layers' groups (``--lm-head int4``), about half the int8 head's bytes (with the scales).
 QUANTIZED_BITS = {"w8a16": (8, None), "w8a16-h8": (8, 8), "w4a16": (4, None), "w4a16-h8": (4, 8), "w4a16-h4": (4, 4)}
 FORMATS = (*DTYPE_NAMES.values(), *QUANTIZED_BITS)
 QUANTIZE_METHOD = "rtn"
@@ -92,7 +92,8 @@ class QuantizedCheckpointSpec:
         from edgeinfer.artifacts import checkpoint_fingerprint
 
         digest = hashlib.sha256()
-        head = (f"lm_head int{self.lm_head_bits}",) if self.lm_head_bits else ()  # absent otherwise: older keys stay valid
+        # absent without a quantized head, and "lm_head int8" as before: older keys stay valid
+        head = (f"lm_head int{self.lm_head_bits}",) if self.lm_head_bits else ()
         dtype = (f"dtype {self.dtype}",) if self.dtype else ()  # likewise
         for part in (checkpoint_fingerprint(self.source), str(self.bits), str(self.group_size), self.method, *head,
                      *dtype, quantizer_identity()):
@@ -141,8 +142,8 @@ def quantized_checkpoint(spec: QuantizedCheckpointSpec, cache: Path, steps=None)
     cache.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache))
     try:
-        options = QuantizeOptions(spec.source, scratch, QuantSpec(spec.bits, spec.group_size, lm_head_bits=spec.lm_head_bits),
-                                   Method(spec.method), dtype=spec.dtype)
+        quant = QuantSpec(spec.bits, spec.group_size, lm_head_bits=spec.lm_head_bits)
+        options = QuantizeOptions(spec.source, scratch, quant, Method(spec.method), dtype=spec.dtype)
         quantize_checkpoint(options, steps)
         scratch.rename(path)
     finally:

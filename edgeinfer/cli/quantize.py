@@ -44,7 +44,7 @@ def quantize(model: Annotated[Path, typer.Argument(help="Hugging Face checkpoint
              samples: Annotated[int, typer.Option(help="awq: calibration samples (picture + prompt).")] = 64,
              lm_head: Annotated[Optional[LmHead], typer.Option(
                  help="Also quantize the output projection (lm_head): int8 per row, or int4 in the layers' groups "
-                      "(half int8's bytes). Default: kept as it is.")] = None,
+                      "(about half int8's bytes). Default: kept as it is.")] = None,
              symmetric: Annotated[bool, typer.Option(
                  "--symmetric/--asymmetric", help="Symmetric scales, or scales with a zero point.")] = True,
              dtype: Annotated[Optional[str], typer.Option(
