@@ -763,12 +763,16 @@ def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, t
 
 def test_a_4_bit_lm_head_stays_packed_where_the_layers_do(quantized):
     """``--lm-head int4``: the head is the step's last packed product, 4-bit in the layers' groups,
-    equal to the dequantized head; the torch CPU backend takes it dense."""
+    equal to the dequantized head, counted as a step reads it; the torch CPU backend takes it dense."""
+    from edgeinfer.quant.footprint import decode_weight_bytes
+
     packed = load_model(quantized("w4_g32_h4"), keep_packed=True).decoder.lm_head_t
     dense = load_model(quantized("w4_g32_h4"), keep_packed=False).decoder.lm_head_t
     assert isinstance(packed, PackedMatrix) and (packed.bits, packed.group_size) == (4, 32)
     assert packed.shape == tuple(dense.t().shape) and not isinstance(dense, PackedMatrix)
     assert torch.equal(torch_dense(packed, dense.dtype), dense.t())
+    read = decode_weight_bytes(quantized("w4_g32_h4"))
+    assert not read.tied_head and read.head == packed.nbytes  # what a step reads of it: its codes and scales
 
 
 def test_what_packed_products_save_goes_to_the_kv_budget(quantized):
