@@ -299,6 +299,8 @@ def test_the_lm_head_takes_four_or_eight_bits_only():
         QuantSpec(4, 128, lm_head_bits=2)
     assert QuantSpec(4, None, lm_head_bits=4).lm_head_args().strategy == "channel"  # no groups: one scale a row
     assert QuantSpec(8, 64, lm_head_bits=4).lm_head_args().group_size == 64
+    for bits in (4, 8):  # the head is symmetric whatever the layers are
+        assert QuantSpec(4, 128, symmetric=False, lm_head_bits=bits).lm_head_args().symmetric
 
 
 @pytest.mark.parametrize("head,bits,group", [("int8", 8, None), ("int4", 4, 32)])
