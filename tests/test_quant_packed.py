@@ -775,6 +775,27 @@ def test_a_4_bit_lm_head_stays_packed_where_the_layers_do(quantized):
     assert not read.tied_head and read.head == packed.nbytes  # what a step reads of it: its codes and scales
 
 
+def test_a_packed_lm_head_takes_from_the_kv_budget_what_it_holds(quantized):
+    """The embeddings stand beside a quantized head, which in the dense model may have been them:
+    the head saves nothing and costs its packed bytes, in the engine's count and in doctor's, so a
+    profile's KV pool never grows into memory a tied dense model did not leave."""
+    from edgeinfer.quant.footprint import weight_footprint
+    from edgeinfer.quant.packed import bytes_saved
+
+    path = quantized("w4_g32_h4")
+    decoder = load_model(path, keep_packed=True).decoder
+    head = decoder.lm_head_t
+    layers = [m for m in decoder.layers.modules() if isinstance(m, PackedMatrix)]
+    layer_saving = sum(m.shape[0] * m.shape[1] * 2 - m.nbytes for m in layers)
+    assert bytes_saved(decoder, torch.bfloat16) == layer_saving - head.nbytes
+    footprint = weight_footprint(path)
+    assert footprint.head_bytes == head.nbytes and footprint.head_values == head.shape[0] * head.shape[1]
+    layers_stored = footprint.quantized_bytes - footprint.head_bytes  # the file's, metadata included
+    assert footprint.saved_bytes(2) == (footprint.quantized_values - footprint.head_values) * 2 - layers_stored \
+        - head.nbytes
+    assert weight_footprint(quantized("w4_g32")).head_bytes == 0  # a dense head: no such count
+
+
 def test_what_packed_products_save_goes_to_the_kv_budget(quantized):
     from edgeinfer.quant.packed import bytes_saved
 

@@ -151,6 +151,11 @@ def pack_product(weights: list[QuantizedWeight]) -> PackedMatrix:
 
 
 def bytes_saved(module: nn.Module, dtype: torch.dtype) -> int:
-    """What the packed products under ``module`` save against the same products dense in ``dtype``."""
-    return sum(m.shape[0] * m.shape[1] * dtype.itemsize - m.nbytes for m in module.modules()
-               if isinstance(m, PackedMatrix))
+    """What the packed products under ``module`` save against the dense model in ``dtype``: each
+    packed product's dense bytes less its packed ones. A packed ``lm_head`` (``module.lm_head_t``)
+    saves nothing and costs its own bytes: the input embeddings stand beside it, and in the dense
+    model it may have been those same embeddings (``edgeinfer quantize --lm-head`` unties them for
+    it), taking no memory of its own."""
+    head = getattr(module, "lm_head_t", None)
+    return sum(-m.nbytes if m is head else m.shape[0] * m.shape[1] * dtype.itemsize - m.nbytes
+               for m in module.modules() if isinstance(m, PackedMatrix))
