@@ -55,7 +55,7 @@ def own_quantize(src, out, **spec) -> Path:
 
 
 # A checkpoint whose lm_head is 4-bit too (``--lm-head int4``): the step's last product packed.
-GPU_KINDS = {"w4_g32_h4": lambda src, out: own_quantize(src, out, bits=4, group_size=32, lm_head_bits=4)}
+HEAD_KINDS = {"w4_g32_h4": lambda src, out: own_quantize(src, out, bits=4, group_size=32, lm_head_bits=4)}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def quantized(checkpoint, tmp_path_factory):
 
     def get(kind: str):
         if kind not in built:
-            built[kind] = {**KINDS, **GPU_KINDS}[kind](checkpoint("qwen2_vl"), tmp_path_factory.mktemp(kind))
+            built[kind] = {**KINDS, **HEAD_KINDS}[kind](checkpoint("qwen2_vl"), tmp_path_factory.mktemp(kind))
         return built[kind]
 
     return get
@@ -696,7 +696,7 @@ def test_a_decoder_on_packed_products_generates_the_dense_decoder_s_tokens(quant
                                                                                       "down_t")]
     kept = sum(isinstance(p, PackedMatrix) for p in products)
     assert kept == (0 if kind == "gptq_act_order" else len(products))
-    assert isinstance(packed_model.decoder.lm_head_t, PackedMatrix) is (kind in GPU_KINDS)
+    assert isinstance(packed_model.decoder.lm_head_t, PackedMatrix) is (kind in HEAD_KINDS)
     packed_engine, dense_engine = engine_over(packed_model), engine_over(dense_model)
     for images in ([], [noise_image(120, 80, seed=3)]):
         got = packed_engine.run_until_done([packed_engine.submit("how many circle are there ?", images, FORCED)])
@@ -732,7 +732,7 @@ def test_packed_products_on_cuda_in_fp32_give_the_dense_tokens(quantized, kind, 
     dense, _ = cuda_tokens(path, together=together, keep_packed=False)
     packed, engine = cuda_tokens(path, together=together)
     assert isinstance(engine.model.decoder.layers[0].gate_up_t, PackedMatrix)
-    assert isinstance(engine.model.decoder.lm_head_t, PackedMatrix) is (kind in GPU_KINDS)
+    assert isinstance(engine.model.decoder.lm_head_t, PackedMatrix) is (kind in HEAD_KINDS)
     if not together and kernels.triton is not None:
         report = engine.decoder_engine.kernel_report
         assert report["fused"] and report["fused_replays"] > 0, report
@@ -751,7 +751,7 @@ def test_packed_products_on_cuda_in_bf16_against_dense_are_reported(quantized, t
     path = quantized(kind)
     dense, _ = cuda_tokens(path, together=together, keep_packed=False, dtype="bfloat16")
     packed, engine = cuda_tokens(path, together=together, dtype="bfloat16")
-    assert isinstance(engine.model.decoder.lm_head_t, PackedMatrix) is (kind in GPU_KINDS)
+    assert isinstance(engine.model.decoder.lm_head_t, PackedMatrix) is (kind in HEAD_KINDS)
     if not together and kernels.triton is not None:
         report = engine.decoder_engine.kernel_report
         assert report["fused"] and not [name for name, r in report["products"].items() if "wrong_outputs" in r], report

@@ -33,8 +33,9 @@ class WeightFootprint:
     quantized_layers: int
     quantized_bytes: int  # the packed values, scales and zero points of those layers
     quantized_values: int = 0  # the weights those layers hold, as a dense model would
-    head_bytes: int = 0  # of ``quantized_bytes``, a quantized lm_head's codes, scales and zeros (0 where it is dense)
-    head_values: int = 0  # of ``quantized_values``, the lm_head's
+    # Of those, a quantized lm_head's codes, scales and zero points, and its weights (0 where it is dense)
+    head_bytes: int = 0
+    head_values: int = 0
 
     def describe(self) -> str:
         line = f"{self.format}, {self.total_bytes / 2**20:.1f} MiB of weights"
@@ -45,7 +46,8 @@ class WeightFootprint:
     def saved_bytes(self, dtype_bytes: int) -> int:
         """What the quantized layers, kept packed, save against the dense model at ``dtype_bytes`` a
         value (at most: a product the GPU kernels cannot read packed is held dense). A quantized
-        lm_head saves nothing and costs its bytes, as :func:`edgeinfer.quant.packed.bytes_saved` counts it."""
+        lm_head saves nothing and costs its bytes, as :func:`edgeinfer.quant.packed.bytes_saved`
+        counts it."""
         layers = (self.quantized_values - self.head_values) * dtype_bytes - (self.quantized_bytes - self.head_bytes)
         return max(0, layers - self.head_bytes)
 
