@@ -31,7 +31,6 @@ from edgeinfer.errors import (
 from edgeinfer.progress import Steps
 
 SUPPORTED_BITS = (4, 8)
-HEAD_BITS = (4, 8)
 REPORT_NAME = "quantize-report.json"
 FORMAT = "pack-quantized"
 LM_HEAD = "lm_head"
@@ -59,8 +58,8 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
             raise QuantizeSettingsError("--bits", self.bits, " or ".join(map(str, SUPPORTED_BITS)))
-        if self.lm_head_bits is not None and self.lm_head_bits not in HEAD_BITS:
-            raise QuantizeSettingsError("--lm-head", self.lm_head_bits, " or ".join(f"int{b}" for b in HEAD_BITS))
+        if self.lm_head_bits is not None and self.lm_head_bits not in SUPPORTED_BITS:
+            raise QuantizeSettingsError("--lm-head", self.lm_head_bits, " or ".join(f"int{b}" for b in SUPPORTED_BITS))
         if self.group_size is not None and self.group_size < 1:
             raise QuantizeSettingsError("--group-size", self.group_size,
                                         "a positive group size, or 0 / -1 for one scale per output channel")

@@ -33,9 +33,7 @@ class WeightFootprint:
     quantized_layers: int
     quantized_bytes: int  # the packed values, scales and zero points of those layers
     quantized_values: int = 0  # the weights those layers hold, as a dense model would
-    # Of those, a quantized lm_head's codes, scales and zero points, and its weights (0 where it is dense)
-    head_bytes: int = 0
-    head_values: int = 0
+    head_values: int = 0  # of those weights, a quantized lm_head's (0 where it is dense)
 
     def describe(self) -> str:
         line = f"{self.format}, {self.total_bytes / 2**20:.1f} MiB of weights"
@@ -48,8 +46,7 @@ class WeightFootprint:
         value (at most: a product the GPU kernels cannot read packed is held dense). A quantized
         lm_head saves nothing and costs its bytes, as :func:`edgeinfer.quant.packed.bytes_saved`
         counts it."""
-        layers = (self.quantized_values - self.head_values) * dtype_bytes - (self.quantized_bytes - self.head_bytes)
-        return max(0, layers - self.head_bytes)
+        return max(0, (self.quantized_values - self.head_values) * dtype_bytes - self.quantized_bytes)
 
 
 def _header(file: Path) -> dict:
@@ -92,17 +89,9 @@ def weight_footprint(model_dir: str | Path) -> WeightFootprint:
         label = f"dense {dtypes.most_common(1)[0][0] if dtypes else 'empty'}"
     values = {name: _dense_values(name, meta["shape"], scheme) for name, meta in entries.items()
               if name.endswith(PACKED_MARKERS)}
-    heads = {layer for layer in layers if _is_head(layer)}
-    head_bytes = sum(size for name, size in sizes.items()
-                     if name.rsplit(".", 1)[0] in heads and not name.endswith(METADATA_SUFFIXES))
-    head_values = sum(n for name, n in values.items() if name.rsplit(".", 1)[0] in heads)
-    return WeightFootprint(label, sum(sizes.values()), len(layers), quantized, sum(values.values()), head_bytes,
-                           head_values)
-
-
-def _is_head(layer: str) -> bool:
-    """``lm_head`` or ``language_model.lm_head``: the output projection, as checkpoints name it."""
-    return layer == "lm_head" or layer.endswith(".lm_head")
+    # the output projection, as checkpoints name it: ``lm_head`` or ``language_model.lm_head``
+    head_values = sum(n for name, n in values.items() if name.rsplit(".", 2)[-2] == "lm_head")
+    return WeightFootprint(label, sum(sizes.values()), len(layers), quantized, sum(values.values()), head_values)
 
 
 def _dense_values(name: str, shape: list[int], scheme) -> int:
