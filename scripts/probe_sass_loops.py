@@ -14,10 +14,6 @@ cite: docs/results/probes/sass-tensor-core-x-shared.txt. With ``--wide``, also w
 a lane's words of a step one word a block or side by side (``WIDE``), each way of reading x, and
 the K step's loads by width: docs/results/probes/sass-tensor-core-wide.txt.
 
-``--x-prefetch``: the integer-dot tiles an H100's step keeps for the 4-bit products, with and without the next
-step's x asked of L1 a step ahead (``EDGEINFER_X_PREFETCH``). Output of the run the docs cite:
-docs/results/probes/sass-integer-dot-x-prefetch.txt.
-
 ``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
 cap tried on the H200 (not kept), and where in the K step ptxas put the next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
 
@@ -40,9 +36,9 @@ def pointers(dt, *names):
     return {n: f"*{dt}" for n in names}
 
 
-def packed_gemv_binary(cfg, registers=None, **more) -> bytes:
+def packed_gemv_binary(cfg, registers=None) -> bytes:
     """The batch-1 packed product's sm_90 binary with tile ``cfg``, its registers a thread capped at
-    ``registers`` (``maxnreg``) where given; ``more``: constexprs set otherwise (``IDOT``, ``XPF``, ``SPLIT_K``)."""
+    ``registers`` (``maxnreg``) where given."""
     bits, bn, bk, warps, glu, prologue = cfg
     fn = triton_decode._packed_gemv_kernel
     types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
@@ -51,7 +47,6 @@ def packed_gemv_binary(cfg, registers=None, **more) -> bytes:
                  HAS_Z=False, SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
                  XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True,
                  WIDE=bits == 8)  # bf16 activations: 8-bit codes by one byte permute, as the wrapper passes
-    given.update(more)
     names = fn.arg_names
     source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                        {(names.index(k),): v for k, v in given.items()})
@@ -136,32 +131,7 @@ def register_caps_report() -> None:
                   f"spilled; K step of {n}, words asked for at {wide[0]}-{wide[-1]}")
 
 
-def x_prefetch_report() -> None:
-    """Print, for the integer-dot tiles an H100's step keeps for the 4-bit layers' four products, the K step
-    without and with ``XPF`` (the next step's columns of x, and the norm's weights, asked of L1 a step ahead):
-    its instructions, its L1 prefetches (``CCTL``), where its 16-bit loads (x and the norm's weights) and
-    32-bit loads (the next step's words and scales) sit, and the registers a thread."""
-    print(f"triton {triton.__version__}; sm_90; 4-bit, bf16, groups of 128, integer-dot tiles")
-    cases = {"q|k|v 8x2048/4w split": ((4, 8, 2048, 4, False, 1), True),
-             "o 8x2048/4w split": ((4, 8, 2048, 4, False, 0), True),
-             "gate|up 32x256/4w": ((4, 32, 256, 4, True, 1), False),
-             "down 16x1024/4w split": ((4, 16, 1024, 4, False, 0), True)}
-    for name, (cfg, split) in cases.items():
-        for xpf in (False, True):
-            binary = packed_gemv_binary(cfg, IDOT=True, XPF=xpf, SPLIT_K=split, WIDE=False)
-            body = max(loops(disassembled(binary)), key=len)
-            ops = opcodes(body)
-            narrow = [j for j, x in enumerate(body) if "LDG" in x and ".U16" in x]
-            wide = [j for j, x in enumerate(body) if "LDG" in x and ".U16" not in x]
-            regs = resources(binary)
-            print(f"{name}, XPF {int(xpf)}: K step of {len(body)}, {ops.get('CCTL', 0)} prefetches; 16-bit loads at "
-                  f"{narrow[0]}-{narrow[-1]} ({len(narrow)}), 32-bit at {wide[0]}-{wide[-1]} ({len(wide)}); "
-                  f"{regs.get('REG')} registers, {regs.get('STACK')} bytes spilled")
-
-
-if __name__ == "__main__" and "--x-prefetch" in sys.argv:
-    x_prefetch_report()
-elif __name__ == "__main__" and "--tensor-core" in sys.argv and "--wide" in sys.argv:
+if __name__ == "__main__" and "--tensor-core" in sys.argv and "--wide" in sys.argv:
     tensor_core_report(wide=True)
 elif __name__ == "__main__" and "--tensor-core" in sys.argv:
     tensor_core_report()

@@ -93,7 +93,7 @@ def test_packed_gemv_compiles_for_every_prologue_and_split(bits, dtype, wide, id
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=bits, GS=gs,
             HAS_Z=has_z, SPLIT_K=split_k, EXACT=dtype != "fp32", EVEN=even, ONE_GROUP=gs == 2048,
             POW2_GROUPS=gs in (128, 1024), XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=wide,
-            IDOT=idot, XPF=idot))
+            IDOT=idot))
         assert all(sizes.values())
 
 
@@ -114,41 +114,6 @@ def test_an_integer_dot_word_takes_its_dp2a_and_fewer_instructions(bits):
     assert steps[False]["IDP"] == 0 and steps[True]["FFMA"] < steps[False]["FFMA"] // 2, steps
     if bits == 4:
         assert sum(steps[True].values()) < 0.8 * sum(steps[False].values()), steps
-
-
-@pytest.mark.parametrize("product", ["gate_up", "down"])
-def test_an_integer_dot_step_asks_l1_for_the_next_step_s_x_holding_no_register(product):
-    """With ``XPF`` an integer-dot tile's K step asks L1 for the next step's columns of x, and behind an
-    RMSNorm for the norm's weights too (``prefetch.global.L1``, ``CCTL.E.PF1`` in sm_90's and sm_87's
-    binaries): one line a column of x a thread holds; on Hopper the first step's norm weights are asked for
-    before the wait for the kernels before. It takes no more registers than without (gate|up's tile keeps
-    its 96, so five programs still fit an SM), and without ``XPF`` the step asks for nothing."""
-    types = packed_gemv_types("bf16")
-    prologue, glu, bn, bk = (1, True, 32, 256) if product == "gate_up" else (0, False, 16, 1024)
-    for label, target in TARGETS.items():
-        binaries, steps = {}, {}
-        for xpf in (False, True):
-            given = dict(PROLOGUE=prologue, HAS_BIAS=False, HAS_RES=prologue == 0, BN=bn, BK=bk, BITS=4, GS=128,
-                         HAS_Z=False, SPLIT_K=product == "down", EXACT=True, EVEN=True, ONE_GROUP=False,
-                         POW2_GROUPS=True, XB=2048 if prologue else 16, GLU=glu, ASM=True, WIDE=False, IDOT=True,
-                         XPF=xpf)
-            names = triton_decode._packed_gemv_kernel.arg_names
-            source = ASTSource(triton_decode._packed_gemv_kernel, {n: types.get(n, "constexpr") for n in names},
-                               {(names.index(k),): v for k, v in {**given, "PDL": target.arch >= 90}.items()},
-                               {(names.index(a),): [["tt.divisibility", 16]] for a in types if types[a] != "fp32"})
-            binaries[xpf] = triton.compile(source, target=target, options={
-                "num_warps": 4, "launch_pdl": target.arch >= 90})
-            steps[xpf] = k_step(binaries[xpf].asm["cubin"])
-        case = (label, product)
-        assert steps[False]["CCTL"] == 0, case
-        assert steps[True]["CCTL"] == (2 if prologue else 1), (case, steps[True])  # x, and the norm's weights
-        regs = {xpf: resources(b.asm["cubin"])["REG"] for xpf, b in binaries.items()}
-        assert regs[True] <= regs[False], (case, regs)
-        if product == "gate_up" and target.arch >= 90:
-            assert regs[True] <= 96, regs
-        ptx = binaries[True].asm["ptx"]
-        if target.arch >= 90 and prologue:
-            assert "prefetch.global.L1" in ptx[:ptx.index("griddepcontrol.wait")], case
 
 
 def test_8_bit_codes_with_bf16_activations_take_one_byte_permute_each():
@@ -425,8 +390,7 @@ def test_the_decode_kernels_build_for_jetson_thor():
         assert all(compiled(triton_decode._packed_gemv_kernel, packed, dict(
             PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 0, BN=16, BK=512, BITS=4, GS=128,
             HAS_Z=False, SPLIT_K=True, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
-            XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=False, IDOT=idot, XPF=idot),
-            targets=thor).values())
+            XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, WIDE=False, IDOT=idot), targets=thor).values())
     dense = {**pointers("bf16", "X", "W", "BIAS", "RES", "NORM_W", "Y"),
              **dict.fromkeys(("N", "K", "stride_x", "stride_r", "stride_y"), "i32"), "eps": "fp32"}
     assert all(compiled(triton_decode._gemv_kernel, dense, dict(

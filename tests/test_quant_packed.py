@@ -235,20 +235,15 @@ def test_a_bfloat16_row_is_the_exact_product_rounded_once(bits, n, k, group):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group", [(48, 1024, 64), (40, 1000, 32), (40, 960, 96), (40, 1000, 1000)])
-@pytest.mark.parametrize("prefetch", ["0", "1"], ids=["x-when-read", "x-prefetched"])
-def test_an_integer_dot_row_is_the_product_within_x_s_rounding_to_integers(dtype, bits, n, k, group, prefetch,
-                                                                          monkeypatch):
+def test_an_integer_dot_row_is_the_product_within_x_s_rounding_to_integers(dtype, bits, n, k, group):
     """An integer-dot tile takes each word's columns of x as integers at the word's own scale (the largest to
     32,767 for 4-bit codes, 4,095 for 8-bit), so each x_i moves by half a step of that scale at most, and the
     integer dots are exact: every output is within what those steps move it by, plus one rounding to the
     activations' dtype. Groups of a power of two, of 96 and one a row; with and without zero points; whole
     and split rows; tiles cut at N and K. A nibble or byte paired with the wrong column of x, a pair's halves
-    swapped or a zero point's share taken off wrong moves outputs far past that bound. The same with the next
-    step's columns of x asked of L1 a step ahead (``EDGEINFER_X_PREFETCH=1``), which must move nothing."""
+    swapped or a zero point's share taken off wrong moves outputs far past that bound."""
     from edgeinfer.backends.torch import triton_decode
-    from edgeinfer.quant.launching import X_PREFETCH_ENV
 
-    monkeypatch.setenv(X_PREFETCH_ENV, prefetch)
     torch.manual_seed(7)
     codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), dtype=torch.int32, device=DEVICE)
     groups = -(-k // group)

@@ -304,17 +304,12 @@ def test_the_key_names_each_product_s_shape_and_format(checkpoint):
     assert fused_step(checkpoint, "smolvlm").tiles_key() != key
 
 
-def test_the_key_names_the_switches_that_change_what_the_tiles_time(checkpoint, monkeypatch):
-    """Tiles timed with the integer-dot tiles switched off, or with their x prefetch switched on, are not
-    restored under the defaults (integer-dot tiles on, x prefetch off), nor the other way round."""
-    from edgeinfer.quant.launching import INTEGER_DOT_ENV, X_PREFETCH_ENV
+def test_the_key_names_whether_the_integer_dot_tiles_were_timed(checkpoint, monkeypatch):
+    """Tiles timed with the integer-dot tiles switched off are not restored with them on, nor the other way round."""
+    from edgeinfer.quant.launching import INTEGER_DOT_ENV
 
-    for env in (INTEGER_DOT_ENV, X_PREFETCH_ENV):
-        monkeypatch.delenv(env, raising=False)
+    monkeypatch.delenv(INTEGER_DOT_ENV, raising=False)
     key = fused_step(checkpoint).tiles_key()
-    assert key["integer_dot"] is True and key["x_prefetch"] is False
-    for env, name, value in ((INTEGER_DOT_ENV, "integer_dot", "0"), (X_PREFETCH_ENV, "x_prefetch", "1")):
-        monkeypatch.setenv(env, value)
-        switched = fused_step(checkpoint).tiles_key()
-        assert switched[name] is (value == "1") and switched != key
-        monkeypatch.delenv(env)
+    monkeypatch.setenv(INTEGER_DOT_ENV, "0")
+    off = fused_step(checkpoint).tiles_key()
+    assert key["integer_dot"] is True and off["integer_dot"] is False and off != key

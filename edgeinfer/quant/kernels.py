@@ -189,15 +189,6 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def prefetch_l1(at, ASM: tl.constexpr):
-        """Asks for the lines holding ``at`` (pointers of any shape) in this SM's L1 (PTX
-        ``prefetch.global.L1``; a hint: it holds no register and moves no value). Every address must
-        lie in its tensor; without ``ASM`` (Triton's CPU interpreter) it does nothing."""
-        if ASM:
-            tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-    @triton.jit
     def load_words(Q, rn, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):
         """The packed words of rows ``rn`` [BN] holding columns ``k0 .. k0+BK``: [BN, BK·b/32] int32
         (zero past the last row or column)."""

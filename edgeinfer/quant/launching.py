@@ -64,10 +64,6 @@ STAGED_ENV = "EDGEINFER_STAGED_PRODUCTS"
 # "0": the batch-1 tuner leaves out the packed product's integer-dot tiles (x's columns as 16-bit integers
 # dotted with the codes by dp2a: triton_decode.PackedGemvConfig.idot), which take bf16 and fp16 activations
 INTEGER_DOT_ENV = "EDGEINFER_INTEGER_DOT"
-# "1": the integer-dot tiles ask L1 for the next step's columns of x (and of the norm's weight) a step ahead,
-# rather than reading them when the step begins (triton_decode._packed_gemv_kernel's ``XPF``). Off by default:
-# not yet timed on a GPU (docs/gpu-kernels.md)
-X_PREFETCH_ENV = "EDGEINFER_X_PREFETCH"
 # "1": the few-row tuner also times the tensor-core kernel's ``STAGED`` tiles (quant/tensor_core.py):
 # right, but no faster at 16 rows on an H200, so off by default
 STAGED_MMA_ENV = "EDGEINFER_STAGED_MMA"
@@ -100,12 +96,6 @@ def staged_enabled() -> bool:
 def integer_dot_enabled() -> bool:
     """Whether the batch-1 tuner times the packed product's integer-dot tiles (unless ``$EDGEINFER_INTEGER_DOT=0``)."""
     return os.environ.get(INTEGER_DOT_ENV, "1") != "0"
-
-
-def x_prefetch_enabled() -> bool:
-    """Whether the integer-dot tiles ask L1 for the next step's columns of x a step ahead
-    (``$EDGEINFER_X_PREFETCH=1``)."""
-    return os.environ.get(X_PREFETCH_ENV) == "1"
 
 
 def staged_mma_enabled() -> bool:

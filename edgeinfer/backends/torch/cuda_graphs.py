@@ -70,7 +70,7 @@ from edgeinfer.backends.base import BurstSampling, SamplingStep
 from edgeinfer.backends.torch import triton_decode
 from edgeinfer.backends.torch.eager import TorchDecoderEngine, capture_graph, warm_up
 from edgeinfer.models.decoder import Decoder, DecoderLayer, layer_masks, past_reader, whole_block_slots_and_mask
-from edgeinfer.quant.launching import dependent_launch, integer_dot_enabled, staged_enabled, x_prefetch_enabled
+from edgeinfer.quant.launching import dependent_launch, integer_dot_enabled, staged_enabled
 
 
 # One compiled layer serves every (batch, width) bucket of every engine in the process; torch's
@@ -321,7 +321,6 @@ class CudaGraphDecoderEngine(TorchDecoderEngine):
                 "dependent_launch": dependent_launch(self.device), "step_ends": self._fused.ends.kernels,
                 "staged_products": staged_enabled(),  # whether the staged tiles were the step's candidates
                 "integer_dot": integer_dot_enabled(),  # the switch: packed_gemv's integer-dot tiles timed or not
-                "x_prefetch": x_prefetch_enabled(),  # the switch: those tiles ask L1 for x a step ahead (off by default)
                 "tiles": self._fused.tiles_source,
                 "compiled_ahead": self._fused.compiled_ahead, "products": self._fused.report,
                 "step": self._fused.step_report, "rows_step": self._fused.rows_step_report}

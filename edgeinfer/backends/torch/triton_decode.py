@@ -79,13 +79,12 @@ from edgeinfer.quant.launching import (
     SplitWorkspace,
     fused_rows_enabled,
     integer_dot_enabled,
+    rows_in_step_enabled,
+    step_ends_enabled,
     interpreting,
     launch,
     launch_options,
     pow2,
-    rows_in_step_enabled,
-    step_ends_enabled,
-    x_prefetch_enabled,
 )
 from edgeinfer.quant.packed import PackedMatrix
 from edgeinfer.quant.staged import StagedGemvConfig, staged_gemv, staged_mm
@@ -111,7 +110,6 @@ try:  # the import decides whether this path exists at all
         group_params,
         load_where,
         params_from,
-        prefetch_l1,
         prmt,
         split_total,
     )
@@ -334,7 +332,7 @@ if triton is not None:
                             HAS_Z: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
                             ONE_GROUP: tl.constexpr, POW2_GROUPS: tl.constexpr, XB: tl.constexpr,
                             GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False,
-                            IDOT: tl.constexpr = False, XPF: tl.constexpr = False):
+                            IDOT: tl.constexpr = False):
         """Y[n] = sum_k f(X)[k] * W[n, k] (+ bias) (+ residual) for one row and a packed low-bit W,
         over columns [split · per_split, (split + 1) · per_split) of BN outputs.
 
@@ -360,10 +358,7 @@ if triton is not None:
         writes SiLU(gate)·up. A step's words and scales are read while the step before it
         multiplies, the first step's before the kernels before this one have finished (``PDL``,
         :func:`await_inputs`). With ``IDOT`` (16-bit activations) a word's codes meet x's columns as 16-bit
-        integers instead, by ``dp2a`` (:func:`_integer_dot`): about a third fewer instructions a word. With
-        ``XPF`` a step asks L1 for the next step's columns of x (and of the norm's weight) while it multiplies,
-        and the first step's norm weights are asked for before the wait: a step's first instructions load
-        them and every later one waits for them, a round trip to L2 a step otherwise."""
+        integers instead, by ``dp2a`` (:func:`_integer_dot`): about a third fewer instructions a word."""
         PER: tl.constexpr = 32 // BITS
         dt = Y.dtype.element_ty
         tile = tl.program_id(0)
@@ -385,9 +380,6 @@ if triton is not None:
             S_ROWS, Z_ROWS = S, Z
         if not ONE_GROUP:
             s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
-        if XPF and PROLOGUE == 1:  # the norm's weights of this program's columns (a weight: before the wait)
-            LINES: tl.constexpr = XB // 64 if XB >= 64 else 1  # 64 columns a 128-byte line of 16-bit values
-            prefetch_l1(NORM_W + tl.minimum(start + tl.arange(0, LINES) * 64, K - 1), ASM)
         await_inputs(PDL)
         rstd = 1.0
         if PROLOGUE == 1:  # RMSNorm over the whole row, whatever columns this program reads
@@ -417,11 +409,6 @@ if triton is not None:
             stepped += ahead // PER
             rw += ahead // PER
             words = load_where(words_at + stepped, n_ok[:, None] & (rw[None, :] < K // PER), EVEN)
-            if XPF:  # the next step's columns of x (and the norm's weights) into L1 while this step multiplies
-                ahead_at = tl.minimum(rw * PER, K - 1)
-                prefetch_l1(X + ahead_at, ASM)
-                if PROLOGUE == 1:
-                    prefetch_l1(NORM_W + ahead_at, ASM)
             if not ONE_GROUP:
                 s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN,
                                     POW2_GROUPS)
@@ -644,8 +631,7 @@ def packed_gemv(x: torch.Tensor, w: PackedMatrix, config: PackedGemvConfig, *, b
            SPLIT_K=splits > 1, EXACT=x.dtype != torch.float32, EVEN=outputs % rows == 0 and k % bk == 0,
            ONE_GROUP=layout.groups == 1, POW2_GROUPS=layout.groups > 1 and pow2(gs) == gs,
            XB=_norm_block(k, 1, prologue), GLU=glu, ASM=not interpreting(),
-           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, IDOT=config.idot,
-           XPF=config.idot and x_prefetch_enabled(), **launch_options(x.device),
+           WIDE=layout.bits == 8 and x.dtype == torch.bfloat16, IDOT=config.idot, **launch_options(x.device),
            num_warps=config.warps, **registers)
     return None if warmup else y
 
@@ -813,7 +799,7 @@ class FusedDecode:
         """What the tiles were timed for: each product's shape, weight format and what it fuses, the
         layers the step runs (the step's attention is timed with them), and whether the staged
         kernel's tiles and the integer-dot tiles were among the candidates (:func:`staged.enabled`,
-        :func:`integer_dot_enabled`) and the latter asked L1 for x a step ahead (:func:`x_prefetch_enabled`)."""
+        :func:`integer_dot_enabled`)."""
         cfg = self.cfg
         products = {}
         for name, (weights, kw) in self._products().items():
@@ -825,8 +811,7 @@ class FusedDecode:
                               "glu": bool(kw.get("glu"))}
         return {"products": products, "dtype": str(self.decoder.norm.weight.dtype), "layers": cfg.num_layers,
                 "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                "qk_norm": cfg.qk_norm, "staged": staged.enabled(), "integer_dot": integer_dot_enabled(),
-                "x_prefetch": x_prefetch_enabled()}
+                "qk_norm": cfg.qk_norm, "staged": staged.enabled(), "integer_dot": integer_dot_enabled()}
 
     def kept(self, step_budget_s: float) -> dict:
         """The tiles and their timings as :meth:`restore` takes them back."""
