@@ -14,6 +14,10 @@ cite: docs/results/probes/sass-tensor-core-x-shared.txt. With ``--wide``, also w
 a lane's words of a step one word a block or side by side (``WIDE``), each way of reading x, and
 the K step's loads by width: docs/results/probes/sass-tensor-core-wide.txt.
 
+``--x-hoisted``: the K step of the integer-dot tiles an H100's step keeps for gate|up and down, as built and with
+x's values the same at every step, so that x's loads, norm and conversion leave the loop: what x's work costs in
+the step. Output of the run the docs cite: docs/results/probes/sass-integer-dot-x-hoisted.txt.
+
 ``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
 cap tried on the H200 (not kept), and where in the K step ptxas put the next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
 
@@ -36,9 +40,9 @@ def pointers(dt, *names):
     return {n: f"*{dt}" for n in names}
 
 
-def packed_gemv_binary(cfg, registers=None) -> bytes:
+def packed_gemv_binary(cfg, registers=None, **more) -> bytes:
     """The batch-1 packed product's sm_90 binary with tile ``cfg``, its registers a thread capped at
-    ``registers`` (``maxnreg``) where given."""
+    ``registers`` (``maxnreg``) where given; ``more``: constexprs set otherwise (``IDOT``, ``SPLIT_K``, ``WIDE``)."""
     bits, bn, bk, warps, glu, prologue = cfg
     fn = triton_decode._packed_gemv_kernel
     types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
@@ -47,6 +51,7 @@ def packed_gemv_binary(cfg, registers=None) -> bytes:
                  HAS_Z=False, SPLIT_K=False, EXACT=True, EVEN=True, ONE_GROUP=False, POW2_GROUPS=True,
                  XB=2048 if prologue == 1 else 16, GLU=glu, ASM=True, PDL=True,
                  WIDE=bits == 8)  # bf16 activations: 8-bit codes by one byte permute, as the wrapper passes
+    given.update(more)
     names = fn.arg_names
     source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
                        {(names.index(k),): v for k, v in given.items()})
@@ -131,7 +136,44 @@ def register_caps_report() -> None:
                   f"spilled; K step of {n}, words asked for at {wide[0]}-{wide[-1]}")
 
 
-if __name__ == "__main__" and "--tensor-core" in sys.argv and "--wide" in sys.argv:
+# The integer-dot tiles an H100's step keeps for gate|up and down (docs/results/probes/h100-4-bit-head)
+X_HOISTED_CASES = {"gate|up 32x256/4w": ((4, 32, 256, 4, True, 1), False),
+                   "down 16x1024/4w split": ((4, 16, 1024, 4, False, 0), True)}
+
+
+def x_hoisted_report(hoisted: bool) -> None:
+    """Print the K step of the integer-dot tiles of ``X_HOISTED_CASES``: as built, or (``hoisted``) with x's
+    values the same at every step (``_input_values`` replaced by one that reads no column), so that the compiler
+    takes x's loads, norm and conversion to integers out of the loop. The difference is what x's work costs
+    inside the step. Triton keys a compile by the functions it calls, memoized a process, so the hoisted form is
+    compiled in a process of its own (``--x-hoisted-child``)."""
+    if hoisted:
+        import triton.language as tl
+
+        @triton.jit
+        def _same_every_step(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr,
+                             EVEN: tl.constexpr = False):
+            return (tl.zeros(rk.shape, tl.float32) + rstd).to(dt)
+
+        triton_decode._input_values = _same_every_step
+    else:
+        print(f"triton {triton.__version__}; sm_90; 4-bit, bf16, groups of 128, integer-dot tiles; the K step as "
+              "built, then with x the same at every step (its work out of the loop)")
+    for name, (cfg, split) in X_HOISTED_CASES.items():
+        binary = packed_gemv_binary(cfg, IDOT=True, SPLIT_K=split, WIDE=False)
+        body = max(loops(disassembled(binary)), key=len)
+        print(f"{name}, {'x the same every step' if hoisted else 'as built'}: K step of {len(body)} "
+              f"({dict(opcodes(body).most_common(10))}); {resources(binary).get('REG')} registers", flush=True)
+
+
+if __name__ == "__main__" and "--x-hoisted-child" in sys.argv:
+    x_hoisted_report(hoisted=True)
+elif __name__ == "__main__" and "--x-hoisted" in sys.argv:
+    import subprocess
+
+    x_hoisted_report(hoisted=False)
+    subprocess.run([sys.executable, __file__, "--x-hoisted-child"], check=True)
+elif __name__ == "__main__" and "--tensor-core" in sys.argv and "--wide" in sys.argv:
     tensor_core_report(wide=True)
 elif __name__ == "__main__" and "--tensor-core" in sys.argv:
     tensor_core_report()
