@@ -14,9 +14,11 @@ cite: docs/results/probes/sass-tensor-core-x-shared.txt. With ``--wide``, also w
 a lane's words of a step one word a block or side by side (``WIDE``), each way of reading x, and
 the K step's loads by width: docs/results/probes/sass-tensor-core-wide.txt.
 
-``--x-hoisted``: the K step of the integer-dot tiles an H100's step keeps for gate|up and down, as built and with
-x's values the same at every step, so that x's loads, norm and conversion leave the loop: what x's work costs in
-the step. Output of the run the docs cite: docs/results/probes/sass-integer-dot-x-hoisted.txt.
+``--x-ways``: the K step of the integer-dot tiles an H100's step keeps for gate|up and down, in the three ways of
+``scripts/probe_x_ready.py``: as built; with x's values the same at every step, so that x's loads, norm and
+conversion leave the loop; and with x's integer form read ready-made. What x's work costs in the step, and what
+reading it ready-made would leave. Output of the run the docs cite:
+docs/results/probes/sass-integer-dot-x-ways.txt.
 
 ``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
 cap tried on the H200 (not kept), and where in the K step ptxas put the next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
@@ -136,43 +138,41 @@ def register_caps_report() -> None:
                   f"spilled; K step of {n}, words asked for at {wide[0]}-{wide[-1]}")
 
 
-# The integer-dot tiles an H100's step keeps for gate|up and down (docs/results/probes/h100-4-bit-head)
-X_HOISTED_CASES = {"gate|up 32x256/4w": ((4, 32, 256, 4, True, 1), False),
-                   "down 16x1024/4w split": ((4, 16, 1024, 4, False, 0), True)}
+# The integer-dot tiles an H100's step keeps for gate|up and down (docs/results/probes/h100-4-bit-head). down's 8,960
+# columns are not a whole number of its 1,024-column steps, so it is launched with bounds checks (``EVEN`` off); it
+# is counted that way and, for comparison, as if its steps were whole.
+X_CASES = {"gate|up 32x256/4w": ((4, 32, 256, 4, True, 1), {"SPLIT_K": False, "EVEN": True}),
+           "down 16x1024/4w split, bounds checked (as launched)": ((4, 16, 1024, 4, False, 0),
+                                                                    {"SPLIT_K": True, "EVEN": False}),
+           "down 16x1024/4w split, whole steps": ((4, 16, 1024, 4, False, 0), {"SPLIT_K": True, "EVEN": True})}
 
 
-def x_hoisted_report(hoisted: bool) -> None:
-    """Print the K step of the integer-dot tiles of ``X_HOISTED_CASES``: as built, or (``hoisted``) with x's
-    values the same at every step (``_input_values`` replaced by one that reads no column), so that the compiler
-    takes x's loads, norm and conversion to integers out of the loop. The difference is what x's work costs
-    inside the step. Triton keys a compile by the functions it calls, memoized a process, so the hoisted form is
-    compiled in a process of its own (``--x-hoisted-child``)."""
-    if hoisted:
-        import triton.language as tl
+def x_way_report(way: str) -> None:
+    """Print the K step of the integer-dot tiles of ``X_CASES`` compiled the ``way`` way of
+    ``scripts/probe_x_ready.py``: as built, with x's values the same at every step (its loads, norm and rounding
+    out of the loop), or with x's integer form read ready-made. Triton keys a compile by the functions it calls,
+    memoized a process, so each way is compiled in a process of its own (``--x-way WAY``)."""
+    from probe_x_ready import patch  # scripts/ is on the path of a script run from it
 
-        @triton.jit
-        def _same_every_step(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr,
-                             EVEN: tl.constexpr = False):
-            return (tl.zeros(rk.shape, tl.float32) + rstd).to(dt)
-
-        triton_decode._input_values = _same_every_step
-    else:
-        print(f"triton {triton.__version__}; sm_90; 4-bit, bf16, groups of 128, integer-dot tiles; the K step as "
-              "built, then with x the same at every step (its work out of the loop)")
-    for name, (cfg, split) in X_HOISTED_CASES.items():
-        binary = packed_gemv_binary(cfg, IDOT=True, SPLIT_K=split, WIDE=False)
+    patch(way)
+    for name, (cfg, more) in X_CASES.items():
+        binary = packed_gemv_binary(cfg, IDOT=True, WIDE=False, **more)
         body = max(loops(disassembled(binary)), key=len)
-        print(f"{name}, {'x the same every step' if hoisted else 'as built'}: K step of {len(body)} "
-              f"({dict(opcodes(body).most_common(10))}); {resources(binary).get('REG')} registers", flush=True)
+        print(f"{name}, {way}: K step of {len(body)} ({dict(opcodes(body).most_common(10))}); "
+              f"{resources(binary).get('REG')} registers", flush=True)
 
 
-if __name__ == "__main__" and "--x-hoisted-child" in sys.argv:
-    x_hoisted_report(hoisted=True)
-elif __name__ == "__main__" and "--x-hoisted" in sys.argv:
+if __name__ == "__main__" and "--x-way" in sys.argv:
+    x_way_report(sys.argv[sys.argv.index("--x-way") + 1])
+elif __name__ == "__main__" and "--x-ways" in sys.argv:
     import subprocess
 
-    x_hoisted_report(hoisted=False)
-    subprocess.run([sys.executable, __file__, "--x-hoisted-child"], check=True)
+    from probe_x_ready import WAYS
+
+    print(f"triton {triton.__version__}; sm_90; 4-bit, bf16, groups of 128, integer-dot tiles; the K step built, "
+          "with x the same at every step (hoisted), and with x's integer form read ready-made (ready)")
+    for way in WAYS:
+        subprocess.run([sys.executable, __file__, "--x-way", way], check=True)
 elif __name__ == "__main__" and "--tensor-core" in sys.argv and "--wide" in sys.argv:
     tensor_core_report(wide=True)
 elif __name__ == "__main__" and "--tensor-core" in sys.argv:
