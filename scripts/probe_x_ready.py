@@ -23,9 +23,9 @@ Each of a Qwen2-VL-2B layer's four 4-bit products (random codes, groups of 128) 
 (28 calls from one CUDA graph, as the tuner times a tile); then the four in the step's order over 28 layers. µs a
 call, µs a layer for the chain. The ``built`` way also times ``down`` at 8,192 and 9,216 columns beside its own
 8,960 (``DOWN_WIDTHS``): its tile's steps divide those two whole, and every step of a product whose columns they do
-not divide is bounds-checked, so a wider product that takes less time says what the checks cost. ``--all`` runs the three ways in turns ``OUTER`` times, appends each process's
-line to ``$OUT/probe-x-ready.jsonl`` with its load averages, and prints each way's medians over all runs.
-``scripts/probe_sass_loops.py --x-ready`` counts the same three ways' K steps without a GPU.
+not divide is bounds-checked, so a wider product that takes less time says what the checks cost. ``--all`` runs
+the three ways in turns ``OUTER`` times, appends each process's line to ``$OUT/probe-x-ready.jsonl`` with its load
+averages, and prints each way's medians over all runs. ``scripts/probe_sass_loops.py --x-ways`` counts the same three ways' K steps without a GPU.
 """
 import collections
 import json
