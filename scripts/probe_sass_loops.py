@@ -42,9 +42,11 @@ def pointers(dt, *names):
     return {n: f"*{dt}" for n in names}
 
 
-def packed_gemv_binary(cfg, registers=None, **more) -> bytes:
+def packed_gemv_binary(cfg, registers=None, divisible=None, **more) -> bytes:
     """The batch-1 packed product's sm_90 binary with tile ``cfg``, its registers a thread capped at
-    ``registers`` (``maxnreg``) where given; ``more``: constexprs set otherwise (``IDOT``, ``SPLIT_K``, ``WIDE``)."""
+    ``registers`` (``maxnreg``) where given; ``more``: constexprs set otherwise (``IDOT``, ``SPLIT_K``, ``WIDE``).
+    ``divisible``: the integer arguments that are multiples of 16 at the shape compiled for, which a launch
+    specializes on as it does on its pointers (16-byte aligned); without it, nothing is."""
     bits, bn, bk, warps, glu, prologue = cfg
     fn = triton_decode._packed_gemv_kernel
     types = {**pointers("bf16", "X", "S", "Z", "BIAS", "RES", "NORM_W", "Y"), "W": "*i32", "PARTS": "*fp32",
@@ -55,8 +57,10 @@ def packed_gemv_binary(cfg, registers=None, **more) -> bytes:
                  WIDE=bits == 8)  # bf16 activations: 8-bit codes by one byte permute, as the wrapper passes
     given.update(more)
     names = fn.arg_names
+    aligned = () if divisible is None else [n for n, t in types.items() if t.startswith("*")] + list(divisible)
     source = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
-                       {(names.index(k),): v for k, v in given.items()})
+                       {(names.index(k),): v for k, v in given.items()},
+                       {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     options = {"num_warps": warps, "launch_pdl": True, **({"maxnreg": registers} if registers else {})}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
@@ -138,12 +142,15 @@ def register_caps_report() -> None:
                   f"spilled; K step of {n}, words asked for at {wide[0]}-{wide[-1]}")
 
 
-# The integer-dot tiles an H100's step keeps for gate|up and down (docs/results/probes/h100-4-bit-head). down's 8,960
-# columns are not a whole number of its 1,024-column steps, so it is launched with bounds checks (``EVEN`` off); it
-# is counted that way and, for comparison, as if its steps were whole.
+# The integer-dot tiles an H100's step keeps for gate|up and down (docs/results/probes/h100-4-bit-head), compiled as
+# Qwen2-VL-2B's launch specializes them: N, K and the columns a split reads are multiples of 16 (gate|up: 17,920,
+# 1,536, 1,536; down: 1,536, 8,960, 2,048), its groups a row are not (12, 70), nor are down's 5 splits. down's 8,960
+# columns are not a whole number of its 1,024-column steps, so it is launched with ``EVEN`` off: counted that way
+# and, for comparison, as if its steps were whole (``EVEN``).
+LAUNCHED = ("N", "K", "per_split")
 X_CASES = {"gate|up 32x256/4w": ((4, 32, 256, 4, True, 1), {"SPLIT_K": False, "EVEN": True}),
-           "down 16x1024/4w split, bounds checked (as launched)": ((4, 16, 1024, 4, False, 0),
-                                                                    {"SPLIT_K": True, "EVEN": False}),
+           "down 16x1024/4w split, 8,960 columns (as launched)": (
+               (4, 16, 1024, 4, False, 0), {"SPLIT_K": True, "EVEN": False}),
            "down 16x1024/4w split, whole steps": ((4, 16, 1024, 4, False, 0), {"SPLIT_K": True, "EVEN": True})}
 
 
@@ -156,10 +163,17 @@ def x_way_report(way: str) -> None:
 
     patch(way)
     for name, (cfg, more) in X_CASES.items():
-        binary = packed_gemv_binary(cfg, IDOT=True, WIDE=False, **more)
+        binary = packed_gemv_binary(cfg, divisible=LAUNCHED, IDOT=True, WIDE=False, **more)
         body = max(loops(disassembled(binary)), key=len)
         print(f"{name}, {way}: K step of {len(body)} ({dict(opcodes(body).most_common(10))}); "
               f"{resources(binary).get('REG')} registers", flush=True)
+    if way == "built":  # down's float tile beside it, compiled the same way
+        for name, (cfg, more) in X_CASES.items():
+            if name.startswith("down"):
+                binary = packed_gemv_binary(cfg, divisible=LAUNCHED, IDOT=False, WIDE=False, **more)
+                body = max(loops(disassembled(binary)), key=len)
+                print(f"{name}, float tile, built: K step of {len(body)} ({dict(opcodes(body).most_common(10))}); "
+                      f"{resources(binary).get('REG')} registers", flush=True)
 
 
 if __name__ == "__main__" and "--x-way" in sys.argv:
@@ -169,8 +183,11 @@ elif __name__ == "__main__" and "--x-ways" in sys.argv:
 
     from probe_x_ready import WAYS
 
-    print(f"triton {triton.__version__}; sm_90; 4-bit, bf16, groups of 128, integer-dot tiles; the K step built, "
-          "with x the same at every step (hoisted), and with x's integer form read ready-made (ready)")
+    here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "edgeinfer"], capture_output=True, text=True).stdout
+    print(f"triton {triton.__version__}; sm_90; kernel at {here}{' with changes' if changed else ''}; 4-bit, bf16, "
+          "groups of 128, integer-dot tiles as Qwen2-VL-2B's launch specializes them; the K step built, with x the "
+          "same at every step (hoisted), and with x's integer form read ready-made (ready)")
     for way in WAYS:
         subprocess.run([sys.executable, __file__, "--x-way", way], check=True)
 elif __name__ == "__main__" and "--tensor-core" in sys.argv and "--wide" in sys.argv:
