@@ -326,65 +326,6 @@ if triton is not None:
         return dot.to(tl.float32, bitcast=True), m / XQ, xints
 
     @triton.jit
-    def _step_sums(this_words, this_s, this_z, X, NORM_W, first, K, rstd, wide, xsums, xbiases, exponent,
-                   PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr, BITS: tl.constexpr,
-                   GS: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, WIDE: tl.constexpr, EXACT: tl.constexpr,
-                   ONE_GROUP: tl.constexpr, POW2_GROUPS: tl.constexpr, IDOT: tl.constexpr):
-        """One K step of :func:`_packed_gemv_kernel`: its words ``this_words`` [BN, words] (whose values start at
-        x's columns ``first``) with their scales and zero points, added into each word's sum ``wide`` (and with
-        ``ONE_GROUP`` x's sums ``xsums`` and ``xbiases``, whose corrections wait for the last step). ``EVEN``: every
-        column of the step exists (x read unchecked)."""
-        PER: tl.constexpr = 32 // BITS
-        BKW: tl.constexpr = BK // PER
-        NG: tl.constexpr = BK // GS if BK >= GS else 1
-        if IDOT:  # each word's integer dot: x·(q - z) = scale·(dot - 1.5·2^23 - z·Σr), per word
-            val, xscale, xints = _integer_dot(this_words, X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN, BITS, ASM)
-            xmagic = xscale * 12582912.0
-            xsum = xscale * xints
-            if ONE_GROUP:  # the zero point waits for the last step
-                dot = wide + (val * xscale[None, :] - xmagic[None, :])
-                xsums += xsum
-            elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
-                dot = val * xscale[None, :] - tl.reshape(
-                    tl.reshape(xmagic, [NG, BKW // NG])[None, :, :]
-                    + this_z[:, :, None] * tl.reshape(xsum, [NG, BKW // NG])[None, :, :], this_words.shape)
-            else:
-                dot = val * xscale[None, :] - (xmagic[None, :] + this_z * xsum[None, :])
-        else:
-            xsum = tl.zeros([BKW], tl.float32)
-            xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
-            for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
-                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-                if EXACT:
-                    xbias += xi * (1 << code_exponent(i, BITS, WIDE))  # biased_codes_at's 2^e
-                xsum += xi
-            if ONE_GROUP:  # one scale a row: words summed across steps as they are, corrected at the end
-                dot = wide
-                xsums += xsum
-                xbiases += xbias
-            elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
-                xbias3 = tl.reshape(xbias, [NG, BKW // NG])[None, :, :]
-                xsum3 = tl.reshape(xsum, [NG, BKW // NG])[None, :, :]
-                dot = tl.reshape(-(xbias3 + this_z[:, :, None] * xsum3), this_words.shape)
-            else:
-                dot = -(xbias[None, :] + this_z * xsum[None, :])
-            for i in tl.static_range(PER):  # value i of every word meets column first + i of x
-                xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-                if EXACT:
-                    dot += biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) * xi[None, :]
-                else:  # float32 activations: the bias off each value before the product
-                    bias = 1 << code_exponent(i, BITS, WIDE)
-                    dot += (biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) - bias) * xi[None, :]
-        if ONE_GROUP:  # the scale and zero point wait for the last step
-            wide = dot
-        elif POW2_GROUPS:  # a group's scale meets its words' sums
-            by_group = tl.reshape(dot, [this_words.shape[0], NG, BKW // NG])
-            wide += tl.reshape(this_s[:, :, None] * by_group, this_words.shape)
-        else:
-            wide += this_s * dot
-        return wide, xsums, xbiases
-
-    @triton.jit
     def _packed_gemv_kernel(X, W, S, Z, BIAS, RES, NORM_W, Y, PARTS, ARRIVALS, N, K, G, per_split, splits, eps,
                             PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
@@ -409,10 +350,8 @@ if triton is not None:
         ``ONE_GROUP`` (a scale a row) even that waits for the last K step; with ``POW2_GROUPS``
         (groups of a power of two columns) a step reads one scale a group and applies it to the
         group's words, not one a word, which saves each thread a load and its address per word.
-        Words are summed across threads once, after the last K step. ``EVEN`` (whole tiles) reads
-        without bounds checks; otherwise whole K steps still read x unchecked, and the one step of a row's
-        last columns, where they are not a whole step, is checked (:func:`_step_sums` is a step's arithmetic).
-        With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
+        Words are summed across threads once, after the last K step; ``EVEN`` (whole tiles) reads
+        without bounds checks. With ``SPLIT_K`` each program writes its partial sums to ``PARTS`` and counts
         itself in ``ARRIVALS``; the last of a tile's splits to arrive adds the partials in split
         order (the same sum whichever arrives last), finishes the row and sets the count back to
         zero. With ``GLU`` a tile is BN // 2 outputs' gate and up rows (:func:`_tile_rows`) and
@@ -439,7 +378,6 @@ if triton is not None:
             Z_ROWS = Z + rn[:, None] * G + tl.arange(0, NG)[None, :]
         else:  # other groups take their addresses a word at a time
             S_ROWS, Z_ROWS = S, Z
-        s, z = 0.0, 0.0  # with ONE_GROUP the scale and zero point wait for the last step
         if not ONE_GROUP:
             s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, start, N, G, BK, BITS, GS, HAS_Z, EVEN, POW2_GROUPS)
         await_inputs(PDL)
@@ -461,18 +399,12 @@ if triton is not None:
         xsums = tl.zeros([BKW], tl.float32)  # one group a row: x's sums, taken off once at the end
         xbiases = tl.zeros([BKW], tl.float32)
         stepped = 0  # words the step's words lie past the first step's (one number: the loads' offset)
-        # Whole steps read x unchecked; only a split whose columns end past its last whole step (the last split of a
-        # row that is not a whole number of steps) takes one more step, checked. The next step's words and scales
-        # keep their checks where the tile is not whole: a few compares a step
-        whole_end = end
-        if not EVEN:
-            whole_end = start + (end - start) // BK * BK
-        for k0 in range(start, whole_end, BK):
+        for k0 in range(start, end, BK):
             first = rw * PER  # each word's first column
             this_words = words
-            this_s, this_z = s, z
-            # the next step's words and scales, the row's last columns among them (the last step reads its own
-            # again, not past its columns)
+            if not ONE_GROUP:
+                this_s, this_z = s, z
+            # the next step's words and scales (the last step reads its own again, not past its columns)
             ahead = tl.where(k0 + BK < end, BK, 0)
             stepped += ahead // PER
             rw += ahead // PER
@@ -480,14 +412,51 @@ if triton is not None:
             if not ONE_GROUP:
                 s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN,
                                     POW2_GROUPS)
-            wide, xsums, xbiases = _step_sums(this_words, this_s, this_z, X, NORM_W, first, K, rstd, wide, xsums,
-                                              xbiases, exponent, PROLOGUE, dt, True, BITS, GS, BK, ASM, WIDE, EXACT,
-                                              ONE_GROUP, POW2_GROUPS, IDOT)
-        if not EVEN:
-            if whole_end < end:  # the row's last columns, their words and scales read ahead as any step's
-                wide, xsums, xbiases = _step_sums(words, s, z, X, NORM_W, rw * PER, K, rstd, wide, xsums, xbiases,
-                                                  exponent, PROLOGUE, dt, False, BITS, GS, BK, ASM, WIDE, EXACT,
-                                                  ONE_GROUP, POW2_GROUPS, IDOT)
+            if IDOT:  # each word's integer dot: x·(q - z) = scale·(dot - 1.5·2^23 - z·Σr), per word
+                val, xscale, xints = _integer_dot(this_words, X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN, BITS,
+                                                  ASM)
+                xmagic = xscale * 12582912.0
+                xsum = xscale * xints
+                if ONE_GROUP:  # the zero point waits for the last step
+                    dot = wide + (val * xscale[None, :] - xmagic[None, :])
+                    xsums += xsum
+                elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
+                    dot = val * xscale[None, :] - tl.reshape(
+                        tl.reshape(xmagic, [NG, BKW // NG])[None, :, :]
+                        + this_z[:, :, None] * tl.reshape(xsum, [NG, BKW // NG])[None, :, :], [BN, BKW])
+                else:
+                    dot = val * xscale[None, :] - (xmagic[None, :] + this_z * xsum[None, :])
+            else:
+                xsum = tl.zeros([BKW], tl.float32)
+                xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
+                for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
+                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                    if EXACT:
+                        xbias += xi * (1 << code_exponent(i, BITS, WIDE))  # biased_codes_at's 2^e
+                    xsum += xi
+                if ONE_GROUP:  # one scale a row: words summed across steps as they are, corrected at the end
+                    dot = wide
+                    xsums += xsum
+                    xbiases += xbias
+                elif POW2_GROUPS:  # [rows, groups, words a group]: a group's zero point meets its words
+                    xbias3 = tl.reshape(xbias, [NG, BKW // NG])[None, :, :]
+                    xsum3 = tl.reshape(xsum, [NG, BKW // NG])[None, :, :]
+                    dot = tl.reshape(-(xbias3 + this_z[:, :, None] * xsum3), [BN, BKW])
+                else:
+                    dot = -(xbias[None, :] + this_z * xsum[None, :])
+                for i in tl.static_range(PER):  # value i of every word meets column first + i of x
+                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                    if EXACT:
+                        dot += biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) * xi[None, :]
+                    else:  # float32 activations: the bias off each value before the product
+                        bias = 1 << code_exponent(i, BITS, WIDE)
+                        dot += (biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) - bias) * xi[None, :]
+            if ONE_GROUP:  # the scale and zero point wait for the last step
+                wide = dot
+            elif POW2_GROUPS:  # a group's scale meets its words' sums
+                wide += tl.reshape(this_s[:, :, None] * tl.reshape(dot, [BN, NG, BKW // NG]), [BN, BKW])
+            else:
+                wide += this_s * dot
         if ONE_GROUP:
             s, z = group_params(S, Z, rn, 0, N, G, PER, BITS, GS, HAS_Z, EVEN)  # [BN, 1]: the row's group
             s, z = tl.sum(s, axis=1), tl.sum(z, axis=1)
