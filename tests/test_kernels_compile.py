@@ -116,6 +116,21 @@ def test_an_integer_dot_word_takes_its_dp2a_and_fewer_instructions(bits):
         assert sum(steps[True].values()) < 0.8 * sum(steps[False].values()), steps
 
 
+@pytest.mark.parametrize("idot", [False, True])
+@pytest.mark.parametrize("prologue", [0, 1])
+def test_a_row_cut_short_checks_x_once_a_word(idot, prologue):
+    """A row that is not a whole number of K steps (Qwen2-VL-2B's ``down``: 8,960 columns in steps of 1,024) is
+    compiled with bounds checks; a word's columns of x are all inside the row or none, so x's loads share one
+    compare a word: the K step holds 4 compares (sm_90, the ``down`` tile 16x1024 of 4 warps, split; with and
+    without the RMSNorm), where a compare a column made it 11."""
+    types = packed_gemv_types("bf16")
+    given = dict(PROLOGUE=prologue, HAS_BIAS=False, HAS_RES=prologue == 0, BN=16, BK=1024, BITS=4, GS=128,
+                 HAS_Z=False, SPLIT_K=True, EXACT=True, EVEN=False, ONE_GROUP=False, POW2_GROUPS=True,
+                 XB=2048 if prologue else 16, GLU=False, ASM=True, WIDE=False, IDOT=idot)
+    step = k_step(cubin(triton_decode._packed_gemv_kernel, types, given, TARGETS["sm_90 (Hopper)"]))
+    assert step["ISETP"] <= 4, step
+
+
 def test_8_bit_codes_with_bf16_activations_take_one_byte_permute_each():
     """With bf16 activations an 8-bit code is one ``prmt`` (``WIDE``) rather than a shift and an
     and-or: in the sm_90 binary of the 8-bit ``down`` tile the K step holds a permute per code, next

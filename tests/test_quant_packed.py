@@ -226,7 +226,8 @@ def test_a_bfloat16_row_is_the_exact_product_rounded_once(bits, n, k, group):
                                       torch.float32)
         x = torch.randn(1, k, device=DEVICE).bfloat16()
         want = (x.float() @ dense.t()).bfloat16().float()
-        for config in (PackedGemvConfig(16, 256, 4), PackedGemvConfig(8, 128, 4, 3)):
+        # whole steps, split three ways, and a 2,048-column tile, which takes a row of 1,000 or 960 in one step
+        for config in (PackedGemvConfig(16, 256, 4), PackedGemvConfig(8, 128, 4, 3), PackedGemvConfig(8, 2048, 4)):
             got = triton_decode.packed_gemv(x, packed, config).float()
             torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
 
@@ -260,7 +261,8 @@ def test_an_integer_dot_row_is_the_product_within_x_s_rounding_to_integers(dtype
         moved = (words / steps / 2).repeat_interleave(per)[:k] * (1 + 2 ** -20)
         # plus a unit in the last place: the interpreter truncates where a GPU rounds to nearest
         bound = dense.abs() @ moved + 2 ** -7 * want.abs()[0] + 1e-30
-        tiles = (PackedGemvConfig(16, 256, 4, idot=True), PackedGemvConfig(8, 128, 4, 3, idot=True))
+        tiles = (PackedGemvConfig(16, 256, 4, idot=True), PackedGemvConfig(8, 128, 4, 3, idot=True),
+                 PackedGemvConfig(8, 2048, 4, idot=True))  # the last: rows of 1,000 or 960 in one step
         for config in tiles + ((PackedGemvConfig(8, 512, 2, idot=True),) if bits == 8 else ()):
             got = triton_decode.packed_gemv(x, packed, config).float()
             assert bool(((got - want).abs()[0] <= bound).all()), (config, ((got - want).abs()[0] / bound).max())

@@ -137,13 +137,18 @@ NONE, RMSNORM = 0, 1  # what a product does to its input first
 if triton is not None:
 
     @triton.jit
-    def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr = False):
+    def _input_values(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr = False,
+                      OK=None):
         """f(X)[rk] in ``dt`` for column indices ``rk`` of any shape (``X`` a row, or rows broadcast
         against ``rk``; ``rstd`` 1 / rms of those rows), rounded as the eager layer rounds: RMSNorm
-        first with ``PROLOGUE`` 1. ``EVEN``: every ``rk`` is below K (no bounds checks)."""
-        xv = load_where(X + rk, rk < K, EVEN)
+        first with ``PROLOGUE`` 1. ``EVEN``: every ``rk`` is below K (no bounds checks); else ``OK``, where given,
+        says which are (a word's columns all are or none: one compare for its values, not one each)."""
+        ok = rk < K
+        if OK is not None:
+            ok = OK
+        xv = load_where(X + rk, ok, EVEN)
         if PROLOGUE == 1:
-            nw = load_where(NORM_W + rk, rk < K, EVEN).to(tl.float32)
+            nw = load_where(NORM_W + rk, ok, EVEN).to(tl.float32)
             xn = (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)
             xv = (xn * nw).to(dt)
         return xv
@@ -289,16 +294,17 @@ if triton is not None:
         integer), an 8-bit word's two ``dp2a``; the sum starts at 1.5·2^23's bits, so it is a float
         without a conversion."""
         XQ: tl.constexpr = 32767 if BITS == 4 else 4095
-        x0 = _input_values(X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-        x1 = _input_values(X, NORM_W, first + 1, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-        x2 = _input_values(X, NORM_W, first + 2, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-        x3 = _input_values(X, NORM_W, first + 3, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+        inside = first < K  # a word's columns are all below K or none (K a whole number of words)
+        x0 = _input_values(X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
+        x1 = _input_values(X, NORM_W, first + 1, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
+        x2 = _input_values(X, NORM_W, first + 2, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
+        x3 = _input_values(X, NORM_W, first + 3, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
         m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
         if BITS == 4:
-            x4 = _input_values(X, NORM_W, first + 4, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-            x5 = _input_values(X, NORM_W, first + 5, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-            x6 = _input_values(X, NORM_W, first + 6, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
-            x7 = _input_values(X, NORM_W, first + 7, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+            x4 = _input_values(X, NORM_W, first + 4, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
+            x5 = _input_values(X, NORM_W, first + 5, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
+            x6 = _input_values(X, NORM_W, first + 6, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
+            x7 = _input_values(X, NORM_W, first + 7, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
             m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
         m = tl.maximum(m, 7.888609052210118e-31)  # 2^-100: all zeros take a finite scale
         inv = XQ / m
@@ -427,10 +433,11 @@ if triton is not None:
                 else:
                     dot = val * xscale[None, :] - (xmagic[None, :] + this_z * xsum[None, :])
             else:
+                inside = first < K  # a word's columns are all below K or none
                 xsum = tl.zeros([BKW], tl.float32)
                 xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
                 for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
-                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
                     if EXACT:
                         xbias += xi * (1 << code_exponent(i, BITS, WIDE))  # biased_codes_at's 2^e
                     xsum += xi
@@ -445,7 +452,7 @@ if triton is not None:
                 else:
                     dot = -(xbias[None, :] + this_z * xsum[None, :])
                 for i in tl.static_range(PER):  # value i of every word meets column first + i of x
-                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN).to(tl.float32)
+                    xi = _input_values(X, NORM_W, first + i, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
                     if EXACT:
                         dot += biased_codes_at(this_words, i, BITS, ASM, WIDE, exponent) * xi[None, :]
                     else:  # float32 activations: the bias off each value before the product
