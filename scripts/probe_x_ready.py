@@ -22,8 +22,8 @@ Each of a Qwen2-VL-2B layer's four 4-bit products (random codes, groups of 128) 
 28 copies of its weight, on the integer-dot tile an H100's step keeps for it (``TILES``), timed ``ROUNDS`` times
 (28 calls from one CUDA graph, as the tuner times a tile); then the four in the step's order over 28 layers. µs a
 call, µs a layer for the chain. The ``built`` way also times ``down`` at 8,192 and 9,216 columns beside its own
-8,960 (``DOWN_WIDTHS``): its tile's steps divide those two whole, and a product whose columns they do not divide
-checks bounds in its last step: a wider product that takes less time says what that step costs. ``--all`` runs
+8,960 (``DOWN_WIDTHS``): its tile's steps divide those two whole, and every step of a product whose columns they do
+not divide is bounds-checked: a wider product that takes less time says what the checks cost. ``--all`` runs
 the three ways in turns ``OUTER`` times, appends each process's line to ``$OUT/probe-x-ready.jsonl`` with its load
 averages, and prints each way's medians over all runs. ``scripts/probe_sass_loops.py --x-ways`` counts the same three ways' K steps without a GPU.
 """
@@ -43,15 +43,16 @@ from edgeinfer.quant.kernels import dp2a
 WAYS = ("built", "hoisted", "ready")
 LAYERS, GS = 28, 128
 # The integer-dot tiles an H100's step kept for the 4-bit layers (docs/results/probes/h100-4-bit-head)
-# down's K: Qwen2-VL-2B's 8,960 is 8.75 of its tile's 1,024-column steps, so its last split ends in a step of 768
-# columns, bounds-checked; 8,192 and 9,216 are whole steps (scripts/probe_sass_loops.py --x-ways counts both)
+# down's K: Qwen2-VL-2B's 8,960 is 8.75 of its tile's 1,024-column steps, so every step of it is bounds-checked
+# (309 instructions a step, 283 with whole steps: scripts/probe_sass_loops.py --x-ways); 8,192 and 9,216 are whole
 DOWN_WIDTHS = (8192, 8960, 9216)
 TILES = {"qkv": td.PackedGemvConfig(8, 2048, 4, 4, idot=True), "o": td.PackedGemvConfig(8, 2048, 4, 4, idot=True),
          "gate_up": td.PackedGemvConfig(32, 256, 4, idot=True), "down": td.PackedGemvConfig(16, 1024, 4, 8, idot=True)}
 
 
 @triton.jit
-def _same_every_step(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr = False):
+def _same_every_step(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr = False,
+                     OK=None):
     """``hoisted``: x's values at columns ``rk`` as one number, whatever the columns."""
     return (tl.zeros(rk.shape, tl.float32) + rstd).to(dt)
 
