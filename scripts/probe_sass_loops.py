@@ -17,8 +17,10 @@ the K step's loads by width: docs/results/probes/sass-tensor-core-wide.txt.
 ``--x-ways``: the K step of the integer-dot tiles an H100's step keeps for gate|up and down, in the three ways of
 ``scripts/probe_x_ready.py``: as built; with x's values the same at every step, so that x's loads, norm and
 conversion leave the loop; and with x's integer form read ready-made. What x's work costs in the step, and what
-reading it ready-made would leave. Output of the run the docs cite:
-docs/results/probes/sass-integer-dot-x-ways.txt.
+reading it ready-made would leave. Outputs of the runs the docs cite: with the kernel of ``920444a``,
+docs/results/probes/sass-integer-dot-x-ways.txt; of ``44188b3`` (x's bounds once a word),
+docs/results/probes/sass-integer-dot-x-ways-word-checks.txt; of ``5cc4582`` (whole steps unchecked, taken out),
+docs/results/probes/sass-integer-dot-x-ways-whole-steps.txt.
 
 ``--registers``: the fastest 4-bit tiles of gate|up and down compiled with and without the register
 cap tried on the H200 (not kept), and where in the K step ptxas put the next step's words. Output of the run the docs cite: docs/results/probes/sass-packed-gemv-register-caps.txt.
