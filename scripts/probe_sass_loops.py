@@ -164,18 +164,16 @@ def x_way_report(way: str) -> None:
     from probe_x_ready import patch  # scripts/ is on the path of a script run from it
 
     patch(way)
-    for name, (cfg, more) in X_CASES.items():
-        binary = packed_gemv_binary(cfg, divisible=LAUNCHED, IDOT=True, WIDE=False, **more)
+    # the integer-dot tiles, then (built only) down's float tile beside them, compiled the same way
+    cases = [(f"{name}, {way}", cfg, more, True) for name, (cfg, more) in X_CASES.items()]
+    if way == "built":
+        cases += [(f"{name}, float tile, built", cfg, more, False) for name, (cfg, more) in X_CASES.items()
+                  if name.startswith("down")]
+    for label, cfg, more, idot in cases:
+        binary = packed_gemv_binary(cfg, divisible=LAUNCHED, IDOT=idot, WIDE=False, **more)
         body = max(loops(disassembled(binary)), key=len)
-        print(f"{name}, {way}: K step of {len(body)} ({dict(opcodes(body).most_common(10))}); "
+        print(f"{label}: K step of {len(body)} ({dict(opcodes(body).most_common(10))}); "
               f"{resources(binary).get('REG')} registers", flush=True)
-    if way == "built":  # down's float tile beside it, compiled the same way
-        for name, (cfg, more) in X_CASES.items():
-            if name.startswith("down"):
-                binary = packed_gemv_binary(cfg, divisible=LAUNCHED, IDOT=False, WIDE=False, **more)
-                body = max(loops(disassembled(binary)), key=len)
-                print(f"{name}, float tile, built: K step of {len(body)} ({dict(opcodes(body).most_common(10))}); "
-                      f"{resources(binary).get('REG')} registers", flush=True)
 
 
 if __name__ == "__main__" and "--x-way" in sys.argv:

@@ -58,8 +58,8 @@ def _same_every_step(X, NORM_W, rk, K, rstd, PROLOGUE: tl.constexpr, dt: tl.cons
 
 
 @triton.jit
-def _ready_made(words, X, NORM_W, first, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr,
-                BITS: tl.constexpr, ASM: tl.constexpr):
+def _ready_made(words, X, NORM_W, first, inside, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr,
+                EVEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """``ready``: :func:`triton_decode._integer_dot` for 4-bit words with x's integer form read, not made: eight
     4-byte values a word of x at ``NORM_W`` (four pairs of 16-bit integers, its scale, the sum of its integers, two
     unused), six of them read."""

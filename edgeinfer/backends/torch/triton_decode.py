@@ -280,9 +280,10 @@ if triton is not None:
         return s, z
 
     @triton.jit
-    def _integer_dot(words, X, NORM_W, first, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr, EVEN: tl.constexpr,
-                     BITS: tl.constexpr, ASM: tl.constexpr):
-        """For 4-bit and 8-bit words [BN, words] whose values start at x's columns ``first`` [words]: each
+    def _integer_dot(words, X, NORM_W, first, inside, K, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr,
+                     EVEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+        """For 4-bit and 8-bit words [BN, words] whose values start at x's columns ``first`` [words] (those
+        ``inside`` the row, [words], read; the others' x is zero): each
         word's ``1.5·2^23 + Σ q_i·r_i`` as a float32 (exact), with q_i its unsigned codes and r_i its
         columns of x (:func:`_input_values`) as integers at the word's own scale, ``x_i ≈ scale·r_i``;
         and each word's scale and ``Σ r_i`` [words].
@@ -294,7 +295,6 @@ if triton is not None:
         integer), an 8-bit word's two ``dp2a``; the sum starts at 1.5·2^23's bits, so it is a float
         without a conversion."""
         XQ: tl.constexpr = 32767 if BITS == 4 else 4095
-        inside = first < K  # a word's columns are all below K or none (K a whole number of words)
         x0 = _input_values(X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
         x1 = _input_values(X, NORM_W, first + 1, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
         x2 = _input_values(X, NORM_W, first + 2, K, rstd, PROLOGUE, dt, EVEN, inside).to(tl.float32)
@@ -407,6 +407,7 @@ if triton is not None:
         stepped = 0  # words the step's words lie past the first step's (one number: the loads' offset)
         for k0 in range(start, end, BK):
             first = rw * PER  # each word's first column
+            inside = first < K  # a word's columns are all in the row or none (a row is a whole number of words)
             this_words = words
             if not ONE_GROUP:
                 this_s, this_z = s, z
@@ -419,8 +420,8 @@ if triton is not None:
                 s, z = _step_params(S, Z, S_ROWS, Z_ROWS, rn, k0 + ahead, N, G, BK, BITS, GS, HAS_Z, EVEN,
                                     POW2_GROUPS)
             if IDOT:  # each word's integer dot: x·(q - z) = scale·(dot - 1.5·2^23 - z·Σr), per word
-                val, xscale, xints = _integer_dot(this_words, X, NORM_W, first, K, rstd, PROLOGUE, dt, EVEN, BITS,
-                                                  ASM)
+                val, xscale, xints = _integer_dot(this_words, X, NORM_W, first, inside, K, rstd, PROLOGUE, dt,
+                                                  EVEN, BITS, ASM)
                 xmagic = xscale * 12582912.0
                 xsum = xscale * xints
                 if ONE_GROUP:  # the zero point waits for the last step
@@ -433,7 +434,6 @@ if triton is not None:
                 else:
                     dot = val * xscale[None, :] - (xmagic[None, :] + this_z * xsum[None, :])
             else:
-                inside = first < K  # a word's columns are all below K or none
                 xsum = tl.zeros([BKW], tl.float32)
                 xbias = tl.zeros([BKW], tl.float32)  # sum_i 2^e_i·x_i: what the biased codes add
                 for i in tl.static_range(PER):  # x's sums first: a word's sum then starts at what they take off
